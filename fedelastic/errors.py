@@ -1,0 +1,28 @@
+"""User-facing errors: every one names the file, the key and what was expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class FedelasticError(Exception):
+    """Base class of the errors the CLI prints without a traceback."""
+
+
+class ConfigError(FedelasticError, ValueError):
+    """A scenario, profile or strategy config value is wrong.
+
+    The message reads ``<file>: key '<key>': expected <expected>, got <got>``.
+    """
+
+    def __init__(self, source: str | Path | None, key: str, expected: str, got: object = None):
+        self.source = str(source) if source is not None else "<config>"
+        self.key = key
+        self.expected = expected
+        self.got = got
+        got_text = "" if got is None else f", got {got!r}"
+        super().__init__(f"{self.source}: key '{key}': expected {expected}{got_text}")
+
+
+class DoesNotFitError(FedelasticError):
+    """A selection needs more memory than the device has for training."""
