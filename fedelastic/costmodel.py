@@ -1,0 +1,259 @@
+"""Emulated time, memory, energy and communication of a training selection on a device.
+
+Pure numpy: a :class:`CostModel` is built once per (model, device, batch size) and then prices a
+selection in microseconds. A *selection* is a float array ``ratios`` over the model's tensors in
+forward order: 0 = frozen, 1 = fully trained, in between = that fraction of output channels.
+
+Conventions (documented in the README):
+
+* Per tensor k: ``t_dw[k]`` computes its own gradient; ``t_dx[k]`` passes the error gradient
+  from the output of its layer to its input. A layer's dx sits on its first tensor, and the
+  backward of weightless ops (ReLU, pooling) between two layers is charged to the dx of the layer
+  above them. ``t_opt[k]`` is the optimizer update of the tensor.
+* Backward time of a selection with deepest selected tensor ``k_min``::
+
+      T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
+
+  The deepest tensor's own dx is not charged: autograd computes no gradient below it.
+* Roofline per kernel: ``max(flops / (peak * efficiency), bytes / bandwidth) + launch_overhead``.
+  A profile's measured per-layer table, when it has one for this model, replaces the roofline of
+  the layers it lists (scaled linearly in batch size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .devices import DeviceProfile
+from .modelinfo import ModelInfo
+
+OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak training memory in bytes, by what holds it."""
+
+    weights_bytes: float
+    activations_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    workspace_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return (
+            self.weights_bytes + self.activations_bytes + self.gradients_bytes + self.optimizer_bytes + self.workspace_bytes
+        )
+
+
+@dataclass(frozen=True)
+class Emulated:
+    """Emulated figures of some training work on a device."""
+
+    train_time_s: float
+    comm_time_s: float
+    energy_j: float
+    peak_memory_bytes: float
+    bytes_up: float
+    bytes_down: float
+    macs: float
+
+
+class CostModel:
+    """Prices selections of ``info`` on ``device`` at ``batch_size``.
+
+    Parameters
+    ----------
+    info : ModelInfo
+        The model's layers and tensors.
+    device : DeviceProfile
+        The device; its measured table for ``info.model_name`` is used when present.
+    batch_size : int
+        Samples per training step.
+    optimizer : str
+        ``sgd``, ``momentum`` or ``adam``: how much state each trained element keeps.
+    """
+
+    def __init__(self, info: ModelInfo, device: DeviceProfile, batch_size: int, optimizer: str = "momentum"):
+        self.info, self.device, self.batch_size = info, device, batch_size
+        self.optimizer_state = OPTIMIZER_STATE_PER_ELEMENT[optimizer]
+        b, e = float(batch_size), float(device.bytes_per_element)
+        peak = device.peak_flops.value * device.efficiency.value
+        bw = device.mem_bandwidth_bytes_per_s.value
+        launch = device.launch_overhead_s.value
+
+        def kernel(flops, nbytes):
+            return np.maximum(np.asarray(flops, float) / peak, np.asarray(nbytes, float) * e / bw) + launch
+
+        n = info.num_tensors
+        numel = info.tensor_numel.astype(float)
+        self.t_fwd, self.t_dx, self.t_dw = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.t_opt = kernel(numel * (3 + 2 * self.optimizer_state), numel * (3 + 2 * self.optimizer_state))
+        self.tensor_macs = np.zeros(n)  # dW MACs per step, for the dynamic energy term
+        layer_fwd = np.zeros(len(info.layers))
+        for li, layer in enumerate(info.layers):
+            ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
+            wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
+            if layer.kind in ("conv", "linear", "attention"):
+                fwd = kernel(2 * macs, ins + outs + wsize)
+                dx = kernel(2 * macs, ins + outs + wsize)
+            else:  # norms and other elementwise owners
+                fwd = kernel(4 * outs, ins + outs)
+                dx = kernel(8 * outs, ins + 2 * outs)
+            layer_fwd[li] = fwd
+            first = layer.tensors[0]
+            self.t_fwd[first] = fwd
+            self.t_dx[first] = dx
+            for k in layer.tensors:
+                role, size = info.tensor_roles[k], float(info.tensor_numel[k])
+                if role == "weight":
+                    self.t_dw[k] = kernel(2 * macs, ins + outs + size)
+                    self.tensor_macs[k] = macs
+                elif role == "norm_weight":
+                    self.t_dw[k] = kernel(2 * outs, 2 * outs)
+                else:  # bias, norm bias, other: a reduction over the output gradient
+                    self.t_dw[k] = kernel(outs, outs + size)
+        # weightless ops: forward always paid; backward charged to the dx of the layer above
+        self.t_ops_fwd = 0.0
+        first_tensor = info.layer_first_tensor()
+        for op in info.ops:
+            t = float(kernel(b * op.out_numel, b * (op.in_numel + op.out_numel)))
+            self.t_ops_fwd += t
+            if op.above < len(info.layers):
+                self.t_dx[first_tensor[op.above]] += t
+        self.measured = device.measured.get(info.model_name)
+        if self.measured is not None:
+            self._apply_measured(layer_fwd)
+        self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
+        # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
+        self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
+        self._fwd_macs = float(b * sum(layer.macs for layer in info.layers))
+
+    def _apply_measured(self, layer_fwd: np.ndarray) -> None:
+        table, info = self.measured, self.info
+        assert table is not None
+        scale = self.batch_size / table.batch_size
+        covered = 0
+        for layer in info.layers:
+            row = table.layers.get(layer.name)
+            if row is None:
+                continue
+            covered += 1
+            first = layer.tensors[0]
+            self.t_fwd[first], self.t_dx[first] = row.fwd_s * scale, row.dx_s * scale
+            roof = self.t_dw[list(layer.tensors)]
+            share = roof / roof.sum() if roof.sum() > 0 else np.full(len(roof), 1 / len(roof))
+            self.t_dw[list(layer.tensors)] = row.dw_s * scale * share
+        if covered == len(info.layers):  # the table already holds the weightless ops
+            self.t_ops_fwd = table.unattributed_fwd_s * scale
+            dx_total = self.t_dx.sum()
+            if dx_total > 0:
+                self.t_dx *= 1 + table.unattributed_bwd_s * scale / dx_total
+
+    # ---- time -------------------------------------------------------------------------------
+    def backward_time_s(self, ratios: np.ndarray) -> float:
+        """Backward time (gradients and optimizer update) of one step."""
+        ratios = np.asarray(ratios, float)
+        selected = np.flatnonzero(ratios > 0)
+        if selected.size == 0:
+            return 0.0
+        launch = self.device.launch_overhead_s.value
+        on = ratios > 0
+        dw = np.where(on, launch + ratios * (self.t_dw - launch), 0.0).sum()
+        opt = np.where(on, launch + ratios * (self.t_opt - launch), 0.0).sum()
+        return float(dw + opt + self._dx_above[selected[0]])
+
+    def step_time_s(self, ratios: np.ndarray) -> float:
+        """Forward plus backward time of one training step."""
+        return self.forward_time_s + self.backward_time_s(ratios)
+
+    def full_step_time_s(self) -> float:
+        return self.step_time_s(np.ones(self.info.num_tensors))
+
+    def backward_budget_s(self, rho: float) -> float:
+        """Backward-time budget for a target step time of ``rho`` x full training."""
+        return rho * self.full_step_time_s() - self.forward_time_s
+
+    def probe_time_s(self, full_backward_passes: int, forward_passes: int = 1) -> float:
+        """Time of a probe made of full forward and backward passes (importance, Fisher)."""
+        full = self.backward_time_s(np.ones(self.info.num_tensors))
+        return forward_passes * self.forward_time_s + full_backward_passes * full
+
+    # ---- memory -----------------------------------------------------------------------------
+    def memory(self, ratios: np.ndarray) -> MemoryBreakdown:
+        """Peak training memory, per ALGORITHMS.md section 4.
+
+        Weights are all resident. A weight gradient saves its layer's input (the trained channel
+        fraction of it); a norm scale saves its normalised input; biases save nothing. Weightless
+        ops above the deepest trained tensor save a one-bit mask (ReLU-like) or their input.
+        Trained elements add a gradient and the optimizer's state. The workspace is the largest
+        forward in+out pair (inference) or backward gradient buffer.
+        """
+        info, e, b = self.info, float(self.device.bytes_per_element), float(self.batch_size)
+        ratios = np.asarray(ratios, float)
+        weights = float(info.tensor_numel.sum()) * e
+        selected = np.flatnonzero(ratios > 0)
+        trained = float((ratios * info.tensor_numel).sum())
+        acts = 0.0
+        if selected.size:
+            k_min_layer = int(info.tensor_layer[selected[0]])
+            for k in selected:
+                layer = info.layers[info.tensor_layer[k]]
+                role = info.tensor_roles[k]
+                if role == "weight":
+                    acts += ratios[k] * layer.in_numel * b * e
+                elif role in ("norm_weight", "other"):
+                    acts += ratios[k] * layer.out_numel * b * e
+            for op in info.ops:
+                if op.above > k_min_layer:
+                    acts += op.out_numel * b / 8 if op.kind == "mask" else op.in_numel * b * e
+        workspace = max((b * (layer.in_numel + layer.out_numel) * e for layer in info.layers), default=0.0)
+        return MemoryBreakdown(weights, acts, trained * e, trained * e * self.optimizer_state, workspace)
+
+    def peak_memory_bytes(self, ratios: np.ndarray) -> float:
+        return self.memory(ratios).total_bytes
+
+    def fits(self, ratios: np.ndarray) -> bool:
+        return self.peak_memory_bytes(ratios) <= self.device.memory_train_bytes.value
+
+    # ---- communication and energy -----------------------------------------------------------
+    def bytes_up(self, ratios: np.ndarray) -> float:
+        """Bytes of the trained elements sent to the server."""
+        return float((np.asarray(ratios, float) * self.info.tensor_numel).sum() * self.device.bytes_per_element)
+
+    def bytes_down(self) -> float:
+        """Bytes of the whole model received from the server."""
+        return float(self.info.num_params * self.device.bytes_per_element)
+
+    def step_macs(self, ratios: np.ndarray) -> float:
+        """MACs of one step: forward, dX above the deepest trained tensor, and trained dW."""
+        ratios = np.asarray(ratios, float)
+        selected = np.flatnonzero(ratios > 0)
+        if selected.size == 0:
+            return self._fwd_macs
+        b = float(self.batch_size)
+        first = int(self.info.tensor_layer[selected[0]])
+        dx = sum(b * layer.macs for layer in self.info.layers[first + 1 :])
+        return self._fwd_macs + dx + float((ratios * self.tensor_macs).sum())
+
+    def energy_j(self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0) -> float:
+        """Energy: power x time per state, plus the optional per-MAC and per-byte terms."""
+        d = self.device
+        energy = d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
+        if d.energy_per_mac_j is not None:
+            energy += d.energy_per_mac_j.value * macs
+        if d.energy_per_byte_j is not None:
+            energy += d.energy_per_byte_j.value * moved_bytes
+        return float(energy)
+
+    def round_figures(self, train_time_s: float, macs: float, ratios: np.ndarray, peak_memory_bytes: float) -> Emulated:
+        """Emulated figures of one round: local training already priced, plus communication."""
+        d = self.device
+        up, down = self.bytes_up(ratios), self.bytes_down()
+        up_s = d.latency_s.value + 8 * up / d.uplink_bit_per_s.value
+        down_s = d.latency_s.value + 8 * down / d.downlink_bit_per_s.value
+        energy = self.energy_j(train_time_s, up_s, down_s, macs, up + down)
+        return Emulated(train_time_s, up_s + down_s, energy, peak_memory_bytes, up, down, macs)

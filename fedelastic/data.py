@@ -1,0 +1,124 @@
+"""Datasets and partitioners.
+
+The default dataset is scikit-learn's digits (1,797 8x8 images, shipped inside scikit-learn, so
+no download). Partitioners are pure numpy and deterministic from a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
+        return ArrayDataset(self.x[idx], self.y[idx])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.y.max()) + 1
+
+
+@lru_cache(maxsize=4)
+def load_digits_dataset() -> ArrayDataset:
+    """scikit-learn's digits, scaled to [0, 1], shape (1797, 1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[:, None]
+    return ArrayDataset(x, bunch.target.astype(np.int64))
+
+
+def transform(ds: ArrayDataset, kind: str, seed: int) -> ArrayDataset:
+    """A domain shift of the images: ``none``, ``rotate90``, ``noise`` or ``invert``."""
+    if kind == "none":
+        return ds
+    if kind == "rotate90":
+        return ArrayDataset(np.ascontiguousarray(np.rot90(ds.x, 1, axes=(2, 3))), ds.y)
+    if kind == "noise":
+        rng = np.random.default_rng([seed, 7])
+        return ArrayDataset(np.clip(ds.x + rng.normal(0, 0.2, ds.x.shape), 0, 1).astype(np.float32), ds.y)
+    if kind == "invert":
+        return ArrayDataset(1.0 - ds.x, ds.y)
+    raise ValueError(f"unknown transform {kind!r}")
+
+
+def train_test_split(n_labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified split of indices into (train, test)."""
+    rng = np.random.default_rng([seed, 1])
+    train, test = [], []
+    for c in np.unique(n_labels):
+        idx = rng.permutation(np.flatnonzero(n_labels == c))
+        cut = int(round(len(idx) * test_fraction))
+        test.append(idx[:cut])
+        train.append(idx[cut:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def partition_iid(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
+    order = np.random.default_rng([seed, 2]).permutation(len(labels))
+    return [np.sort(p) for p in np.array_split(order, num_partitions)]
+
+
+def partition_dirichlet(
+    labels: np.ndarray, num_partitions: int, alpha: float, seed: int, min_size: int = 2, max_tries: int = 1000
+) -> list[np.ndarray]:
+    """Split over labels with per-class proportions drawn from Dirichlet(alpha).
+
+    Draws again until every partition holds at least ``min_size`` samples.
+    """
+    if len(labels) < num_partitions * min_size:
+        raise ValueError(f"{len(labels)} samples cannot give {num_partitions} partitions of {min_size}")
+    rng = np.random.default_rng([seed, 3])
+    classes = np.unique(labels)
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_partitions)]
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet(np.full(num_partitions, alpha))) * len(idx)).astype(int)[:-1]
+            for p, chunk in enumerate(np.split(idx, cuts)):
+                parts[p].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
+    raise ValueError(f"no Dirichlet({alpha}) draw gave every partition {min_size} samples in {max_tries} tries")
+
+
+def partition_shards(labels: np.ndarray, num_partitions: int, shards_per_partition: int, seed: int) -> list[np.ndarray]:
+    """Sort by label, cut into shards, deal ``shards_per_partition`` shards to each partition."""
+    rng = np.random.default_rng([seed, 4])
+    order = np.argsort(labels, kind="stable")
+    shards = np.array_split(order, num_partitions * shards_per_partition)
+    deal = rng.permutation(len(shards)).reshape(num_partitions, shards_per_partition)
+    return [np.sort(np.concatenate([shards[s] for s in row])) for row in deal]
+
+
+@dataclass(frozen=True)
+class FederatedData:
+    """Client partitions (indices into ``train``) and the server's held-out test set."""
+
+    train: ArrayDataset
+    test: ArrayDataset
+    partitions: list[np.ndarray]
+
+    def client(self, partition_id: int) -> ArrayDataset:
+        return self.train.subset(self.partitions[partition_id])
+
+
+def load_dataset(name: str, *, src: str = "<scenario>") -> ArrayDataset:
+    """A dataset by name; ``digits`` (embedded in scikit-learn) is the one built in."""
+    if name == "digits":
+        return load_digits_dataset()
+    raise ConfigError(src, "data.dataset", "'digits'", name)

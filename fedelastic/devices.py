@@ -1,0 +1,286 @@
+"""Device profiles: schema v1, loader, registry and fleet assignment.
+
+A profile is a TOML file. Every number is an inline table
+``{ value = ..., unit = "...", source = "..." }``; the loader checks the unit against the
+quantity's dimension, converts to SI and keeps the source. Unknown keys are errors.
+See ``device_profiles/SCHEMA.md`` for the full schema.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .units import UNITS, to_si
+
+SCHEMA_VERSION = 1
+DEVICE_CLASSES = ("mcu", "sbc", "gpu-edge", "phone")
+DTYPES = {"fp32": 4, "fp16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """A number in SI units with the source it came from."""
+
+    value: float
+    source: str
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Measured seconds per training step of one layer, at the table's batch size."""
+
+    fwd_s: float
+    dx_s: float
+    dw_s: float
+
+
+@dataclass(frozen=True)
+class MeasuredTable:
+    """A measured per-layer table for one model, keyed by project module name."""
+
+    batch_size: int
+    source: str
+    layers: dict[str, LayerTiming]
+    unattributed_fwd_s: float = 0.0
+    unattributed_bwd_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A validated device profile; numbers are in SI units (bytes, FLOP/s, B/s, bit/s, s, W, J)."""
+
+    name: str
+    display_name: str
+    device_class: str
+    train_dtype: str
+    memory_train_bytes: Quantity
+    peak_flops: Quantity  # of train_dtype, in FLOP/s (or OP/s for int8)
+    mem_bandwidth_bytes_per_s: Quantity
+    efficiency: Quantity
+    launch_overhead_s: Quantity
+    power_train_w: Quantity
+    power_idle_w: Quantity
+    power_transmit_w: Quantity
+    power_receive_w: Quantity
+    uplink_bit_per_s: Quantity
+    downlink_bit_per_s: Quantity
+    latency_s: Quantity
+    energy_per_mac_j: Quantity | None = None
+    energy_per_byte_j: Quantity | None = None
+    availability: Quantity | None = None
+    measured: dict[str, MeasuredTable] = field(default_factory=dict)
+    notes: str = ""
+    path: str = ""
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of one tensor element in the dtype the device trains in."""
+        return DTYPES[self.train_dtype]
+
+
+# (section, key) -> (dimension, required)
+_QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
+    "memory": {"train": ("bytes", True)},
+    "compute": {
+        "peak_fp32": ("flops", False),
+        "peak_fp16": ("flops", False),
+        "peak_int8": ("ops", False),
+        "mem_bandwidth": ("bandwidth", True),
+        "efficiency": ("ratio", True),
+        "launch_overhead": ("time", True),
+    },
+    "power": {
+        "train": ("power", True),
+        "idle": ("power", True),
+        "transmit": ("power", True),
+        "receive": ("power", True),
+        "energy_per_mac": ("energy", False),
+        "energy_per_byte": ("energy", False),
+    },
+    "network": {
+        "uplink": ("bitrate", True),
+        "downlink": ("bitrate", True),
+        "latency": ("time", True),
+    },
+    "availability": {"probability": ("ratio", True)},
+}
+_TOP_KEYS = {"schema_version", "name", "display_name", "device_class", "train_dtype", "notes", "measured"}
+
+
+def _check_unknown(src: str, where: str, got: dict, allowed: set[str]) -> None:
+    for key in got:
+        if key not in allowed:
+            full = f"{where}.{key}" if where else key
+            raise ConfigError(src, full, f"one of {sorted(allowed)} (unknown key)", key)
+
+
+def _quantity(src: str, key: str, raw: Any, dimension: str) -> Quantity:
+    if not isinstance(raw, dict):
+        raise ConfigError(src, key, "an inline table { value = <number>, unit = <str>, source = <str> }", raw)
+    _check_unknown(src, key, raw, {"value", "unit", "source"})
+    for part in ("value", "unit", "source"):
+        if part not in raw:
+            raise ConfigError(src, f"{key}.{part}", f"a '{part}' entry (every number cites its source)")
+    value, unit, source = raw["value"], raw["unit"], raw["source"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        raise ConfigError(src, f"{key}.value", "a finite non-negative number", value)
+    if unit not in UNITS[dimension]:
+        raise ConfigError(src, f"{key}.unit", f"a {dimension} unit, one of {list(UNITS[dimension])}", unit)
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError(src, f"{key}.source", "a non-empty string naming where the number comes from", source)
+    return Quantity(to_si(value, unit, dimension), source)
+
+
+def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
+    if not isinstance(raw, dict):
+        raise ConfigError(src, "measured", "a table of per-model tables", raw)
+    tables = {}
+    for model, table in raw.items():
+        where = f"measured.{model}"
+        if not isinstance(table, dict):
+            raise ConfigError(src, where, "a table with batch_size, source and layers", table)
+        _check_unknown(src, where, table, {"batch_size", "source", "layers", "unattributed_fwd", "unattributed_bwd"})
+        for key in ("batch_size", "source", "layers"):
+            if key not in table:
+                raise ConfigError(src, f"{where}.{key}", "this key to be present")
+        if not isinstance(table["batch_size"], int) or table["batch_size"] < 1:
+            raise ConfigError(src, f"{where}.batch_size", "a positive integer", table["batch_size"])
+        if not isinstance(table["source"], str) or not table["source"].strip():
+            raise ConfigError(src, f"{where}.source", "a non-empty string", table["source"])
+        layers = {}
+        for layer, row in table["layers"].items():
+            lkey = f"{where}.layers.{layer}"
+            if not isinstance(row, dict) or set(row) != {"fwd", "dx", "dw"}:
+                raise ConfigError(src, lkey, "{ fwd = <s>, dx = <s>, dw = <s> } (seconds per step)", row)
+            vals = [row[k] for k in ("fwd", "dx", "dw")]
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in vals):
+                raise ConfigError(src, lkey, "non-negative numbers of seconds", row)
+            layers[layer] = LayerTiming(*map(float, vals))
+        extras = {k: table.get(k, 0.0) for k in ("unattributed_fwd", "unattributed_bwd")}
+        for k, v in extras.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(src, f"{where}.{k}", "non-negative seconds", v)
+        tables[model] = MeasuredTable(
+            table["batch_size"], table["source"], layers, float(extras["unattributed_fwd"]), float(extras["unattributed_bwd"])
+        )
+    return tables
+
+
+def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile:
+    """Validate a parsed TOML document into a :class:`DeviceProfile`."""
+    _check_unknown(src, "", raw, _TOP_KEYS | set(_QUANTITIES))
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(src, "schema_version", f"schema_version = {SCHEMA_VERSION}", raw.get("schema_version"))
+    for key in ("name", "display_name", "device_class", "train_dtype"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise ConfigError(src, key, "a non-empty string", raw.get(key))
+    if stem is not None and raw["name"] != stem:
+        raise ConfigError(src, "name", f"the file name without .toml ({stem!r})", raw["name"])
+    if raw["device_class"] not in DEVICE_CLASSES:
+        raise ConfigError(src, "device_class", f"one of {list(DEVICE_CLASSES)}", raw["device_class"])
+    if raw["train_dtype"] not in DTYPES:
+        raise ConfigError(src, "train_dtype", f"one of {list(DTYPES)}", raw["train_dtype"])
+
+    q: dict[str, Quantity | None] = {}
+    for section, spec in _QUANTITIES.items():
+        table = raw.get(section)
+        if table is None:
+            if section == "availability":
+                continue
+            raise ConfigError(src, section, f"a [{section}] table")
+        if not isinstance(table, dict):
+            raise ConfigError(src, section, f"a [{section}] table", table)
+        _check_unknown(src, section, table, set(spec))
+        for key, (dimension, required) in spec.items():
+            full = f"{section}.{key}"
+            if key in table:
+                q[full] = _quantity(src, full, table[key], dimension)
+            elif required:
+                raise ConfigError(src, full, f"a {dimension} quantity (required)")
+            else:
+                q[full] = None
+
+    peak_key = f"compute.peak_{raw['train_dtype']}"
+    if q.get(peak_key) is None:
+        raise ConfigError(src, peak_key, f"a peak throughput, since train_dtype = {raw['train_dtype']!r}")
+    eff = q["compute.efficiency"]
+    assert eff is not None
+    if not 0 < eff.value <= 1:
+        raise ConfigError(src, "compute.efficiency.value", "a fraction in (0, 1]", eff.value)
+    for key in ("compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key):
+        if q[key].value <= 0:  # type: ignore[union-attr]
+            raise ConfigError(src, f"{key}.value", "a positive number", q[key].value)  # type: ignore[union-attr]
+    return DeviceProfile(
+        name=raw["name"],
+        display_name=raw["display_name"],
+        device_class=raw["device_class"],
+        train_dtype=raw["train_dtype"],
+        memory_train_bytes=q["memory.train"],  # type: ignore[arg-type]
+        peak_flops=q[peak_key],  # type: ignore[arg-type]
+        mem_bandwidth_bytes_per_s=q["compute.mem_bandwidth"],  # type: ignore[arg-type]
+        efficiency=eff,
+        launch_overhead_s=q["compute.launch_overhead"],  # type: ignore[arg-type]
+        power_train_w=q["power.train"],  # type: ignore[arg-type]
+        power_idle_w=q["power.idle"],  # type: ignore[arg-type]
+        power_transmit_w=q["power.transmit"],  # type: ignore[arg-type]
+        power_receive_w=q["power.receive"],  # type: ignore[arg-type]
+        uplink_bit_per_s=q["network.uplink"],  # type: ignore[arg-type]
+        downlink_bit_per_s=q["network.downlink"],  # type: ignore[arg-type]
+        latency_s=q["network.latency"],  # type: ignore[arg-type]
+        energy_per_mac_j=q["power.energy_per_mac"],
+        energy_per_byte_j=q["power.energy_per_byte"],
+        availability=q.get("availability.probability"),
+        measured=_measured(src, raw["measured"]) if "measured" in raw else {},
+        notes=str(raw.get("notes", "")),
+        path=src,
+    )
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Load and validate one profile file; raises :class:`ConfigError` naming the file and key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(path, "<file>", "an existing device profile file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
+    return parse_profile(raw, str(path), stem=path.stem)
+
+
+def builtin_profile_dir() -> Path:
+    """The folder of the profiles shipped with fedelastic."""
+    return Path(str(resources.files("device_profiles")))
+
+
+def profile_paths(extra_dirs: tuple[str | Path, ...] = ()) -> dict[str, Path]:
+    """Map device name to file, over the built-in folder then ``extra_dirs`` (later ones override)."""
+    paths: dict[str, Path] = {}
+    for folder in (builtin_profile_dir(), *map(Path, extra_dirs)):
+        for file in sorted(folder.glob("*.toml")):
+            paths[file.stem] = file
+    return paths
+
+
+def get_profile(name: str, extra_dirs: tuple[str | Path, ...] = (), *, context: str = "<fleet>") -> DeviceProfile:
+    """Load a profile by name or by file path."""
+    if name.endswith(".toml"):
+        return load_profile(name)
+    paths = profile_paths(extra_dirs)
+    if name not in paths:
+        raise ConfigError(context, f"fleet.{name}", f"a known device, one of {sorted(paths)}", name)
+    return load_profile(paths[name])
+
+
+def assign_fleet(counts: dict[str, int], seed: int) -> list[str]:
+    """Device name of each partition, shuffled deterministically from ``seed``."""
+    names = [name for name, count in sorted(counts.items()) for _ in range(count)]
+    order = np.random.default_rng([seed, 0xDE71CE]).permutation(len(names))
+    return [names[i] for i in order]

@@ -1,0 +1,1 @@
+"""Flower glue: the ClientApp, the server strategy and the runner."""

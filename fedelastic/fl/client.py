@@ -1,0 +1,113 @@
+"""The Flower ClientApp: one emulated device trains locally and reports its figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from ..scenario import Scenario
+from ..training import train_local
+from .env import environment
+
+# Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
+METRIC_KEYS = (
+    "num-examples",
+    "partition-id",
+    "fits",
+    "steps",
+    "selections",
+    "train-loss",
+    "fraction-params-trained",
+    "emulated-train-time-s",
+    "emulated-overhead-time-s",
+    "emulated-comm-time-s",
+    "emulated-energy-j",
+    "emulated-peak-memory-bytes",
+    "emulated-bytes-up",
+    "emulated-bytes-down",
+    "emulated-macs",
+    "host-wall-s",
+)
+
+_MODELS: dict[int, torch.nn.Module] = {}
+
+
+def _partition_id(context: Context) -> int:
+    return int(context.node_config["partition-id"])
+
+
+def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
+    """Train on this node's partition from the global arrays in ``msg``."""
+    env = environment(scenario)
+    torch.set_num_threads(scenario.simulation.torch_threads)
+    pid = _partition_id(context)
+    server_round = int(msg.content["config"]["server-round"])
+    device = env.devices[pid]
+    cost = env.cost(device)
+    key = id(env)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = env.new_model()
+    model = _MODELS[key]
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    t = scenario.train
+    result = train_local(
+        model,
+        env.info,
+        env.strategy(),
+        cost,
+        env.data.client(pid),
+        epochs=t.local_epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        max_steps=t.max_steps,
+        seed=[scenario.seed, server_round, pid],
+    )
+    ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
+    figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+    trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
+    metrics = {
+        "num-examples": result.num_examples,
+        "partition-id": pid,
+        "fits": int(result.fits),
+        "steps": result.steps,
+        "selections": result.selections,
+        "train-loss": result.train_loss,
+        "fraction-params-trained": trained_params,
+        "emulated-train-time-s": figures.train_time_s,
+        "emulated-overhead-time-s": result.overhead_time_s,
+        "emulated-comm-time-s": figures.comm_time_s,
+        "emulated-energy-j": figures.energy_j,
+        "emulated-peak-memory-bytes": figures.peak_memory_bytes,
+        "emulated-bytes-up": figures.bytes_up,
+        "emulated-bytes-down": figures.bytes_down,
+        "emulated-macs": figures.macs,
+        "host-wall-s": result.host_wall_s,
+    }
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: Array(v) for k, v in result.trained.items()}),
+            "masks": ArrayRecord({k: Array(v) for k, v in result.channel_masks.items()}),
+            "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+        }
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def make_client_app(scenario: Scenario) -> ClientApp:
+    """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process)."""
+    app = ClientApp()
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return client_train(scenario, msg, context)
+
+    return app

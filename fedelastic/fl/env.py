@@ -1,0 +1,105 @@
+"""Everything a run derives from its scenario, built once per process and cached.
+
+The server and every Ray actor build the same :class:`RunEnvironment` from the scenario alone,
+deterministically: data partitions, the device of each partition, the model description and
+the cost models. Nothing large travels with the messages but the model arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..costmodel import CostModel
+from ..data import FederatedData, load_dataset, partition_dirichlet, partition_iid, partition_shards, train_test_split
+from ..data import transform as apply_transform
+from ..devices import DeviceProfile, assign_fleet, get_profile
+from ..modelinfo import ModelInfo, describe
+from ..models import build_model
+from ..scenario import Scenario
+from ..selection import SelectionStrategy, make_strategy
+
+
+class RunEnvironment:
+    """Deterministic per-run state derived from a :class:`Scenario`."""
+
+    def __init__(self, scenario: Scenario):
+        self.scenario = scenario
+        self._costs: dict[str, CostModel] = {}
+
+    @cached_property
+    def data(self) -> FederatedData:
+        sc, d = self.scenario, self.scenario.data
+        ds = load_dataset(d.dataset, src=sc.source)
+        if d.classes:
+            ds = ds.subset(np.flatnonzero(np.isin(ds.y, d.classes)))
+        ds = apply_transform(ds, d.transform, sc.seed)
+        train_idx, test_idx = train_test_split(ds.y, d.test_fraction, sc.seed)
+        train, test = ds.subset(train_idx), ds.subset(test_idx)
+        n = sc.num_clients
+        if d.partitioner == "iid":
+            parts = partition_iid(train.y, n, sc.seed)
+        elif d.partitioner == "shards":
+            parts = partition_shards(train.y, n, d.shards_per_partition, sc.seed)
+        else:
+            parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+        return FederatedData(train, test, parts)
+
+    @cached_property
+    def num_classes(self) -> int:
+        return int(load_dataset(self.scenario.data.dataset).num_classes)
+
+    @cached_property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(load_dataset(self.scenario.data.dataset).x.shape[1:])
+
+    @cached_property
+    def devices(self) -> list[str]:
+        """Device name of each partition."""
+        return assign_fleet(self.scenario.fleet, self.scenario.seed)
+
+    def profile(self, name: str) -> DeviceProfile:
+        return get_profile(name, self.scenario.device_dirs, context=self.scenario.source or "<scenario>")
+
+    def new_model(self) -> nn.Module:
+        """The architecture, with the factory's own initialisation (seeded)."""
+        torch.manual_seed(self.scenario.seed)
+        shape = self.input_shape
+        return build_model(
+            self.scenario.model.name,
+            context=self.scenario.source or "<scenario>",
+            num_classes=self.num_classes,
+            in_channels=shape[0],
+            input_size=shape[-1],
+            **self.scenario.model.options,
+        )
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        model = self.new_model()
+        return describe(model, torch.zeros(1, *self.input_shape), model_name=self.scenario.model.name)
+
+    def cost(self, device: str) -> CostModel:
+        if device not in self._costs:
+            self._costs[device] = CostModel(self.info, self.profile(device), self.scenario.train.batch_size)
+        return self._costs[device]
+
+    def strategy(self) -> SelectionStrategy:
+        t = self.scenario.train
+        return make_strategy(t.strategy, t.options, src=self.scenario.source or "<scenario>")
+
+
+_CACHE: dict[str, RunEnvironment] = {}
+
+
+def environment(scenario: Scenario) -> RunEnvironment:
+    """The process-wide cached environment of ``scenario``."""
+    key = json.dumps(scenario.to_dict(), sort_keys=True)
+    if key not in _CACHE:
+        _CACHE.clear()
+        _CACHE[key] = RunEnvironment(scenario)
+    return _CACHE[key]

@@ -1,0 +1,230 @@
+"""The server side: a FedAvg subclass that averages partial updates and keeps a simulated clock.
+
+* Sampling is reproducible: nodes are sorted by partition id (asked once with a query message)
+  and sampled with the run's own seeded RNG; replies are sorted by partition id.
+* Aggregation averages each element only over the clients that trained it
+  (:func:`~fedelastic.fl.aggregate.aggregate_partial`).
+* The simulated clock is synchronous: a round lasts as long as its slowest client's emulated
+  train time plus communication time. Faster clients idle, and their idle energy is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import WARNING
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from ..results import Recorder
+from ..scenario import Scenario
+from .aggregate import ClientUpdate, aggregate_partial
+from .client import METRIC_KEYS
+from .env import RunEnvironment, environment
+
+
+def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``x, y``."""
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            xb, yb = torch.from_numpy(x[start : start + batch_size]), torch.from_numpy(y[start : start + batch_size])
+            out = model(xb)
+            loss += torch.nn.functional.cross_entropy(out, yb, reduction="sum").item()
+            correct += int((out.argmax(1) == yb).sum())
+    return correct / len(y), loss / len(y)
+
+
+def wait_for_nodes(grid: Grid, expected: int, timeout_s: float) -> list[int]:
+    """Wait until every node has registered (round 1 can otherwise see too few)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= expected:
+            return nodes
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of {expected} nodes registered within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[int, int]:
+    """Ask every node its partition id; returns partition id -> node id."""
+    messages = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+    mapping = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout_s):
+        if reply.has_error():
+            raise RuntimeError(f"node {reply.metadata.src_node_id} failed the partition query: {reply.error.reason}")
+        mapping[int(reply.content["metrics"]["partition-id"])] = reply.metadata.src_node_id
+    if len(mapping) != len(nodes):
+        raise RuntimeError(f"{len(mapping)} of {len(nodes)} nodes answered the partition query")
+    return mapping
+
+
+_ROUND_KEYS = (
+    "clients",
+    "clients_failed",
+    "clients_not_fitting",
+    "round_time_s",
+    "mean_train_loss",
+    "round_energy_j",
+    "max_peak_memory_bytes",
+)
+
+
+class PartialFedAvg(FedAvg):
+    """FedAvg over partial updates, with reproducible sampling and a simulated synchronous clock."""
+
+    def __init__(self, env: RunEnvironment, node_of_partition: dict[int, int], recorder: Recorder, progress: Callable):
+        super().__init__(fraction_evaluate=0.0, min_available_nodes=len(node_of_partition))
+        self.env, self.sc = env, env.scenario
+        self.node_of_partition = node_of_partition
+        self.partition_of_node = {n: p for p, n in node_of_partition.items()}
+        self.recorder, self.progress = recorder, progress
+        self.sim_time_s = 0.0
+        self.total_energy_j = 0.0
+        self._arrays: ArrayRecord | None = None
+        self._round: dict = dict.fromkeys(_ROUND_KEYS, 0)  # round 0: the initial model
+        self._round_start = time.perf_counter()
+
+    def sample(self, server_round: int) -> list[int]:
+        """Partition ids trained in ``server_round``: all, or a seeded sample."""
+        n, k = self.sc.num_clients, self.sc.server.clients_per_round or self.sc.num_clients
+        if k >= n:
+            return list(range(n))
+        return sorted(np.random.default_rng([self.sc.seed, server_round, 0x5A]).choice(n, size=k, replace=False).tolist())
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        self._arrays, self._round_start = arrays, time.perf_counter()
+        config["server-round"] = server_round
+        record = RecordDict({"arrays": arrays, "config": config})
+        return [
+            Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
+            for p in self.sample(server_round)
+        ]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
+        ok = [m for m in replies if not m.has_error()]
+        failed = [m for m in replies if m.has_error()]
+        for m in failed:
+            log(WARNING, "client on node %s failed: %s", m.metadata.src_node_id, m.error.reason)
+        metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
+        round_time = max((r["emulated-train-time-s"] + r["emulated-comm-time-s"] for r in metrics), default=0.0)
+        rows = []
+        for r in metrics:
+            device = self.env.devices[int(r["partition-id"])]
+            profile = self.env.profile(device)
+            busy = r["emulated-train-time-s"] + r["emulated-comm-time-s"]
+            idle_j = profile.power_idle_w.value * (round_time - busy)
+            rows.append(
+                {
+                    "round": server_round,
+                    "partition_id": int(r["partition-id"]),
+                    "device": device,
+                    "device_class": profile.device_class,
+                    "strategy": self.sc.train.strategy,
+                    "fits": bool(r["fits"]),
+                    "num_examples": int(r["num-examples"]),
+                    "steps": int(r["steps"]),
+                    "selections": int(r["selections"]),
+                    "train_loss": r["train-loss"],
+                    "fraction_params_trained": r["fraction-params-trained"],
+                    "emulated_train_time_s": r["emulated-train-time-s"],
+                    "emulated_overhead_time_s": r["emulated-overhead-time-s"],
+                    "emulated_comm_time_s": r["emulated-comm-time-s"],
+                    "emulated_energy_j": r["emulated-energy-j"],
+                    "emulated_idle_energy_j": idle_j,
+                    "emulated_peak_memory_bytes": r["emulated-peak-memory-bytes"],
+                    "device_memory_bytes": profile.memory_train_bytes.value,
+                    "emulated_bytes_up": r["emulated-bytes-up"],
+                    "emulated_bytes_down": r["emulated-bytes-down"],
+                    "emulated_macs": r["emulated-macs"],
+                    "host_wall_s": r["host-wall-s"],
+                }
+            )
+        self.recorder.add_clients(rows)
+        assert self._arrays is not None
+        current = {k: v.numpy() for k, v in self._arrays.items()}
+        updates = [
+            ClientUpdate(
+                float(m.content["metrics"]["num-examples"]),
+                {k: v.numpy() for k, v in m.content["arrays"].items()},
+                {k: v.numpy() for k, v in m.content["masks"].items()},
+            )
+            for m, r in zip(ok, metrics)
+            if r["fits"]
+        ]
+        new_state = aggregate_partial(current, updates)
+        self.sim_time_s += round_time
+        energy = sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)
+        self.total_energy_j += energy
+        fitted = [r for r in rows if r["fits"]]
+        self._round = {
+            "clients": len(replies),
+            "clients_failed": len(failed),
+            "clients_not_fitting": len(rows) - len(fitted),
+            "round_time_s": round_time,
+            "mean_train_loss": float(np.nanmean([r["train_loss"] for r in fitted])) if fitted else float("nan"),
+            "round_energy_j": energy,
+            "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
+        }
+        arrays = ArrayRecord({k: Array(v) for k, v in new_state.items()})
+        return arrays, MetricRecord({"round-time-s": round_time})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        return []  # the server evaluates centrally
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Global test accuracy after every round; writes the round's row."""
+        model = self.env.new_model()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        test = self.env.data.test
+        accuracy, loss = evaluate_model(model, test.x, test.y)
+        row = {
+            "round": server_round,
+            "strategy": self.sc.train.strategy,
+            "sim_time_s": self.sim_time_s,
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "total_energy_j": self.total_energy_j,
+            **self._round,
+            "host_wall_s": time.perf_counter() - self._round_start if server_round else 0.0,
+        }
+        self.recorder.add_round(row)
+        self.progress(row)
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+
+def server_main(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable, grid: Grid) -> None:
+    """The ServerApp's body: register nodes, map partitions, run the rounds."""
+    env = environment(scenario)
+    timeout = scenario.simulation.timeout_s
+    nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
+    mapping = discover_partitions(grid, nodes, timeout)
+    strategy = PartialFedAvg(env, mapping, recorder, progress)
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(torch_state_dict=initial_state),
+        num_rounds=scenario.server.rounds,
+        timeout=timeout,
+        evaluate_fn=strategy.evaluate,
+    )
+
+
+def make_server_app(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        server_main(scenario, initial_state, recorder, progress, grid)
+
+    return app

@@ -1,0 +1,48 @@
+"""Model definitions shipped with fedelastic, and loading of a user's own factory.
+
+A model name is either a built-in name (see :data:`BUILTIN`) or ``"package.module:callable"``,
+a factory called as ``factory(num_classes=..., in_channels=..., input_size=...)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
+
+from ..errors import ConfigError
+
+# name -> "module:function", imported lazily so big definitions cost nothing until used
+BUILTIN: dict[str, str] = {
+    "small_cnn": "fedelastic.models.small:small_cnn",
+    "mcu_net": "fedelastic.models.small:mcu_net",
+    "resnet50": "fedelastic.models.resnet:resnet50",
+    "resnet_small": "fedelastic.models.resnet:resnet_small",
+    "mobilenetv2": "fedelastic.models.mobilenetv2:mobilenetv2",
+    "vit_b16": "fedelastic.models.vit:vit_b16",
+    "vit_tiny": "fedelastic.models.vit:vit_tiny",
+}
+
+
+def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model.name") -> Callable[..., nn.Module]:
+    """Return the factory for a built-in name or a ``module:callable`` path."""
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise ConfigError(context, key, f"a built-in model {sorted(BUILTIN)} or 'package.module:callable'", name)
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({exc})", name) from None
+    if not callable(factory):
+        raise ConfigError(context, key, "a callable returning an nn.Module", name)
+    return factory
+
+
+def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Module:
+    """Build a model by name; the factory receives ``kwargs``."""
+    model = resolve_factory(name, context=context)(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
+    return model

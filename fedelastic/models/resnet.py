@@ -1,0 +1,140 @@
+"""ResNet-50 (and smaller variants) built layer for layer like ``tf.keras.applications.ResNet50``.
+
+Every layer that owns parameters is a direct child of the model, registered in forward order
+under its Keras name (``conv1_conv``, ``conv1_bn``, ``conv2_block1_0_conv``, ...,
+``conv5_block3_3_bn``, ``dense``), so ``model.named_modules()`` yields the names that measured
+traces of the Keras model use (see :mod:`fedelastic.trace`).
+
+Details kept from Keras:
+
+- convolutions have biases (Keras' ResNet50 uses ``use_bias=True``);
+- the stride of a stage sits on the first 1x1 convolution of its first block (``_0_conv`` and
+  ``_1_conv``), not on the 3x3 one;
+- BatchNorm epsilon is 1.001e-5 and momentum 0.99 (PyTorch momentum 0.01);
+- the classifier is the head the ElasticTrainer artifact puts on the backbone:
+  global average pooling, dropout 0.2, then a dense layer named ``dense``.
+
+Input preprocessing (Keras' ``caffe`` mode: RGB->BGR and mean subtraction) belongs to the data
+pipeline and is not part of the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ResNet", "resnet50", "resnet_small"]
+
+_BN_EPS = 1.001e-5
+_BN_MOMENTUM = 0.01  # Keras momentum 0.99
+
+
+class ResNet(nn.Module):
+    """Bottleneck ResNet (v1, Keras flavour) with Keras layer names.
+
+    Parameters
+    ----------
+    blocks : sequence of int
+        Number of bottleneck blocks in each stage; one entry per stage, stages are named
+        ``conv2``, ``conv3``, ... as in Keras. ``(3, 4, 6, 3)`` is ResNet-50.
+    width : int
+        Bottleneck width of the first stage (64 in ResNet-50); it doubles every stage and the
+        block output has ``4 * width`` channels.
+    num_classes : int
+        Size of the classifier output.
+    dropout : float
+        Dropout rate before the classifier.
+    input_size : int
+        Nominal input height and width (informational: the network works on any size).
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[int] = (3, 4, 6, 3),
+        *,
+        width: int = 64,
+        num_classes: int = 200,
+        dropout: float = 0.2,
+        input_size: int = 224,
+    ) -> None:
+        super().__init__()
+        if not blocks or any(b < 1 for b in blocks):
+            raise ValueError(f"blocks must be a non-empty sequence of positive ints, got {blocks!r}")
+        self.input_size = input_size
+        self.num_classes = num_classes
+        # (block name prefix, has a projection shortcut) in forward order
+        self._plan: list[tuple[str, bool]] = []
+
+        self._conv("conv1_conv", 3, width, 7, stride=2, padding=3)
+        self._bn("conv1_bn", width)
+        in_ch = width
+        for stage, n_blocks in enumerate(blocks):
+            filters = width * 2**stage
+            stride = 1 if stage == 0 else 2
+            for i in range(n_blocks):
+                name = f"conv{stage + 2}_block{i + 1}"
+                first = i == 0
+                s = stride if first else 1
+                if first:
+                    self._conv(f"{name}_0_conv", in_ch, 4 * filters, 1, stride=s)
+                    self._bn(f"{name}_0_bn", 4 * filters)
+                self._conv(f"{name}_1_conv", in_ch, filters, 1, stride=s)
+                self._bn(f"{name}_1_bn", filters)
+                self._conv(f"{name}_2_conv", filters, filters, 3, padding=1)
+                self._bn(f"{name}_2_bn", filters)
+                self._conv(f"{name}_3_conv", filters, 4 * filters, 1)
+                self._bn(f"{name}_3_bn", 4 * filters)
+                self._plan.append((name, first))
+                in_ch = 4 * filters
+        self.dropout = nn.Dropout(dropout)
+        self.add_module("dense", nn.Linear(in_ch, num_classes))
+        self.num_features = in_ch
+
+    def _conv(self, name: str, cin: int, cout: int, k: int, *, stride: int = 1, padding: int = 0) -> None:
+        self.add_module(name, nn.Conv2d(cin, cout, k, stride=stride, padding=padding, bias=True))
+
+    def _bn(self, name: str, ch: int) -> None:
+        self.add_module(name, nn.BatchNorm2d(ch, eps=_BN_EPS, momentum=_BN_MOMENTUM))
+
+    def _cbn(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return getattr(self, f"{name}_bn")(getattr(self, f"{name}_conv")(x))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Backbone output before pooling, shape ``[B, 4 * width * 2**(stages-1), H/32, W/32]``."""
+        x = F.relu(self._cbn(x, "conv1"))
+        x = F.max_pool2d(F.pad(x, (1, 1, 1, 1)), 3, stride=2)  # pool1_pad + pool1_pool
+        for name, projection in self._plan:
+            shortcut = self._cbn(x, f"{name}_0") if projection else x
+            y = F.relu(self._cbn(x, f"{name}_1"))
+            y = F.relu(self._cbn(y, f"{name}_2"))
+            y = self._cbn(y, f"{name}_3")
+            x = F.relu(shortcut + y)  # {name}_add + {name}_out
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, num_classes]`` for images ``[B, 3, H, W]``."""
+        x = self.forward_features(x).mean(dim=(2, 3))
+        return self.dense(self.dropout(x))
+
+
+def resnet50(num_classes: int = 200, *, dropout: float = 0.2, input_size: int = 224) -> ResNet:
+    """ResNet-50 as ``tf.keras.applications.ResNet50`` + the artifact's dense head.
+
+    With 200 classes it has 23,944,392 parameters (Keras' trainable count).
+    """
+    return ResNet((3, 4, 6, 3), width=64, num_classes=num_classes, dropout=dropout, input_size=input_size)
+
+
+def resnet_small(
+    num_classes: int = 10,
+    *,
+    blocks: Sequence[int] = (1, 1, 1, 1),
+    width: int = 8,
+    dropout: float = 0.2,
+    input_size: int = 32,
+) -> ResNet:
+    """A narrow, shallow ResNet with the same layer naming scheme, for fast tests."""
+    return ResNet(blocks, width=width, num_classes=num_classes, dropout=dropout, input_size=input_size)

@@ -1,0 +1,92 @@
+"""The starting weights of a run: factory init, a user's weights file, or a cached pretrain.
+
+Pretraining trains centrally on a *source* task (some classes, or a clean domain) drawn from the
+run's training split only, so the server's test set is never seen. The weights are cached under
+``$FEDELASTIC_CACHE`` (default ``~/.cache/fedelastic``) by a hash of everything that shapes them,
+and always loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import to_dict
+from .data import transform
+from .errors import ConfigError
+from .training import batches, seed_everything
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FEDELASTIC_CACHE", Path.home() / ".cache" / "fedelastic"))
+
+
+def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str = "model.weights") -> dict:
+    """Load a state dict with ``weights_only=True`` and check it matches ``model``."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(src, key, "an existing weights file", str(path)) from None
+    except Exception as exc:
+        raise ConfigError(src, key, f"a torch state_dict loadable with weights_only=True ({exc})", str(path)) from None
+    expected = model.state_dict()
+    if not isinstance(state, dict) or set(state) != set(expected):
+        got = set(state) if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(src, key, f"a state_dict with the model's keys ({len(expected)} tensors)", f"{path}: {got}")
+    for name, value in state.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ConfigError(src, key, f"tensor {name} of shape {tuple(expected[name].shape)}", tuple(value.shape))
+    return state
+
+
+def pretrain_key(env) -> str:
+    sc = env.scenario
+    doc = {"model": to_dict(sc.model), "dataset": sc.data.dataset, "test_fraction": sc.data.test_fraction, "seed": sc.seed}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pretrain(env) -> dict:
+    """Train centrally on the source task; returns the state dict."""
+    from .fl.server import evaluate_model  # noqa: PLC0415 (avoids importing Flower at module load)
+
+    sc, cfg = env.scenario, env.scenario.model.pretrain
+    train = env.data.train  # never the test split
+    source = transform(train, cfg.transform, sc.seed)
+    if cfg.classes:
+        source = source.subset(np.flatnonzero(np.isin(source.y, cfg.classes)))
+    rng = seed_everything([sc.seed, 0x9E])
+    model = env.new_model()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
+    x, y = torch.from_numpy(source.x), torch.from_numpy(source.y)
+    model.train()
+    for idx in batches(len(source), cfg.batch_size, cfg.epochs, rng):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    accuracy, _ = evaluate_model(model, source.x, source.y)
+    print(f"pretrained {sc.model.name} on {len(source)} source samples: train accuracy {accuracy:.3f}")
+    return model.state_dict()
+
+
+def initial_state(env) -> dict:
+    """The run's starting state dict."""
+    sc = env.scenario
+    model = env.new_model()
+    if sc.model.weights:
+        return load_weights(sc.model.weights, model, src=sc.source or "<scenario>")
+    if sc.model.pretrain is None:
+        return model.state_dict()
+    path = cache_dir() / "pretrained" / f"{sc.model.name.replace(':', '_')}-{pretrain_key(env)}.pt"
+    if path.exists():
+        return load_weights(path, model, src=str(path), key="<cached pretrain>")
+    state = pretrain(env)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return load_weights(path, model, src=str(path), key="<cached pretrain>")

@@ -1,0 +1,115 @@
+"""Results that reach disk as the run goes, and the end-of-run report.
+
+A run folder holds ``config.toml`` (the resolved scenario), ``versions.json``, ``clients.csv``
+and ``clients.parquet`` (one row per client per round), ``rounds.csv`` and ``rounds.parquet``
+(one row per round), ``status.json``, and at the end a figure and a summary. CSV rows are
+appended and flushed every round; each Parquet file is rewritten atomically every round, so a
+killed run leaves every finished round readable.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pandas as pd
+import tomli_w
+
+PACKAGES = ("fedelastic", "flwr", "ray", "torch", "numpy", "pandas", "seaborn", "scikit-learn")
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+        out["git"] = sha.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = "unknown"
+    return out
+
+
+class _Table:
+    """One table appended row by row to CSV and mirrored to Parquet."""
+
+    def __init__(self, folder: Path, name: str):
+        self.csv, self.parquet = folder / f"{name}.csv", folder / f"{name}.parquet"
+        self.rows: list[dict] = []
+        self.columns: list[str] | None = None
+
+    def append(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        if self.columns is None:
+            self.columns = list(rows[0])
+        self.rows.extend(rows)
+        new = not self.csv.exists()
+        with self.csv.open("a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=self.columns)
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp = self.parquet.with_suffix(".parquet.tmp")
+        pd.DataFrame(self.rows, columns=self.columns).to_parquet(tmp, index=False)
+        os.replace(tmp, self.parquet)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=self.columns)
+
+
+class Recorder:
+    """Writes one run's results into ``folder`` as the run goes."""
+
+    def __init__(self, folder: str | Path, config: dict):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=False)
+        self.clients = _Table(self.folder, "clients")
+        self.rounds = _Table(self.folder, "rounds")
+        self.started = time.time()
+        (self.folder / "config.toml").write_text(tomli_w.dumps(config))
+        (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
+        self.status("running")
+
+    def status(self, state: str, **extra) -> None:
+        doc = {"status": state, "rounds_done": len(self.rounds.rows), "elapsed_s": time.time() - self.started, **extra}
+        (self.folder / "status.json").write_text(json.dumps(doc, indent=2))
+
+    def add_clients(self, rows: list[dict]) -> None:
+        self.clients.append(rows)
+
+    def add_round(self, row: dict) -> None:
+        self.rounds.append([row])
+        self.status("running")
+
+
+def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> None:
+    """Accuracy against simulated time, and per device class the emulated train time per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sns.lineplot(data=rounds, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
+    axes[0].set(xlabel="simulated time (s)", ylabel="global test accuracy", title="accuracy vs simulated time")
+    if not clients.empty:
+        sns.barplot(data=clients, x="device", y="emulated_train_time_s", hue="device_class", ax=axes[1])
+        axes[1].set(xlabel="", ylabel="emulated train time per round (s)", title="per-device train time")
+        axes[1].tick_params(axis="x", rotation=30)
+        axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""Scenario files: TOML validated into frozen, typed config objects.
+
+Unknown keys, wrong types and bad values raise :class:`~fedelastic.errors.ConfigError` naming
+the file and the dotted key. A scenario also checks at load time that its strategy, its
+strategy options, its model and every device of its fleet exist.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import check, field, from_dict, to_dict
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = field("digits", help="dataset name; 'digits' is embedded")
+    partitioner: Literal["iid", "dirichlet", "shards"] = field("dirichlet", help="how client data is split")
+    alpha: float = field(0.5, help="Dirichlet concentration over labels (smaller = more skewed)")
+    shards_per_partition: int = field(2, help="shards per client for the 'shards' partitioner")
+    min_partition_size: int = field(2, help="fewest samples a client may hold")
+    test_fraction: float = field(0.2, help="fraction held out as the server's test set")
+    classes: tuple[int, ...] = field((), help="keep only these labels (empty: all)")
+    transform: Literal["none", "rotate90", "noise", "invert"] = field("none", help="domain shift of the images")
+
+    def __post_init__(self):
+        check(self.alpha > 0, "alpha", "a positive number")
+        check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
+        check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
+        check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    classes: tuple[int, ...] = field((), help="source-task labels (empty: all)")
+    transform: Literal["none", "rotate90", "noise", "invert"] = field("none", help="source-domain shift")
+    epochs: int = field(30, help="central training epochs")
+    lr: float = field(0.05, help="learning rate")
+    batch_size: int = field(32, help="batch size")
+
+    def __post_init__(self):
+        check(self.epochs >= 1, "epochs", "an integer >= 1")
+        check(self.lr > 0, "lr", "a positive number")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = field("small_cnn", help="built-in model name or 'package.module:callable'")
+    options: dict[str, Any] = field(default_factory=dict, help="extra keyword arguments for the factory")
+    weights: str = field("", help="a weights file to start from (loaded with weights_only=True)")
+    pretrain: PretrainConfig | None = field(None, help="pretrain centrally on a source task first (cached)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = field("full", help="local selection strategy (see `fedelastic strategies`)")
+    options: dict[str, Any] = field(default_factory=dict, help="the strategy's options")
+    local_epochs: int = field(1, help="passes over the client's data per round")
+    max_steps: int = field(0, help="cap on local steps per round (0: no cap)")
+    batch_size: int = field(16, help="local batch size")
+    lr: float = field(0.05, help="SGD learning rate")
+    momentum: float = field(0.9, help="SGD momentum")
+    weight_decay: float = field(5e-4, help="SGD weight decay")
+
+    def __post_init__(self):
+        check(self.local_epochs >= 1, "local_epochs", "an integer >= 1")
+        check(self.max_steps >= 0, "max_steps", "an integer >= 0")
+        check(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        check(self.lr > 0, "lr", "a positive number")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    rounds: int = field(5, help="federated rounds")
+    clients_per_round: int = field(0, help="clients sampled each round (0: all)")
+
+    def __post_init__(self):
+        check(self.rounds >= 1, "rounds", "an integer >= 1")
+        check(self.clients_per_round >= 0, "clients_per_round", "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    backend: Literal["ray", "inprocess"] = field("ray", help="Flower's Ray backend, or in-process calls (tests)")
+    num_cpus_per_client: float = field(1.0, help="Ray CPUs per virtual client")
+    ray_address: str = field("", help="address of an existing Ray cluster (empty: start a local one)")
+    timeout_s: float = field(3600.0, help="how long the server waits for a round's replies")
+    torch_threads: int = field(1, help="torch threads in each client")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = field(help="scenario name; results go to <output_dir>/<name>/<run-id>")
+    fleet: dict[str, int] = field(help="device profile name (or .toml path) -> number of clients")
+    seed: int = field(0, help="seed of partitioning, fleet assignment, sampling and training")
+    output_dir: str = field("runs", help="where runs are written")
+    device_dirs: tuple[str, ...] = field((), help="extra folders of device profiles")
+    data: DataConfig = field(default_factory=DataConfig, help="dataset and partitioning")
+    model: ModelConfig = field(default_factory=ModelConfig, help="the model")
+    train: TrainConfig = field(default_factory=TrainConfig, help="local training")
+    server: ServerConfig = field(default_factory=ServerConfig, help="server strategy")
+    simulation: SimulationConfig = field(default_factory=SimulationConfig, help="runtime")
+    source: str = field("", help="the file this scenario came from (set by the loader)")
+
+    def __post_init__(self):
+        check(len(self.fleet) > 0, "fleet", "at least one device")
+        check(all(n >= 0 for n in self.fleet.values()) and self.num_clients > 0, "fleet", "non-negative counts, > 0 in all")
+        check(self.server.clients_per_round <= self.num_clients, "server.clients_per_round", "at most the fleet size")
+
+    @property
+    def num_clients(self) -> int:
+        return sum(self.fleet.values())
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def with_overrides(self, **changes: Any) -> Scenario:
+        return replace(self, **changes)
+
+
+def validate(scenario: Scenario) -> Scenario:
+    """Check the names a scenario refers to: strategy and options, model, devices."""
+    from .devices import get_profile
+    from .models import resolve_factory
+    from .selection import make_strategy
+
+    src = scenario.source or "<scenario>"
+    make_strategy(scenario.train.strategy, scenario.train.options, src=src)
+    resolve_factory(scenario.model.name, context=src)
+    base = Path(scenario.source).parent if scenario.source else Path(".")
+    dirs = tuple(str(base / d) for d in scenario.device_dirs)
+    for device in scenario.fleet:
+        get_profile(device, dirs, context=src)
+    return replace(scenario, device_dirs=dirs)
+
+
+def parse_scenario(raw: dict, src: str = "<scenario>") -> Scenario:
+    scenario = from_dict(Scenario, {**raw, "source": src}, src)
+    return validate(scenario)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Load, type-check and validate a scenario file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(path, "<file>", "an existing scenario file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
+    if "source" in raw:
+        raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
+    return parse_scenario(raw, str(path))

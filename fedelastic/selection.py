@@ -1,0 +1,147 @@
+"""The selection-strategy interface and registry.
+
+A strategy decides which tensors (and which output channels) train. It is pure Python/numpy:
+it sees a :class:`SelectionContext` (the model description, the device's cost model and the
+probe results the trainer gathered for it) and returns a :class:`Selection`. It knows nothing of
+torch, Flower or Ray.
+
+Strategies live one per module in the top-level ``strategies`` package and register with
+:func:`register`; third parties can register through the ``fedelastic.strategies`` entry point
+group. A duplicate name is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .config import from_dict, to_dict
+from .costmodel import CostModel
+from .errors import ConfigError
+from .modelinfo import ModelInfo
+
+PROBES = ("importance", "fisher")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Per-tensor trained fraction (0 frozen, 1 whole tensor) and, where partial, the channels."""
+
+    ratios: np.ndarray
+    channels: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def from_mask(cls, mask: np.ndarray) -> Selection:
+        return cls(np.asarray(mask, dtype=float))
+
+    @classmethod
+    def from_channels(cls, info: ModelInfo, channels: dict[int, np.ndarray], whole: np.ndarray | None = None) -> Selection:
+        """Whole tensors from ``whole`` plus the listed output channels of other tensors."""
+        ratios = np.zeros(info.num_tensors) if whole is None else np.asarray(whole, float).copy()
+        kept = {}
+        for k, idx in channels.items():
+            idx = np.unique(np.asarray(idx, dtype=np.int64))
+            if idx.size == 0:
+                continue
+            ratios[k] = idx.size / info.tensor_channels[k]
+            if idx.size < info.tensor_channels[k]:
+                kept[k] = idx
+        return cls(ratios, kept)
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self.ratios > 0
+
+    @property
+    def fraction_trained(self) -> float:
+        return float(self.ratios.sum() / max(len(self.ratios), 1))
+
+
+@dataclass
+class SelectionContext:
+    """What a strategy may look at when it selects."""
+
+    info: ModelInfo
+    cost: CostModel
+    step: int
+    rng: np.random.Generator
+    importance: np.ndarray | None = None  # per tensor, from the 'importance' probe
+    fisher: dict[int, np.ndarray] | None = None  # per layer index, per output channel, from 'fisher'
+
+    @property
+    def memory_budget_bytes(self) -> float:
+        return self.cost.device.memory_train_bytes.value
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Base of the strategies' frozen configs (no options)."""
+
+
+class SelectionStrategy:
+    """Base class: override :meth:`select`, and :meth:`should_reselect` for elastic methods."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type] = StrategyConfig
+    probe: ClassVar[str | None] = None  # which probe the trainer runs before select()
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.config_cls()
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        raise NotImplementedError
+
+    def should_reselect(self, step: int) -> bool:
+        """Whether to probe and select again before ``step`` (step 0 always selects)."""
+        return False
+
+
+REGISTRY: dict[str, type[SelectionStrategy]] = {}
+
+
+def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
+    """Class decorator: register a strategy under ``cls.name``."""
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"strategy name {cls.name!r} is already registered by {REGISTRY[cls.name].__module__}")
+    if cls.probe is not None and cls.probe not in PROBES:
+        raise ValueError(f"strategy {cls.name!r}: probe must be one of {PROBES}")
+    if not (dataclasses.is_dataclass(cls.config_cls) and cls.config_cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        raise ValueError(f"strategy {cls.name!r}: config_cls must be a frozen dataclass")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    importlib.import_module("strategies")
+    for ep in entry_points(group="fedelastic.strategies"):
+        ep.load()
+    _loaded = True
+
+
+def available() -> list[str]:
+    _load()
+    return sorted(REGISTRY)
+
+
+def make_strategy(name: str, options: dict | None = None, *, src: str = "<scenario>", key: str = "train") -> SelectionStrategy:
+    """Instantiate a registered strategy, validating its options into its frozen config."""
+    _load()
+    if name not in REGISTRY:
+        raise ConfigError(src, f"{key}.strategy", f"a registered strategy, one of {sorted(REGISTRY)}", name)
+    cls = REGISTRY[name]
+    return cls(from_dict(cls.config_cls, options or {}, src, prefix=f"{key}.options"))
+
+
+def config_dict(strategy: SelectionStrategy) -> dict:
+    return to_dict(strategy.config)

@@ -1,0 +1,13 @@
+"""Full fine-tuning: every tensor trains."""
+
+import numpy as np
+
+from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, register
+
+
+@register
+class Full(SelectionStrategy):
+    name = "full"
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        return Selection.from_mask(np.ones(ctx.info.num_tensors))
