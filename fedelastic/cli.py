@@ -31,8 +31,19 @@ def report(run_dir: Path) -> None:
 
     rounds, clients = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
     plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
-    table = Table(title=f"{run_dir}  (final accuracy {rounds.test_accuracy.iloc[-1]:.3f}, simulated {rounds.sim_time_s.iloc[-1]:.1f} s)")
-    for col in ("device", "clients", "fits", "train time/round", "energy/round", "peak memory", "device memory", "trained params"):
+    table = Table(
+        title=f"{run_dir}  (final accuracy {rounds.test_accuracy.iloc[-1]:.3f}, simulated {rounds.sim_time_s.iloc[-1]:.1f} s)"
+    )
+    for col in (
+        "device",
+        "clients",
+        "fits",
+        "train time/round",
+        "energy/round",
+        "peak memory",
+        "device memory",
+        "trained params",
+    ):
         table.add_column(col, justify="right")
     for device, g in clients.groupby("device"):
         table.add_row(
@@ -100,12 +111,16 @@ def cmd_devices(args) -> None:
         from .devices import get_profile
 
         p = get_profile(args.target, tuple(args.dir), context="<command line>")
-        console.print(f"[bold]{p.name}[/] ({p.display_name}), class {p.device_class}, trains in {p.train_dtype}: {p.path}")
+        console.print(
+            f"[bold]{p.name}[/] ({p.display_name}), class {p.device_class}, trains in {p.train_dtype}: {p.path}"
+        )
         for key, value in vars(p).items():
             if hasattr(value, "source"):
                 console.print(f"  {key:28} {value.value:<12.4g} {value.source}")
         for model, table in p.measured.items():
-            console.print(f"  measured table {model}: {len(table.layers)} layers at batch {table.batch_size} ({table.source})")
+            console.print(
+                f"  measured table {model}: {len(table.layers)} layers at batch {table.batch_size} ({table.source})"
+            )
         if p.notes:
             console.print(f"  notes: {p.notes}")
     else:

@@ -109,7 +109,9 @@ def from_dict(cls: type[T], raw: Any, src: str = "<config>", prefix: str = "") -
 def to_dict(obj: Any) -> Any:
     """A TOML/JSON-ready dict of a dataclass (tuples become lists, None values are dropped)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None}
+        return {
+            f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None
+        }
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

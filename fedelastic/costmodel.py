@@ -45,7 +45,11 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> float:
         return (
-            self.weights_bytes + self.activations_bytes + self.gradients_bytes + self.optimizer_bytes + self.workspace_bytes
+            self.weights_bytes
+            + self.activations_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.workspace_bytes
         )
 
 
@@ -239,10 +243,14 @@ class CostModel:
         dx = sum(b * layer.macs for layer in self.info.layers[first + 1 :])
         return self._fwd_macs + dx + float((ratios * self.tensor_macs).sum())
 
-    def energy_j(self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0) -> float:
+    def energy_j(
+        self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
+    ) -> float:
         """Energy: power x time per state, plus the optional per-MAC and per-byte terms."""
         d = self.device
-        energy = d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
+        energy = (
+            d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
+        )
         if d.energy_per_mac_j is not None:
             energy += d.energy_per_mac_j.value * macs
         if d.energy_per_byte_j is not None:

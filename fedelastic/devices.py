@@ -8,13 +8,13 @@ See ``device_profiles/SCHEMA.md`` for the full schema.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tomllib
 
 from .errors import ConfigError
 from .units import UNITS, to_si
@@ -168,7 +168,11 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(src, f"{where}.{k}", "non-negative seconds", v)
         tables[model] = MeasuredTable(
-            table["batch_size"], table["source"], layers, float(extras["unattributed_fwd"]), float(extras["unattributed_bwd"])
+            table["batch_size"],
+            table["source"],
+            layers,
+            float(extras["unattributed_fwd"]),
+            float(extras["unattributed_bwd"]),
         )
     return tables
 

@@ -46,7 +46,12 @@ def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str
 
 def pretrain_key(env) -> str:
     sc = env.scenario
-    doc = {"model": to_dict(sc.model), "dataset": sc.data.dataset, "test_fraction": sc.data.test_fraction, "seed": sc.seed}
+    doc = {
+        "model": to_dict(sc.model),
+        "dataset": sc.data.dataset,
+        "test_fraction": sc.data.test_fraction,
+        "seed": sc.seed,
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 

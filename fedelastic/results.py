@@ -32,7 +32,9 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "not installed"
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
         out["git"] = sha.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         out["git"] = "unknown"

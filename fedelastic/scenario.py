@@ -7,10 +7,11 @@ strategy options, its model and every device of its fleet exist.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from .config import check, field, from_dict, to_dict
 from .errors import ConfigError
@@ -108,7 +109,11 @@ class Scenario:
 
     def __post_init__(self):
         check(len(self.fleet) > 0, "fleet", "at least one device")
-        check(all(n >= 0 for n in self.fleet.values()) and self.num_clients > 0, "fleet", "non-negative counts, > 0 in all")
+        check(
+            all(n >= 0 for n in self.fleet.values()) and self.num_clients > 0,
+            "fleet",
+            "non-negative counts, > 0 in all",
+        )
         check(self.server.clients_per_round <= self.num_clients, "server.clients_per_round", "at most the fleet size")
 
     @property

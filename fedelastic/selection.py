@@ -40,7 +40,9 @@ class Selection:
         return cls(np.asarray(mask, dtype=float))
 
     @classmethod
-    def from_channels(cls, info: ModelInfo, channels: dict[int, np.ndarray], whole: np.ndarray | None = None) -> Selection:
+    def from_channels(
+        cls, info: ModelInfo, channels: dict[int, np.ndarray], whole: np.ndarray | None = None
+    ) -> Selection:
         """Whole tensors from ``whole`` plus the listed output channels of other tensors."""
         ratios = np.zeros(info.num_tensors) if whole is None else np.asarray(whole, float).copy()
         kept = {}
@@ -134,7 +136,9 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
-def make_strategy(name: str, options: dict | None = None, *, src: str = "<scenario>", key: str = "train") -> SelectionStrategy:
+def make_strategy(
+    name: str, options: dict | None = None, *, src: str = "<scenario>", key: str = "train"
+) -> SelectionStrategy:
     """Instantiate a registered strategy, validating its options into its frozen config."""
     _load()
     if name not in REGISTRY:

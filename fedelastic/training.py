@@ -93,7 +93,9 @@ def importance_probe(
         delta = [p.detach() - b for p, b in zip(params, before)]
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
-        importance = np.array([-(p.grad * d).sum().item() if p.grad is not None else 0.0 for p, d in zip(params, delta)])
+        importance = np.array(
+            [-(p.grad * d).sum().item() if p.grad is not None else 0.0 for p, d in zip(params, delta)]
+        )
     finally:
         optimizer.zero_grad(set_to_none=True)
         model.load_state_dict(snapshot)

@@ -4,10 +4,16 @@ from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
 
 
 def test_hand_computed_partial_average():
-    global_state = {"a": np.array([1.0, 1.0], np.float32), "b": np.array([5.0], np.float32), "c": np.zeros((2, 2), np.float32)}
+    global_state = {
+        "a": np.array([1.0, 1.0], np.float32),
+        "b": np.array([5.0], np.float32),
+        "c": np.zeros((2, 2), np.float32),
+    }
     updates = [
         ClientUpdate(10, {"a": np.array([3.0, 5.0])}),
-        ClientUpdate(30, {"a": np.array([7.0, 9.0]), "c": np.array([[4.0, 4.0], [8.0, 8.0]])}, {"c": np.array([0.0, 1.0])}),
+        ClientUpdate(
+            30, {"a": np.array([7.0, 9.0]), "c": np.array([[4.0, 4.0], [8.0, 8.0]])}, {"c": np.array([0.0, 1.0])}
+        ),
         ClientUpdate(20, {"c": np.array([[1.0, 1.0], [2.0, 2.0]])}),
     ]
     new = aggregate_partial(global_state, updates)

@@ -37,8 +37,16 @@ def test_run_folder_contents(make_scenario):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     clients = pd.read_csv(run_dir / "clients.csv")
     assert len(clients) == 2 * 4 and set(clients["round"]) == {1, 2}
-    for col in ("emulated_train_time_s", "emulated_energy_j", "emulated_peak_memory_bytes", "emulated_bytes_up", "host_wall_s",
-                "train_loss", "num_examples", "fraction_params_trained"):
+    for col in (
+        "emulated_train_time_s",
+        "emulated_energy_j",
+        "emulated_peak_memory_bytes",
+        "emulated_bytes_up",
+        "host_wall_s",
+        "train_loss",
+        "num_examples",
+        "fraction_params_trained",
+    ):
         assert clients[col].notna().all(), col
     rounds = pd.read_csv(run_dir / "rounds.csv")
     assert list(rounds["round"]) == [0, 1, 2]

@@ -104,7 +104,9 @@ def make_client_app(scenario: Scenario) -> ClientApp:
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg)
+        return Message(
+            content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
+        )
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

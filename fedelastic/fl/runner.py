@@ -32,7 +32,11 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app: ClientApp, num_nodes: int):
         self.app = client_app
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 1, 0  # what Flower's runtime sets in a ServerApp process
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
+            0,
+            1,
+            0,
+        )  # what Flower's runtime sets in a ServerApp process
         ids = np.random.default_rng().choice(2**31, size=num_nodes, replace=False)
         self.contexts = {
             int(node): Context(0, int(node), {"partition-id": i, "num-partitions": num_nodes}, RecordDict(), {})

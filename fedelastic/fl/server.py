@@ -97,9 +97,13 @@ class PartialFedAvg(FedAvg):
         n, k = self.sc.num_clients, self.sc.server.clients_per_round or self.sc.num_clients
         if k >= n:
             return list(range(n))
-        return sorted(np.random.default_rng([self.sc.seed, server_round, 0x5A]).choice(n, size=k, replace=False).tolist())
+        return sorted(
+            np.random.default_rng([self.sc.seed, server_round, 0x5A]).choice(n, size=k, replace=False).tolist()
+        )
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._arrays, self._round_start = arrays, time.perf_counter()
         config["server-round"] = server_round
         record = RecordDict({"arrays": arrays, "config": config})
@@ -108,7 +112,9 @@ class PartialFedAvg(FedAvg):
             for p in self.sample(server_round)
         ]
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
         ok = [m for m in replies if not m.has_error()]
         failed = [m for m in replies if m.has_error()]
@@ -177,7 +183,9 @@ class PartialFedAvg(FedAvg):
         arrays = ArrayRecord({k: Array(v) for k, v in new_state.items()})
         return arrays, MetricRecord({"round-time-s": round_time})
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         return []  # the server evaluates centrally
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
