@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .errors import FedelasticError
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -88,6 +88,20 @@ def cmd_run(args) -> None:
     report(run_dir)
 
 
+def cmd_compare(args) -> None:
+    from .compare import mean_table, run_comparison
+
+    out = run_comparison(args.scenario, output=args.output, backend=args.backend, rounds=args.rounds)
+    table = Table(title=f"comparison (means over seeds): {out}")
+    frame = mean_table(out)
+    for col in frame.columns:
+        table.add_column(col, justify="right")
+    for row in frame.itertuples(index=False):
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+    console.print(table)
+    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png")
+
+
 def cmd_devices(args) -> None:
     from .devices import load_profile, profile_paths
 
@@ -160,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-dir", help="override output_dir")
     run.add_argument("--run-id", help="name of the run folder (default: a timestamp)")
     run.set_defaults(fn=cmd_run)
+    cmp = sub.add_parser("compare", help="run a comparison scenario (strategies x fleets x seeds)")
+    cmp.add_argument("scenario")
+    cmp.add_argument("--rounds", type=int, help="override server.rounds")
+    cmp.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")
+    cmp.add_argument("--output", type=Path, help="comparison folder (default: under the scenario's output_dir)")
+    cmp.set_defaults(fn=cmd_compare)
     rep = sub.add_parser("report", help="summarise a run folder")
     rep.add_argument("run_dir", type=Path)
     rep.set_defaults(fn=lambda a: report(a.run_dir))

@@ -81,7 +81,7 @@ class PartialFedAvg(FedAvg):
     """FedAvg over partial updates, with reproducible sampling and a simulated synchronous clock."""
 
     def __init__(self, env: RunEnvironment, node_of_partition: dict[int, int], recorder: Recorder, progress: Callable):
-        super().__init__(fraction_evaluate=0.0, min_available_nodes=len(node_of_partition))
+        super().__init__(min_available_nodes=len(node_of_partition))  # evaluation is central: see configure_evaluate
         self.env, self.sc = env, env.scenario
         self.node_of_partition = node_of_partition
         self.partition_of_node = {n: p for p, n in node_of_partition.items()}

@@ -1,0 +1,137 @@
+"""The cost model against hand computations; pure numpy after describe()."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedelastic.costmodel import CostModel
+from fedelastic.devices import LayerTiming, MeasuredTable, Quantity, get_profile
+from fedelastic.modelinfo import describe
+from fedelastic.models.small import mcu_net, small_cnn
+
+
+def _mlp_info():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    return describe(model, torch.zeros(1, 4), model_name="mlp")
+
+
+def _device(**changes):
+    dev = get_profile("jetson_nano")
+    return dataclasses.replace(dev, **{k: Quantity(v, "test") for k, v in changes.items()})
+
+
+def test_describe_orders_tensors_and_counts_macs():
+    info = _mlp_info()
+    assert info.tensor_names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert info.tensor_roles == ("weight", "bias", "weight", "bias")
+    assert [layer.macs for layer in info.layers] == [12, 6]
+    assert [(op.name, op.kind, op.above) for op in info.ops] == [("1", "mask", 1)]
+    conv = describe(small_cnn(width=4), torch.zeros(1, 1, 8, 8))
+    assert conv.layers[0].macs == 4 * 8 * 8 * 1 * 9  # out elements x cin x k x k
+
+
+def test_memory_matches_hand_computation():
+    info = _mlp_info()  # fp32 device: 4 bytes per element, batch 2, SGD momentum (1 state per element)
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=2)
+    weights = 23 * 4
+    workspace = 2 * (4 + 3) * 4  # largest layer in + out, layer 0
+    # only the last weight: its input (3 per sample) is saved; backprop stops there, no ReLU mask
+    m = cost.memory(np.array([0, 0, 1, 0]))
+    assert (m.weights_bytes, m.activations_bytes, m.gradients_bytes, m.optimizer_bytes, m.workspace_bytes) == (
+        weights,
+        3 * 2 * 4,
+        6 * 4,
+        6 * 4,
+        workspace,
+    )
+    # only the first bias: no activation, but the ReLU above it keeps a one-bit mask of 3 x 2 elements
+    m = cost.memory(np.array([0, 1, 0, 0]))
+    assert (m.activations_bytes, m.gradients_bytes) == (3 * 2 / 8, 3 * 4)
+    # half the output channels of the first weight: half of its input, plus the ReLU mask
+    m = cost.memory(np.array([0.5, 0, 0, 0]))
+    assert (m.activations_bytes, m.gradients_bytes, m.optimizer_bytes) == (0.5 * 4 * 2 * 4 + 0.75, 6 * 4, 6 * 4)
+    assert cost.peak_memory_bytes(np.zeros(4)) == weights + workspace
+    int8 = dataclasses.replace(get_profile("stm32h743"))
+    assert CostModel(info, int8, batch_size=2).memory(np.ones(4)).weights_bytes == 23
+
+
+def test_backward_follows_the_chain_rule():
+    info = describe(small_cnn(width=4), torch.zeros(1, 1, 8, 8))
+    cost = CostModel(info, get_profile("raspberry_pi_4"), batch_size=8)
+    n = info.num_tensors
+    for k_min in range(n):
+        mask = np.zeros(n)
+        mask[k_min] = 1
+        mask[-1] = 1
+        expected = (cost.t_dw + cost.t_opt)[mask > 0].sum() + cost.t_dx[k_min + 1 :].sum()
+        assert cost.backward_time_s(mask) == pytest.approx(expected)
+    assert cost.backward_time_s(np.zeros(n)) == 0
+    assert cost.step_time_s(np.zeros(n)) == pytest.approx(cost.forward_time_s)
+
+
+@pytest.mark.parametrize("device", ["jetson_nano", "raspberry_pi_4", "stm32h743"])
+def test_step_time_is_monotone_as_the_deepest_tensor_moves_toward_the_input(device):
+    info = describe(mcu_net(width=8), torch.zeros(1, 1, 8, 8))
+    cost = CostModel(info, get_profile(device), batch_size=16)
+    n = info.num_tensors
+    own = cost.t_dw + cost.t_opt
+    above = np.zeros(n, bool)
+    above[n // 2 :] = np.random.default_rng(0).random(n - n // 2) < 0.5
+    chain, cumulative = [], []
+    for j in range(n // 2 - 1, -1, -1):  # the deepest selected tensor moves from the middle toward the input
+        mask = above.copy()
+        mask[j] = True
+        chain.append(cost.step_time_s(mask) - own[j])  # what reaching j costs, beyond j's own gradient
+        cumulative.append(cost.step_time_s(np.arange(n) >= j))  # everything from j up trains
+    assert np.all(np.diff(chain) >= -1e-15) and chain[-1] > chain[0]
+    assert np.all(np.diff(cumulative) > 0)
+
+
+def test_fractional_ratio_costs_between_frozen_and_full():
+    info = _mlp_info()
+    cost = CostModel(info, get_profile("raspberry_pi_4"), batch_size=32)
+    t = [cost.backward_time_s(np.array([r, 0, 0, 0])) for r in (0.25, 0.5, 1.0)]
+    assert t[0] < t[1] < t[2]
+
+
+def test_small_kernels_pay_launch_overhead_on_a_gpu():
+    info = describe(small_cnn(width=16), torch.zeros(1, 1, 8, 8))
+    dev = get_profile("jetson_nano")
+    cost = CostModel(info, dev, batch_size=4)
+    launch = dev.launch_overhead_s.value
+    roles = np.array(info.tensor_roles)
+    norm_grads = cost.t_dw[np.isin(roles, ["norm_weight", "norm_bias", "bias"])]
+    assert np.all(norm_grads >= launch) and np.all(norm_grads < 1.5 * launch)
+    # with a tiny launch overhead, a bias gradient is far cheaper than a conv weight gradient
+    cheap = CostModel(info, _device(launch_overhead_s=1e-9), batch_size=4)
+    assert cheap.t_dw[roles == "norm_bias"].max() < 0.1 * cheap.t_dw[roles == "weight"].max()
+
+
+def test_measured_table_takes_precedence():
+    info = _mlp_info()
+    table = MeasuredTable(4, "test", {"0": LayerTiming(1e-3, 2e-3, 3e-3), "2": LayerTiming(4e-3, 5e-3, 6e-3)}, 0.5e-3, 0.0)
+    dev = dataclasses.replace(get_profile("jetson_nano"), measured={"mlp": table})
+    cost = CostModel(info, dev, batch_size=8)  # twice the table's batch: times scale linearly
+    assert cost.forward_time_s == pytest.approx(2 * (1e-3 + 4e-3 + 0.5e-3))
+    assert cost.t_dx[[0, 2]] == pytest.approx([4e-3, 10e-3])
+    assert cost.t_dw[[0, 1]].sum() == pytest.approx(6e-3)
+    assert cost.t_dw[[2, 3]].sum() == pytest.approx(12e-3)
+    other = CostModel(dataclasses.replace(info, model_name="other"), dev, batch_size=8)
+    assert other.forward_time_s != pytest.approx(cost.forward_time_s)
+
+
+def test_energy_and_communication():
+    info = _mlp_info()
+    dev = get_profile("raspberry_pi_4")
+    cost = CostModel(info, dev, batch_size=2)
+    ratios = np.array([0, 0, 1, 1.0])
+    fig = cost.round_figures(train_time_s=2.0, macs=0.0, ratios=ratios, peak_memory_bytes=1.0)
+    assert fig.bytes_up == 8 * 4 and fig.bytes_down == 23 * 4
+    up_s = dev.latency_s.value + 8 * 32 / dev.uplink_bit_per_s.value
+    down_s = dev.latency_s.value + 8 * 92 / dev.downlink_bit_per_s.value
+    assert fig.comm_time_s == pytest.approx(up_s + down_s)
+    expected = dev.power_train_w.value * 2.0 + dev.power_transmit_w.value * up_s + dev.power_receive_w.value * down_s
+    assert fig.energy_j == pytest.approx(expected)
