@@ -16,6 +16,10 @@ Details kept from Keras:
   ``alpha > 1``;
 - the classifier is the artifact's head: global average pooling, dropout 0.2, dense ``dense``.
 
+The ReLU6 activations and the pooling are modules too (``Conv1_relu``, ``block_1_expand_relu``,
+``block_1_depthwise_relu``, ``out_relu``, ...), so forward hooks see them; the strided-conv padding
+and the residual additions are functional.
+
 Input preprocessing (``x / 127.5 - 1``) belongs to the data pipeline, not to the module.
 """
 
@@ -70,6 +74,8 @@ class MobileNetV2(nn.Module):
         Keras' ``alpha``; 1.0 is the standard network.
     num_classes : int
         Size of the classifier output.
+    in_channels : int
+        Channels of the input images.
     dropout : float
         Dropout rate before the classifier.
     input_size : int
@@ -81,6 +87,7 @@ class MobileNetV2(nn.Module):
         width_mult: float = 1.0,
         *,
         num_classes: int = 200,
+        in_channels: int = 3,
         dropout: float = 0.2,
         input_size: int = 224,
     ) -> None:
@@ -93,8 +100,9 @@ class MobileNetV2(nn.Module):
         self._plan: list[tuple[str, bool, int, bool]] = []
 
         first = _make_divisible(32 * width_mult, 8)
-        self.add_module("Conv1", nn.Conv2d(3, first, 3, stride=2, bias=False))
+        self.add_module("Conv1", nn.Conv2d(in_channels, first, 3, stride=2, bias=False))
         self._bn("bn_Conv1", first)
+        self.add_module("Conv1_relu", nn.ReLU6())
         in_ch = first
         for block_id, (expansion, filters, stride) in enumerate(_BLOCKS):
             out_ch = _make_divisible(int(filters * width_mult), 8)
@@ -103,10 +111,12 @@ class MobileNetV2(nn.Module):
             if block_id:
                 self.add_module(prefix + "expand", nn.Conv2d(in_ch, hidden, 1, bias=False))
                 self._bn(prefix + "expand_BN", hidden)
+                self.add_module(prefix + "expand_relu", nn.ReLU6())
             padding = 1 if stride == 1 else 0  # stride 2 pads explicitly, like block_N_pad
             dw = nn.Conv2d(hidden, hidden, 3, stride=stride, padding=padding, groups=hidden, bias=False)
             self.add_module(prefix + "depthwise", dw)
             self._bn(prefix + "depthwise_BN", hidden)
+            self.add_module(prefix + "depthwise_relu", nn.ReLU6())
             self.add_module(prefix + "project", nn.Conv2d(hidden, out_ch, 1, bias=False))
             self._bn(prefix + "project_BN", out_ch)
             self._plan.append((prefix, bool(block_id), stride, in_ch == out_ch and stride == 1))
@@ -114,6 +124,8 @@ class MobileNetV2(nn.Module):
         last = _make_divisible(1280 * width_mult, 8) if width_mult > 1.0 else 1280
         self.add_module("Conv_1", nn.Conv2d(in_ch, last, 1, bias=False))
         self._bn("Conv_1_bn", last)
+        self.out_relu = nn.ReLU6()
+        self.global_average_pooling2d = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout)
         self.add_module("dense", nn.Linear(last, num_classes))
         self.num_features = last
@@ -121,26 +133,28 @@ class MobileNetV2(nn.Module):
     def _bn(self, name: str, ch: int) -> None:
         self.add_module(name, nn.BatchNorm2d(ch, eps=_BN_EPS, momentum=_BN_MOMENTUM))
 
-    def _layer(self, name: str) -> nn.Module:
-        return getattr(self, name)
+    def _run(self, x: torch.Tensor, *names: str, prefix: str) -> torch.Tensor:
+        for name in names:
+            x = getattr(self, prefix + name)(x)
+        return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Backbone output (after ``out_relu``), shape ``[B, C, H/32, W/32]``."""
-        x = F.relu6(self.bn_Conv1(self.Conv1(_same_pad(x, 3, 2))))
+        x = self.Conv1_relu(self.bn_Conv1(self.Conv1(_same_pad(x, 3, 2))))
         for prefix, expand, stride, residual in self._plan:
             y = x
             if expand:
-                y = F.relu6(self._layer(prefix + "expand_BN")(self._layer(prefix + "expand")(y)))
+                y = self._run(y, "expand", "expand_BN", "expand_relu", prefix=prefix)
             if stride == 2:
-                y = _same_pad(y, 3, 2)
-            y = F.relu6(self._layer(prefix + "depthwise_BN")(self._layer(prefix + "depthwise")(y)))
-            y = self._layer(prefix + "project_BN")(self._layer(prefix + "project")(y))
-            x = x + y if residual else y
-        return F.relu6(self.Conv_1_bn(self.Conv_1(x)))
+                y = _same_pad(y, 3, 2)  # block_N_pad
+            y = self._run(y, "depthwise", "depthwise_BN", "depthwise_relu", prefix=prefix)
+            y = self._run(y, "project", "project_BN", prefix=prefix)
+            x = x + y if residual else y  # block_N_add
+        return self.out_relu(self.Conv_1_bn(self.Conv_1(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_classes]`` for images ``[B, 3, H, W]``."""
-        x = self.forward_features(x).mean(dim=(2, 3))
+        x = self.global_average_pooling2d(self.forward_features(x)).flatten(1)
         return self.dense(self.dropout(x))
 
 
@@ -148,12 +162,15 @@ def mobilenetv2(
     width_mult: float = 1.0,
     *,
     num_classes: int = 200,
-    dropout: float = 0.2,
+    in_channels: int = 3,
     input_size: int = 224,
+    dropout: float = 0.2,
 ) -> MobileNetV2:
     """MobileNetV2 as ``tf.keras.applications.MobileNetV2(alpha=width_mult)`` + dense head.
 
     With ``width_mult=1.0`` and 200 classes it has 2,480,072 parameters (Keras' trainable count).
     Small variants for tests: ``mobilenetv2(0.35, num_classes=10, input_size=32)``.
     """
-    return MobileNetV2(width_mult, num_classes=num_classes, dropout=dropout, input_size=input_size)
+    return MobileNetV2(
+        width_mult, num_classes=num_classes, in_channels=in_channels, dropout=dropout, input_size=input_size
+    )

@@ -14,6 +14,9 @@ Details kept from Keras:
 - the classifier is the head the ElasticTrainer artifact puts on the backbone:
   global average pooling, dropout 0.2, then a dense layer named ``dense``.
 
+Activations and pooling are modules too (``conv1_relu``, ``pool1_pool``, ``conv2_block1_1_relu``,
+``conv2_block1_out``, ...), so forward hooks see them; the residual additions are functional.
+
 Input preprocessing (Keras' ``caffe`` mode: RGB->BGR and mean subtraction) belongs to the data
 pipeline and is not part of the module.
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ResNet", "resnet50", "resnet_small"]
@@ -45,6 +47,8 @@ class ResNet(nn.Module):
         block output has ``4 * width`` channels.
     num_classes : int
         Size of the classifier output.
+    in_channels : int
+        Channels of the input images.
     dropout : float
         Dropout rate before the classifier.
     input_size : int
@@ -57,6 +61,7 @@ class ResNet(nn.Module):
         *,
         width: int = 64,
         num_classes: int = 200,
+        in_channels: int = 3,
         dropout: float = 0.2,
         input_size: int = 224,
     ) -> None:
@@ -68,8 +73,11 @@ class ResNet(nn.Module):
         # (block name prefix, has a projection shortcut) in forward order
         self._plan: list[tuple[str, bool]] = []
 
-        self._conv("conv1_conv", 3, width, 7, stride=2, padding=3)
+        self._conv("conv1_conv", in_channels, width, 7, stride=2, padding=3)
         self._bn("conv1_bn", width)
+        self.conv1_relu = nn.ReLU()
+        self.pool1_pad = nn.ZeroPad2d(1)
+        self.pool1_pool = nn.MaxPool2d(3, stride=2)
         in_ch = width
         for stage, n_blocks in enumerate(blocks):
             filters = width * 2**stage
@@ -83,12 +91,16 @@ class ResNet(nn.Module):
                     self._bn(f"{name}_0_bn", 4 * filters)
                 self._conv(f"{name}_1_conv", in_ch, filters, 1, stride=s)
                 self._bn(f"{name}_1_bn", filters)
+                self.add_module(f"{name}_1_relu", nn.ReLU())
                 self._conv(f"{name}_2_conv", filters, filters, 3, padding=1)
                 self._bn(f"{name}_2_bn", filters)
+                self.add_module(f"{name}_2_relu", nn.ReLU())
                 self._conv(f"{name}_3_conv", filters, 4 * filters, 1)
                 self._bn(f"{name}_3_bn", 4 * filters)
+                self.add_module(f"{name}_out", nn.ReLU())  # after the residual add
                 self._plan.append((name, first))
                 in_ch = 4 * filters
+        self.global_average_pooling2d = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout)
         self.add_module("dense", nn.Linear(in_ch, num_classes))
         self.num_features = in_ch
@@ -104,37 +116,52 @@ class ResNet(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Backbone output before pooling, shape ``[B, 4 * width * 2**(stages-1), H/32, W/32]``."""
-        x = F.relu(self._cbn(x, "conv1"))
-        x = F.max_pool2d(F.pad(x, (1, 1, 1, 1)), 3, stride=2)  # pool1_pad + pool1_pool
+        x = self.conv1_relu(self._cbn(x, "conv1"))
+        x = self.pool1_pool(self.pool1_pad(x))
         for name, projection in self._plan:
             shortcut = self._cbn(x, f"{name}_0") if projection else x
-            y = F.relu(self._cbn(x, f"{name}_1"))
-            y = F.relu(self._cbn(y, f"{name}_2"))
+            y = getattr(self, f"{name}_1_relu")(self._cbn(x, f"{name}_1"))
+            y = getattr(self, f"{name}_2_relu")(self._cbn(y, f"{name}_2"))
             y = self._cbn(y, f"{name}_3")
-            x = F.relu(shortcut + y)  # {name}_add + {name}_out
+            x = getattr(self, f"{name}_out")(shortcut + y)  # {name}_add, then {name}_out
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_classes]`` for images ``[B, 3, H, W]``."""
-        x = self.forward_features(x).mean(dim=(2, 3))
+        x = self.global_average_pooling2d(self.forward_features(x)).flatten(1)
         return self.dense(self.dropout(x))
 
 
-def resnet50(num_classes: int = 200, *, dropout: float = 0.2, input_size: int = 224) -> ResNet:
+def resnet50(num_classes: int = 200, *, in_channels: int = 3, input_size: int = 224, dropout: float = 0.2) -> ResNet:
     """ResNet-50 as ``tf.keras.applications.ResNet50`` + the artifact's dense head.
 
     With 200 classes it has 23,944,392 parameters (Keras' trainable count).
     """
-    return ResNet((3, 4, 6, 3), width=64, num_classes=num_classes, dropout=dropout, input_size=input_size)
+    return ResNet(
+        (3, 4, 6, 3),
+        width=64,
+        num_classes=num_classes,
+        in_channels=in_channels,
+        dropout=dropout,
+        input_size=input_size,
+    )
 
 
 def resnet_small(
     num_classes: int = 10,
     *,
+    in_channels: int = 3,
+    input_size: int = 32,
     blocks: Sequence[int] = (1, 1, 1, 1),
     width: int = 8,
     dropout: float = 0.2,
-    input_size: int = 32,
 ) -> ResNet:
     """A narrow, shallow ResNet with the same layer naming scheme, for fast tests."""
-    return ResNet(blocks, width=width, num_classes=num_classes, dropout=dropout, input_size=input_size)
+    return ResNet(
+        blocks,
+        width=width,
+        num_classes=num_classes,
+        in_channels=in_channels,
+        dropout=dropout,
+        input_size=input_size,
+    )

@@ -18,6 +18,7 @@ so the qualified names of the parameter-owning modules, in forward order, are th
 Details kept from vit-keras: pre-norm blocks, LayerNorm epsilon 1e-6, exact (erf) GELU, the
 class token prepended before the position embedding is added, the head on the class token,
 no pre-logits layer. Input preprocessing (``x / 127.5 - 1``) belongs to the data pipeline.
+The GELU is a module (``MlpBlock_3.gelu``; Keras' ``lambda``) so forward hooks see it.
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ class MlpBlock(nn.Module):
     def __init__(self, hidden_size: int, mlp_dim: int, dropout: float) -> None:
         super().__init__()
         self.add_module("Dense_0", nn.Linear(hidden_size, mlp_dim))
+        self.gelu = nn.GELU()  # exact (erf) GELU, as vit-keras
+        self.dropout_0 = nn.Dropout(dropout)
         self.add_module("Dense_1", nn.Linear(mlp_dim, hidden_size))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout_1 = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP."""
-        x = self.dropout(F.gelu(self.Dense_0(x)))
-        return self.dropout(self.Dense_1(x))
+        x = self.dropout_0(self.gelu(self.Dense_0(x)))
+        return self.dropout_1(self.Dense_1(x))
 
 
 class TransformerBlock(nn.Module):
@@ -138,7 +141,7 @@ class VisionTransformer(nn.Module):
 
     Parameters
     ----------
-    image_size : int
+    input_size : int
         Input height and width; must be a multiple of ``patch_size``.
     patch_size : int
         Patch edge length.
@@ -146,6 +149,8 @@ class VisionTransformer(nn.Module):
         Transformer width, depth, heads and MLP width.
     num_classes : int
         Size of the classifier output.
+    in_channels : int
+        Channels of the input images.
     dropout : float
         Dropout rate inside the blocks.
     """
@@ -153,48 +158,52 @@ class VisionTransformer(nn.Module):
     def __init__(
         self,
         *,
-        image_size: int = 224,
+        input_size: int = 224,
         patch_size: int = 16,
         hidden_size: int = 768,
         num_layers: int = 12,
         num_heads: int = 12,
         mlp_dim: int = 3072,
         num_classes: int = 200,
+        in_channels: int = 3,
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        if image_size % patch_size:
-            raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
-        self.input_size = image_size
+        if input_size % patch_size:
+            raise ValueError(f"input_size {input_size} is not a multiple of patch_size {patch_size}")
+        self.input_size = input_size
         self.num_classes = num_classes
-        num_tokens = (image_size // patch_size) ** 2 + 1
-        self.embedding = nn.Conv2d(3, hidden_size, patch_size, stride=patch_size)
+        num_tokens = (input_size // patch_size) ** 2 + 1
+        self.embedding = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size)
         self.class_token = ClassToken(hidden_size)
-        self.add_module(
-            "Transformer", Encoder(num_tokens, hidden_size, num_layers, num_heads, mlp_dim, dropout)
-        )
+        self.add_module("Transformer", Encoder(num_tokens, hidden_size, num_layers, num_heads, mlp_dim, dropout))
         self.head = nn.Linear(hidden_size, num_classes)
         self.num_features = hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, num_classes]`` for images ``[B, 3, image_size, image_size]``."""
+        """Logits ``[B, num_classes]`` for images ``[B, in_channels, input_size, input_size]``."""
         x = self.embedding(x).flatten(2).transpose(1, 2)  # [B, N, D], patches in row-major order
         x = self.Transformer(self.class_token(x))
         return self.head(x[:, 0])  # ExtractToken
 
 
-def vit_b16(num_classes: int = 200, *, image_size: int = 224, dropout: float = 0.1) -> VisionTransformer:
+def vit_b16(
+    num_classes: int = 200, *, in_channels: int = 3, input_size: int = 224, dropout: float = 0.1
+) -> VisionTransformer:
     """ViT-B/16 as vit-keras' ``vit_b16(include_top=True)``.
 
     With 200 classes at 224x224 it has 85,952,456 parameters.
     """
-    return VisionTransformer(image_size=image_size, patch_size=16, num_classes=num_classes, dropout=dropout)
+    return VisionTransformer(
+        input_size=input_size, patch_size=16, num_classes=num_classes, in_channels=in_channels, dropout=dropout
+    )
 
 
 def vit_tiny(
     num_classes: int = 10,
     *,
-    image_size: int = 32,
+    in_channels: int = 3,
+    input_size: int = 32,
     patch_size: int = 8,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -204,12 +213,13 @@ def vit_tiny(
 ) -> VisionTransformer:
     """A small ViT with the same layer naming scheme, for fast tests."""
     return VisionTransformer(
-        image_size=image_size,
+        input_size=input_size,
         patch_size=patch_size,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         mlp_dim=mlp_dim,
         num_classes=num_classes,
+        in_channels=in_channels,
         dropout=dropout,
     )
