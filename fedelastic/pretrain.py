@@ -13,11 +13,9 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .config import to_dict
-from .data import transform
 from .errors import ConfigError
 from .training import batches, seed_everything
 
@@ -60,10 +58,7 @@ def pretrain(env) -> dict:
     from .fl.server import evaluate_model  # noqa: PLC0415 (avoids importing Flower at module load)
 
     sc, cfg = env.scenario, env.scenario.model.pretrain
-    train = env.data.train  # never the test split
-    source = transform(train, cfg.transform, sc.seed)
-    if cfg.classes:
-        source = source.subset(np.flatnonzero(np.isin(source.y, cfg.classes)))
+    source = env.view(env.split[0], cfg.classes, cfg.transform)  # the training split only
     rng = seed_everything([sc.seed, 0x9E])
     model = env.new_model()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)

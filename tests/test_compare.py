@@ -26,7 +26,10 @@ def test_expand_makes_every_combination(tmp_path):
         (f, s, seed) for f in ("sbc", "mcu") for s in ("full", "head") for seed in (0, 1)
     }
     head = next(v for v in variants if v.strategy == "head")
-    assert head.scenario.train.strategy == "last_layer" and head.scenario.fleet in ({"raspberry_pi_4": 3}, {"stm32h743": 3})
+    assert head.scenario.train.strategy == "last_layer" and head.scenario.fleet in (
+        {"raspberry_pi_4": 3},
+        {"stm32h743": 3},
+    )
 
 
 def test_expand_rejects_bad_entries(tmp_path):

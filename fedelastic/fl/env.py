@@ -15,7 +15,15 @@ import torch
 from torch import nn
 
 from ..costmodel import CostModel
-from ..data import FederatedData, load_dataset, partition_dirichlet, partition_iid, partition_shards, train_test_split
+from ..data import (
+    ArrayDataset,
+    FederatedData,
+    load_dataset,
+    partition_dirichlet,
+    partition_iid,
+    partition_shards,
+    train_test_split,
+)
 from ..data import transform as apply_transform
 from ..devices import DeviceProfile, assign_fleet, get_profile
 from ..modelinfo import ModelInfo, describe
@@ -32,14 +40,24 @@ class RunEnvironment:
         self._costs: dict[str, CostModel] = {}
 
     @cached_property
+    def split(self) -> tuple[ArrayDataset, ArrayDataset]:
+        """Raw (train, test) split of the whole dataset; the test part is never trained on."""
+        sc = self.scenario
+        ds = load_dataset(sc.data.dataset, src=sc.source)
+        train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.seed)
+        return ds.subset(train_idx), ds.subset(test_idx)
+
+    def view(self, ds: ArrayDataset, classes: tuple[int, ...], kind: str) -> ArrayDataset:
+        """``ds`` restricted to ``classes`` (all if empty) and shifted by the transform ``kind``."""
+        if classes:
+            ds = ds.subset(np.flatnonzero(np.isin(ds.y, classes)))
+        return apply_transform(ds, kind, self.scenario.seed)
+
+    @cached_property
     def data(self) -> FederatedData:
+        """The target task: client partitions of the training split, and the server's test set."""
         sc, d = self.scenario, self.scenario.data
-        ds = load_dataset(d.dataset, src=sc.source)
-        if d.classes:
-            ds = ds.subset(np.flatnonzero(np.isin(ds.y, d.classes)))
-        ds = apply_transform(ds, d.transform, sc.seed)
-        train_idx, test_idx = train_test_split(ds.y, d.test_fraction, sc.seed)
-        train, test = ds.subset(train_idx), ds.subset(test_idx)
+        train, test = (self.view(part, d.classes, d.transform) for part in self.split)
         n = sc.num_clients
         if d.partitioner == "iid":
             parts = partition_iid(train.y, n, sc.seed)
