@@ -7,6 +7,8 @@ from fedelastic.selection import Selection, SelectionContext, SelectionStrategy,
 
 @register
 class Full(SelectionStrategy):
+    """Full fine-tuning: every tensor trains (a fixed scheme)."""
+
     name = "full"
 
     def select(self, ctx: SelectionContext) -> Selection:

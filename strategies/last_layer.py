@@ -7,6 +7,8 @@ from fedelastic.selection import Selection, SelectionContext, SelectionStrategy,
 
 @register
 class LastLayer(SelectionStrategy):
+    """Last layer only: the classifier head trains, the backbone is frozen."""
+
     name = "last_layer"
 
     def select(self, ctx: SelectionContext) -> Selection:

@@ -1,0 +1,233 @@
+"""Shared pieces of the time-budgeted strategies (elastic_tensor, elastic_layer, random_budget, ...).
+
+Conventions
+-----------
+* **Budget.** ``rho`` is the wanted step time as a fraction of full training's on the device;
+  the backward budget is :meth:`CostModel.backward_budget_s` ``(rho)`` =
+  ``rho * (T_fwd + T_bp_full) - T_fwd``, from the device's modelled or measured times (no fixed
+  forward:backward ratio).
+* **Costs.** A trained tensor costs ``t_dw + t_opt`` (its gradient and its optimizer update);
+  the error-gradient chain costs ``t_dx`` of every tensor above the deepest selected one, the
+  deepest tensor's own ``t_dx`` excluded. This is exactly :meth:`CostModel.backward_time_s` of a
+  0/1 selection, so a selection within the budget has
+  ``step_time_s(ratios) <= rho * full_step_time_s()``.
+* **No budget.** When ``rho`` is at or below the device's forward share of a step
+  (``backward_budget_s(rho) <= 0``), option ``infeasible`` decides: ``"skip"`` (default) selects
+  nothing, so that client trains nothing and reports zero steps; ``"error"`` raises a
+  :class:`~fedelastic.errors.ConfigError` naming ``rho``. Skipping is the default because one
+  ``rho`` is shared by a whole heterogeneous fleet, and an MCU's forward share (about 1/3) is
+  larger than a GPU's.
+* **Memory.** The time-optimal selection is priced with :meth:`CostModel.peak_memory_bytes`
+  (and, as a guard, with :meth:`CostModel.backward_time_s`). If it exceeds
+  ``ctx.memory_budget_bytes`` (or the time budget) the *floor* is raised: the deepest selected unit and
+  everything below it become ineligible and the selector runs again on the units above (the
+  saved activations of every weightless op above the deepest trained layer are what dominates
+  training memory, so raising the floor is what frees most). This repeats until the selection
+  fits or is empty. Each re-solve is optimal for its floor, not jointly optimal for time and
+  memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from fedelastic.config import check, field
+from fedelastic.costmodel import CostModel
+from fedelastic.errors import ConfigError
+from fedelastic.selection import Selection, SelectionContext, SelectionStrategy
+from fedelastic.selector import select_artifact_dp, select_exact, select_greedy_ratio
+
+SOLVERS = ("exact", "artifact_dp", "greedy")
+_TIME_RTOL = 1e-9
+Solver = Literal["exact", "artifact_dp", "greedy"]
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """Options of a time-budgeted selection that is made once (see :mod:`strategies._common`)."""
+
+    rho: float = field(
+        0.5,
+        help="target step time as a fraction of full training's step time on the device, in (0, 1]; "
+        "must exceed the device's forward share of a step to leave any backward time",
+    )
+    solver: Solver = field(
+        "exact",
+        help="'exact' (optimal O(N*resolution) selector), 'artifact_dp' (the public ElasticTrainer DP, "
+        "quirks included, for parity studies) or 'greedy' (importance per marginal time, ablation)",
+    )
+    resolution: int = field(1000, help="time-grid units spanning the backward budget in the DP solvers, >= 1")
+    infeasible: Literal["skip", "error"] = field(
+        "skip",
+        help="when rho leaves no backward time on a device: 'skip' selects nothing (the client trains "
+        "nothing), 'error' raises a ConfigError naming rho",
+    )
+
+    def __post_init__(self) -> None:
+        check(0 < self.rho <= 1, "rho", "a number in (0, 1]")
+        check(self.solver in SOLVERS, "solver", f"one of {list(SOLVERS)}")
+        check(
+            isinstance(self.resolution, int) and 1 <= self.resolution <= 1_000_000,
+            "resolution",
+            "an integer in [1, 1000000]",
+        )
+        check(self.infeasible in ("skip", "error"), "infeasible", "one of ['skip', 'error']")
+
+
+@dataclass(frozen=True)
+class ElasticConfig(BudgetConfig):
+    """Options of an elastic (periodically re-selecting) time-budgeted selection."""
+
+    interval: int = field(
+        10, help="training steps between re-probing and re-selecting (>= 1); dropped tensors can return"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(isinstance(self.interval, int) and self.interval >= 1, "interval", "an integer >= 1")
+
+
+def backward_budget(cost: CostModel, config: BudgetConfig, strategy: str) -> float:
+    """The backward-time budget of ``config.rho`` on ``cost``'s device; ``<= 0`` means none.
+
+    Raises
+    ------
+    ConfigError
+        If there is no backward time left and ``config.infeasible == "error"``.
+    """
+    budget = cost.backward_budget_s(config.rho)
+    if budget <= 0 and config.infeasible == "error":
+        share = cost.forward_time_s / cost.full_step_time_s()
+        raise ConfigError(
+            f"<strategy {strategy}>",
+            "train.options.rho",
+            f"more than the forward share {share:.3f} of a step on device {cost.device.name!r} "
+            "(no backward time is left to train anything)",
+            config.rho,
+        )
+    return budget
+
+
+def solve(
+    importance: np.ndarray,
+    t_dw: np.ndarray,
+    t_dx: np.ndarray,
+    budget: float,
+    solver: str,
+    resolution: int,
+    floor: int = -1,
+) -> np.ndarray:
+    """Run ``solver`` on the units above ``floor`` (indices ``> floor``); bool mask over all units.
+
+    The sub-problem above a floor has the same costs as the full problem restricted to it (the
+    chain of a unit only counts units above it), so slicing is exact for every solver.
+    """
+    n = len(importance)
+    mask = np.zeros(n, dtype=bool)
+    lo = floor + 1
+    if budget <= 0 or lo >= n:
+        return mask
+    args = (importance[lo:], t_dw[lo:], t_dx[lo:], budget)
+    if solver == "exact":
+        sub = select_exact(*args, resolution=resolution)
+    elif solver == "artifact_dp":
+        sub = select_artifact_dp(*args, resolution=resolution)
+    elif solver == "greedy":
+        sub = select_greedy_ratio(*args)
+    else:
+        raise ValueError(f"unknown solver {solver!r}")
+    mask[lo:] = sub
+    return mask
+
+
+def shrink_to_memory(select: Callable[[int], np.ndarray], fits: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """Raise the floor until the selection fits in memory (or is empty).
+
+    Parameters
+    ----------
+    select : callable
+        ``select(floor)`` returns a bool mask over units with every selected index ``> floor``.
+    fits : callable
+        Whether a unit mask fits the memory budget.
+
+    Returns
+    -------
+    np.ndarray
+        The first mask, from floor ``-1`` upward, that fits; the empty mask if none does.
+    """
+    mask = select(-1)
+    while mask.any() and not fits(mask):
+        mask = select(int(np.flatnonzero(mask)[0]))
+    return mask
+
+
+def tensor_times(cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tensor ``(t_dw + t_opt, t_dx)``: a trained tensor's cost and its chain cost."""
+    return cost.t_dw + cost.t_opt, cost.t_dx.copy()
+
+
+class BudgetedStrategy(SelectionStrategy):
+    """Base of the strategies that maximise a per-unit score within ElasticTrainer's time budget.
+
+    Subclasses give the per-tensor score (:meth:`scores`) and may group tensors into units
+    (:meth:`units`); this class prices the units, runs the solver, raises the floor until the
+    selection fits in memory and expands it to a tensor :class:`Selection`.
+    """
+
+    config_cls = ElasticConfig
+    respects_memory = True  # shrinks its selection to ctx.memory_budget_bytes (contract tests)
+
+    def should_reselect(self, step: int) -> bool:
+        interval = getattr(self.config, "interval", 0)
+        return bool(interval) and step > 0 and step % interval == 0
+
+    def scores(self, ctx: SelectionContext) -> np.ndarray:
+        """Per-tensor score to maximise, forward order."""
+        raise NotImplementedError
+
+    def units(self, ctx: SelectionContext) -> np.ndarray:
+        """Unit index of every tensor (non-decreasing in forward order); default: one per tensor."""
+        return np.arange(ctx.info.num_tensors)
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        cfg = self.config
+        n = ctx.info.num_tensors
+        score = np.asarray(self.scores(ctx), dtype=float)
+        if score.shape != (n,):
+            raise ValueError(f"{self.name}: expected {n} tensor scores, got shape {score.shape}")
+        budget = backward_budget(ctx.cost, cfg, self.name)
+        unit = self.units(ctx)
+        num_units = int(unit.max()) + 1 if n else 0
+        dw, dx = tensor_times(ctx.cost)
+        unit_score = np.bincount(unit, weights=score, minlength=num_units)
+        unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
+        unit_dx = np.bincount(unit, weights=dx, minlength=num_units)
+        memory_budget = ctx.memory_budget_bytes
+
+        def to_tensors(unit_mask: np.ndarray) -> np.ndarray:
+            return unit_mask[unit].astype(float)
+
+        # backward time no tensor owns (e.g. a measured table's loss gradient) is paid by any
+        # non-empty selection: the units share what is left of the budget
+        unit_budget = budget - float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
+
+        def pick(floor: int) -> np.ndarray:
+            return solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor)
+
+        def fits(unit_mask: np.ndarray) -> bool:
+            ratios = to_tensors(unit_mask)
+            # the time check is a guard: the solvers already keep the grid-rounded cost in budget
+            in_time = ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
+            return in_time and ctx.cost.peak_memory_bytes(ratios) <= memory_budget
+
+        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits)))
+
+
+def require_importance(ctx: SelectionContext, name: str) -> np.ndarray:
+    if ctx.importance is None:
+        raise ValueError(f"strategy {name!r} needs ctx.importance from the 'importance' probe")
+    return np.asarray(ctx.importance, dtype=float)

@@ -1,0 +1,40 @@
+"""Static-rho ablation: ElasticTrainer's first selection, kept.
+
+The importance probe runs once, before the first step, and the selection it gives is never
+revised. After that selection the instance sets its ``probe`` to ``None`` and returns the same
+selection from :meth:`select`, so an instance reused for later local trainings (e.g. kept per
+client across rounds) keeps its first selection without paying for the probe again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedelastic.selection import Selection, SelectionContext, register
+
+from ._common import BudgetConfig, BudgetedStrategy, require_importance
+
+
+@register
+class StaticElastic(BudgetedStrategy):
+    """ElasticTrainer's first selection kept forever (ablation of elasticity)."""
+
+    name = "static_elastic"
+    config_cls = BudgetConfig
+    probe = "importance"
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self._first: Selection | None = None
+
+    def should_reselect(self, step: int) -> bool:
+        return False
+
+    def scores(self, ctx: SelectionContext) -> np.ndarray:
+        return require_importance(ctx, self.name)
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        if self._first is None:
+            self._first = super().select(ctx)
+            self.probe = None  # instance attribute: later selections need no probe
+        return self._first

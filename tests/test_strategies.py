@@ -1,0 +1,410 @@
+"""Tests of the individual strategies and of the probes they rely on.
+
+The shared contract (budgets, only-selected-change, backward nodes, configs, determinism) is in
+``test_strategy_contract.py``; this file checks what is specific to each method.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedelastic.costmodel import CostModel
+from fedelastic.data import load_digits_dataset
+from fedelastic.devices import get_profile
+from fedelastic.errors import ConfigError
+from fedelastic.modelinfo import describe
+from fedelastic.models.small import mcu_net, small_cnn
+from fedelastic.selection import Selection, SelectionContext, make_strategy
+from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
+from strategies._common import solve, tensor_times
+from strategies.tinytrain import layer_scores
+
+BATCH = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=1)
+def digits():
+    ds = load_digits_dataset()
+    return ds.subset(np.random.default_rng(0).permutation(len(ds))[:256])
+
+
+def batch(n: int = BATCH, offset: int = 0):
+    ds = digits()
+    return torch.from_numpy(ds.x[offset : offset + n]), torch.from_numpy(ds.y[offset : offset + n])
+
+
+def build(factory, width: int, device: str, batch_size: int = BATCH, seed: int = 0):
+    torch.manual_seed(seed)
+    model = factory(width=width)
+    info = describe(model, torch.zeros(1, 1, 8, 8), factory.__name__)
+    return model, info, CostModel(info, get_profile(device), batch_size)
+
+
+def recorded(strategy) -> list[Selection]:
+    seen: list[Selection] = []
+    inner = strategy.select
+
+    def select(ctx):
+        seen.append(inner(ctx))
+        return seen[-1]
+
+    strategy.select = select
+    return seen
+
+
+def context(model, info, cost, probe: str | None, seed: int = 0) -> SelectionContext:
+    model.train()
+    x, y = batch()
+    ctx = SelectionContext(info, cost, 0, np.random.default_rng(seed))
+    if probe == "importance":
+        ctx.importance = importance_probe(model, info, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y)
+    elif probe == "fisher":
+        ctx.fisher = fisher_probe(model, info, x, y)
+    return ctx
+
+
+# ---- probes --------------------------------------------------------------------------------------
+def test_fisher_potential_matches_hand_computation():
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(1, 3, 3, padding=1), nn.Linear(3 * 8 * 8, 10)
+    model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), lin)
+    info = describe(model, torch.zeros(1, 1, 8, 8))
+    x, y = batch(6)
+    n = x.shape[0]
+
+    a1 = conv(x)
+    a2 = lin(torch.relu(a1).flatten(1))
+    g1, g2 = torch.autograd.grad(nn.functional.cross_entropy(a2, y), [a1, a2])
+    a1, a2 = a1.detach(), a2.detach()
+    per_sample_conv = (a1 * g1).sum(dim=(2, 3))  # (N, C): inner sum over positions, per sample
+    per_sample_lin = a2 * g2  # (N, C): one position per channel
+    hand = {0: (per_sample_conv**2).sum(0) / (2 * n), 1: (per_sample_lin**2).sum(0) / (2 * n)}
+
+    fisher = fisher_probe(model, info, x, y)
+    assert sorted(fisher) == [0, 1]
+    for li in (0, 1):
+        np.testing.assert_allclose(fisher[li], hand[li].numpy(), rtol=1e-5, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+
+    # summing over the batch before squaring is a different (wrong) number
+    batch_first = per_sample_conv.sum(0) ** 2 / (2 * n)
+    assert not np.allclose(batch_first.numpy(), fisher[0], rtol=1e-3)
+
+
+def test_importance_probe_restores_weights_and_momentum_exactly():
+    model, info, _ = build(small_cnn, 8, "jetson_nano")
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for offset in (0, BATCH):  # build up momentum
+        x, y = batch(offset=offset)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    params = ordered_params(model, info)
+    params[0].requires_grad_(False)  # flags must be restored too
+    state = copy.deepcopy(model.state_dict())
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in params]
+
+    # the same probe by hand, on copies
+    twin = copy.deepcopy(model)
+    twin_params = ordered_params(twin, info)
+    for p in twin_params:
+        p.requires_grad_(True)
+    twin_opt = torch.optim.SGD(twin_params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    x, y = batch(offset=2 * BATCH)
+    start = [p.detach().clone() for p in twin_params]
+    nn.functional.cross_entropy(twin(x), y).backward()
+    twin_opt.step()
+    delta = [p.detach() - s for p, s in zip(twin_params, start)]
+    twin_opt.zero_grad()
+    nn.functional.cross_entropy(twin(x), y).backward()
+    hand = np.array([-(p.grad * d).sum().item() for p, d in zip(twin_params, delta)])
+
+    importance = importance_probe(model, info, opt, x, y)
+    np.testing.assert_allclose(importance, hand, rtol=1e-6, atol=1e-12)
+    after = model.state_dict()
+    assert all(torch.equal(state[k], after[k]) for k in state)
+    for p, buf in zip(params, momentum):
+        assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+        assert p.grad is None
+    assert not params[0].requires_grad and all(p.requires_grad for p in params[1:])
+
+
+# ---- elastic_tensor --------------------------------------------------------------------------------
+def test_elastic_tensor_reselects_and_dropped_tensors_return():
+    model, info, cost = build(small_cnn, 8, "jetson_nano")
+    strategy = make_strategy("elastic_tensor", {"rho": 0.5, "interval": 2})
+    assert [s for s in range(9) if strategy.should_reselect(s)] == [2, 4, 6, 8]
+    selections = recorded(strategy)
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=16)
+    assert result.fits and result.selections == len(selections) == 8
+    masks = np.array([s.mask for s in selections])
+    assert len({m.tobytes() for m in masks}) > 1, "the selection never changed"
+    returned = [
+        k
+        for k in range(info.num_tensors)
+        if any(
+            masks[a, k] and not masks[b, k] and masks[c, k]
+            for a in range(len(masks))
+            for b in range(a + 1, len(masks))
+            for c in range(b + 1, len(masks))
+        )
+    ]
+    assert returned, "no dropped tensor ever came back"
+    # the probe (2 forward + 2 backward passes) is charged once per selection
+    assert result.overhead_time_s == pytest.approx(8 * cost.probe_time_s(full_backward_passes=2, forward_passes=2))
+
+
+def test_elastic_tensor_solvers_respect_budget():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    ctx = context(model, info, cost, "importance")
+    budget = cost.backward_budget_s(0.5)
+    value = {}
+    for solver in ("exact", "artifact_dp", "greedy"):
+        sel = make_strategy("elastic_tensor", {"rho": 0.5, "solver": solver}).select(ctx)
+        assert cost.backward_time_s(sel.ratios) <= budget * (1 + 1e-9)
+        value[solver] = float(ctx.importance[sel.mask].sum())
+    assert value["exact"] >= value["artifact_dp"] - 1e-12
+    assert value["exact"] >= value["greedy"] - 1e-12
+    assert value["exact"] > 0
+
+
+def test_elastic_budget_uses_device_times_not_a_fixed_ratio():
+    for device in ("jetson_nano", "stm32h743"):
+        _, info, cost = build(mcu_net, 8, device)
+        full = cost.full_step_time_s()
+        assert cost.backward_budget_s(0.5) == pytest.approx(0.5 * full - cost.forward_time_s)
+        dw, dx = tensor_times(cost)
+        ones = np.ones(info.num_tensors, dtype=bool)
+        assert cost.backward_time_s(ones) == pytest.approx(dw.sum() + dx[1:].sum())
+
+
+def test_elastic_tensor_shrinks_to_memory():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    ctx = context(model, info, cost, "importance")
+    memory = ctx.memory_budget_bytes
+    dw, dx = tensor_times(cost)
+    unconstrained = solve(ctx.importance, dw, dx, cost.backward_budget_s(1.0), "exact", 1000)
+    assert cost.peak_memory_bytes(unconstrained.astype(float)) > memory  # the premise
+    sel = make_strategy("elastic_tensor", {"rho": 1.0}).select(ctx)
+    assert sel.mask.any()
+    assert cost.peak_memory_bytes(sel.ratios) <= memory
+    assert np.flatnonzero(sel.mask)[0] > np.flatnonzero(unconstrained)[0]  # the floor was raised
+
+
+def test_no_backward_budget_skips_or_errors():
+    model, info, cost = build(small_cnn, 8, "stm32h743")
+    assert cost.forward_time_s / cost.full_step_time_s() > 0.3  # an MCU's forward share is about 1/3
+    ctx = context(model, info, cost, "importance")
+    for name in ("elastic_tensor", "elastic_layer", "random_budget", "static_elastic"):
+        assert not make_strategy(name, {"rho": 0.3}).select(ctx).mask.any()
+        with pytest.raises(ConfigError) as err:
+            make_strategy(name, {"rho": 0.3, "infeasible": "error"}).select(ctx)
+        assert err.value.key == "train.options.rho" and "forward share" in str(err.value)
+    before = copy.deepcopy(model.state_dict())
+    result = train_local(
+        model,
+        info,
+        make_strategy("elastic_tensor", {"rho": 0.3}),
+        cost,
+        digits(),
+        epochs=1,
+        batch_size=BATCH,
+        lr=0.1,
+        max_steps=4,
+    )
+    assert result.fits and result.steps == 0
+    params = dict(model.named_parameters())
+    assert all(torch.equal(before[k], p) for k, p in params.items())
+
+
+# ---- elastic_layer -------------------------------------------------------------------------------------
+def test_elastic_layer_selects_whole_layers_only():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2})
+    selections = recorded(strategy)
+    train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
+    assert len(selections) == 4
+    for sel in selections:
+        assert not sel.channels and set(np.unique(sel.ratios)) <= {0.0, 1.0}
+        assert sel.mask.any()
+        for layer in info.layers:
+            picked = sel.mask[list(layer.tensors)]
+            assert picked.all() or not picked.any(), layer.name
+        assert cost.step_time_s(sel.ratios) <= 0.5 * cost.full_step_time_s() * (1 + 1e-9)
+
+
+def test_elastic_layer_importance_is_summed_per_layer():
+    model, info, cost = build(small_cnn, 8, "jetson_nano")
+    ctx = context(model, info, cost, "importance")
+    # make one norm layer's tensors individually weak but jointly strong
+    imp = np.full(info.num_tensors, -1.0)
+    norm = next(layer for layer in info.layers if layer.kind == "norm" and layer is not info.layers[0])
+    a, b = norm.tensors
+    imp[a], imp[b] = 5.0, -1.0
+    ctx.importance = imp
+    sel = make_strategy("elastic_layer", {"rho": 1.0}).select(ctx)
+    assert sel.mask[a] and sel.mask[b]  # layer importance 4 > 0 takes the negative tensor along
+    assert sel.mask.sum() == 2
+
+
+# ---- static_elastic / random_budget ----------------------------------------------------------------
+def test_static_elastic_keeps_its_first_selection():
+    model, info, cost = build(small_cnn, 8, "jetson_nano")
+    strategy = make_strategy("static_elastic", {"rho": 0.5})
+    selections = recorded(strategy)
+    kwargs = dict(epochs=1, batch_size=BATCH, lr=0.05, max_steps=12)
+    first = train_local(model, info, strategy, cost, digits(), **kwargs)
+    assert first.selections == 1 and first.overhead_time_s > 0
+    second = train_local(model, info, strategy, cost, digits(), seed=1, **kwargs)  # e.g. a later round
+    assert second.overhead_time_s == 0  # no probe: the first selection is reused
+    assert selections[0] is selections[1]
+    elastic = make_strategy("elastic_tensor", {"rho": 0.5})
+    model2, _, _ = build(small_cnn, 8, "jetson_nano")
+    ctx = context(model2, info, cost, "importance")
+    assert np.array_equal(make_strategy("static_elastic", {"rho": 0.5}).select(ctx).ratios, elastic.select(ctx).ratios)
+
+
+def test_random_budget_is_random_within_budget():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    masks = []
+    for seed in range(4):
+        ctx = SelectionContext(info, cost, 0, np.random.default_rng(seed))
+        sel = make_strategy("random_budget", {"rho": 0.5}).select(ctx)
+        assert sel.mask.any()
+        assert cost.step_time_s(sel.ratios) <= 0.5 * cost.full_step_time_s() * (1 + 1e-9)
+        masks.append(sel.mask.tobytes())
+    assert len(set(masks)) > 1
+    result = train_local(
+        model,
+        info,
+        make_strategy("random_budget", {"interval": 2}),
+        cost,
+        digits(),
+        epochs=1,
+        batch_size=BATCH,
+        lr=0.05,
+        max_steps=6,
+    )
+    assert result.selections == 3 and result.overhead_time_s == 0  # no probe
+
+
+# ---- tinytrain -------------------------------------------------------------------------------------------
+def test_tinytrain_fits_an_mcu_where_full_does_not():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    state = copy.deepcopy(model.state_dict())
+    kwargs = dict(epochs=1, batch_size=BATCH, lr=0.05, max_steps=4)
+    full = train_local(model, info, make_strategy("full"), cost, digits(), **kwargs)
+    assert not full.fits and cost.peak_memory_bytes(np.ones(info.num_tensors)) > cost.device.memory_train_bytes.value
+    model.load_state_dict(state)
+    strategy = make_strategy("tinytrain")
+    selections = recorded(strategy)
+    result = train_local(model, info, strategy, cost, digits(), **kwargs)
+    assert result.fits and result.steps == 4 and result.selections == 1
+    sel = selections[0]
+    assert sel.channels, "expected a channel-sparse update"
+    assert result.peak_memory_bytes <= cost.device.memory_train_bytes.value
+    zeros = np.zeros(info.num_tensors)
+    macs = cost.step_macs(sel.ratios) - cost.step_macs(zeros)
+    assert macs <= 0.3 * (cost.step_macs(np.ones(info.num_tensors)) - cost.step_macs(zeros)) * (1 + 1e-9)
+    assert result.channel_masks  # the client reports the partial tensors' channels
+
+
+def test_tinytrain_scores_and_top_channels():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    ctx = context(model, info, cost, "fisher")
+    scores = layer_scores(ctx, ctx.fisher)
+    params = {li: sum(int(info.tensor_numel[k]) for k in info.layers[li].tensors) for li in ctx.fisher}
+    macs = {li: info.layers[li].macs for li in ctx.fisher}
+    for li, s in scores.items():
+        denom = (params[li] / max(params.values())) * (macs[li] / max(macs.values()))
+        assert s == pytest.approx(ctx.fisher[li].sum() / denom)
+    sel = make_strategy("tinytrain", {"channel_ratios": [0.25, 0.5]}).select(ctx)
+    assert sel.mask.any()
+    for k in np.flatnonzero(sel.mask):
+        li = int(info.tensor_layer[k])
+        assert info.tensor_roles[k] in ("weight", "bias")
+        assert sel.ratios[k] in (0.25, 0.5)
+        chosen = sel.channels[k]
+        delta = ctx.fisher[li]
+        assert delta[chosen].min() >= np.delete(delta, chosen).max()  # the top channels by delta
+        for j in info.layers[li].tensors:  # weight and bias of a layer share their channels
+            if info.tensor_roles[j] in ("weight", "bias"):
+                assert np.array_equal(sel.channels[j], chosen)
+
+
+def test_tinytrain_budgets_bind():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    ctx = context(model, info, cost, "fisher")
+    trained = []
+    for fraction in (0.05, 0.3, 1.0):
+        sel = make_strategy("tinytrain", {"compute_fraction": fraction, "compute_metric": "time"}).select(ctx)
+        assert cost.backward_time_s(sel.ratios) <= fraction * cost.backward_time_s(np.ones(info.num_tensors)) + 1e-15
+        trained.append(float((sel.ratios * info.tensor_numel).sum()))
+    assert trained[0] < trained[1] <= trained[2]
+    frozen = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+    tight = (frozen + 2000) / ctx.memory_budget_bytes
+    sel = make_strategy("tinytrain", {"memory_fraction": tight, "compute_fraction": 1.0}).select(ctx)
+    assert cost.peak_memory_bytes(sel.ratios) <= tight * ctx.memory_budget_bytes
+
+
+# ---- sparse_update / bn_bias -------------------------------------------------------------------------------
+def test_sparse_update_static_scheme_fits_mcu():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    ctx = SelectionContext(info, cost, 0, np.random.default_rng(0))
+    strategy = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 3})
+    sel = strategy.select(ctx)
+    assert cost.peak_memory_bytes(sel.ratios) <= ctx.memory_budget_bytes
+    weights = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] == "weight"]
+    assert 1 <= len(weights) <= 3
+    for k in weights:
+        assert sel.ratios[k] in (0.125, 0.25, 0.5, 1.0)
+        if k in sel.channels:
+            assert np.array_equal(sel.channels[k], np.arange(len(sel.channels[k])))  # the first channels
+    biases = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] in ("bias", "norm_bias")]
+    bias_layers = [
+        li
+        for li in range(len(info.layers))
+        if any(info.tensor_roles[k] in ("bias", "norm_bias") for k in info.layers[li].tensors)
+    ]
+    assert sorted({int(info.tensor_layer[k]) for k in biases}) == bias_layers[-4:]
+    again = strategy.select(SelectionContext(info, cost, 5, np.random.default_rng(1)))  # static: no rng, no probe
+    assert np.array_equal(again.ratios, sel.ratios)
+    assert all(np.array_equal(again.channels[k], sel.channels[k]) for k in sel.channels)
+    assert not strategy.should_reselect(10)
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=3)
+    assert result.fits and result.steps == 3
+
+
+def test_sparse_update_searches_against_memory():
+    _, info, cost = build(mcu_net, 16, "stm32f746")
+    ctx = SelectionContext(info, cost, 0, np.random.default_rng(0))
+    trained = []
+    for fraction in (0.7, 0.85, 1.0):
+        sel = make_strategy("sparse_update", {"memory_fraction": fraction}).select(ctx)
+        assert cost.peak_memory_bytes(sel.ratios) <= fraction * ctx.memory_budget_bytes
+        trained.append(float((sel.ratios * info.tensor_numel).sum()))
+    assert trained[0] <= trained[1] <= trained[2] and trained[0] < trained[2]
+
+
+def test_bn_bias_selects_norms_biases_and_head():
+    _, info, cost = build(mcu_net, 8, "jetson_nano")
+    sel = make_strategy("bn_bias").select(SelectionContext(info, cost, 0, np.random.default_rng(0)))
+    head = set(info.layers[-1].tensors)
+    for k, role in enumerate(info.tensor_roles):
+        assert sel.mask[k] == (role in ("norm_weight", "norm_bias", "bias") or k in head)
