@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import FedelasticError
@@ -150,7 +151,8 @@ def cmd_strategies(args) -> None:
     for name in available():
         cls = REGISTRY[name]
         opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
-        console.print(f"{name:16} {cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ''}  [{opts}]")
+        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
+        console.print(escape(f"{name:16} {doc}  [{opts}]"))
 
 
 def cmd_pretrain(args) -> None:

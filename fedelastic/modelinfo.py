@@ -29,6 +29,7 @@ class LayerInfo:
     out_numel: int
     out_channels: int
     tensors: tuple[int, ...]
+    groups: int = 1  # conv groups: a grouped (depthwise) conv's output channel needs only its own inputs
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             tlayer.append(len(layers))
             numel.append(p.numel())
             channels.append(p.shape[0] if p.dim() > 0 else 1)
-        layers.append(LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx)))
+        groups = int(getattr(mod, "groups", 1)) if kind == "conv" else 1
+        layers.append(LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups))
     missing = [n for n, p in model.named_parameters() if n not in set(names)]
     if missing:
         raise ValueError(f"parameters not reached by a forward pass: {missing[:5]}")

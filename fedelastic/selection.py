@@ -102,6 +102,13 @@ class SelectionStrategy:
         """Whether to probe and select again before ``step`` (step 0 always selects)."""
         return False
 
+    def state(self) -> dict[str, np.ndarray]:
+        """What the strategy remembers between local trainings; the client keeps it across rounds."""
+        return {}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what :meth:`state` returned in an earlier round."""
+
 
 REGISTRY: dict[str, type[SelectionStrategy]] = {}
 

@@ -124,6 +124,7 @@ def fisher_probe(model: nn.Module, info: ModelInfo, x: torch.Tensor, y: torch.Te
 
     params = ordered_params(model, info)
     flags = [p.requires_grad for p in params]
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # the probe's forward moves BN statistics
     handles = [mod.register_forward_hook(keep(li)) for li, mod in targets.items()]
     try:
         for p in params:
@@ -141,6 +142,9 @@ def fisher_probe(model: nn.Module, info: ModelInfo, x: torch.Tensor, y: torch.Te
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
         model.zero_grad(set_to_none=True)
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)

@@ -2,8 +2,8 @@
 
 The importance probe runs once, before the first step, and the selection it gives is never
 revised. After that selection the instance sets its ``probe`` to ``None`` and returns the same
-selection from :meth:`select`, so an instance reused for later local trainings (e.g. kept per
-client across rounds) keeps its first selection without paying for the probe again.
+selection from :meth:`select`. The selection is the strategy's :meth:`state`, which the client
+keeps across rounds, so later rounds reuse it without paying for the probe again.
 """
 
 from __future__ import annotations
@@ -38,3 +38,11 @@ class StaticElastic(BudgetedStrategy):
             self._first = super().select(ctx)
             self.probe = None  # instance attribute: later selections need no probe
         return self._first
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {} if self._first is None else {"ratios": self._first.ratios}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        if "ratios" in state:
+            self._first = Selection(np.asarray(state["ratios"], dtype=float))
+            self.probe = None

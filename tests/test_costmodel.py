@@ -50,12 +50,21 @@ def test_memory_matches_hand_computation():
     # only the first bias: no activation, but the ReLU above it keeps a one-bit mask of 3 x 2 elements
     m = cost.memory(np.array([0, 1, 0, 0]))
     assert (m.activations_bytes, m.gradients_bytes) == (3 * 2 / 8, 3 * 4)
-    # half the output channels of the first weight: half of its input, plus the ReLU mask
+    # half the output channels of the first (dense) weight: all of its input, half the gradient
     m = cost.memory(np.array([0.5, 0, 0, 0]))
-    assert (m.activations_bytes, m.gradients_bytes, m.optimizer_bytes) == (0.5 * 4 * 2 * 4 + 0.75, 6 * 4, 6 * 4)
+    assert (m.activations_bytes, m.gradients_bytes, m.optimizer_bytes) == (4 * 2 * 4 + 0.75, 6 * 4, 6 * 4)
     assert cost.peak_memory_bytes(np.zeros(4)) == weights + workspace
     int8 = dataclasses.replace(get_profile("stm32h743"))
     assert CostModel(info, int8, batch_size=2).memory(np.ones(4)).weights_bytes == 23
+
+
+def test_depthwise_channel_subset_saves_only_its_inputs():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), nn.Conv2d(4, 4, 1, bias=False))
+    info = describe(model, torch.zeros(1, 4, 5, 5))
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=1)
+    per_sample_input = 4 * 5 * 5 * 4  # bytes
+    assert cost.memory(np.array([0.25, 0])).activations_bytes == per_sample_input / 4
+    assert cost.memory(np.array([0, 0.25])).activations_bytes == per_sample_input
 
 
 def test_backward_follows_the_chain_rule():
@@ -112,7 +121,9 @@ def test_small_kernels_pay_launch_overhead_on_a_gpu():
 
 def test_measured_table_takes_precedence():
     info = _mlp_info()
-    table = MeasuredTable(4, "test", {"0": LayerTiming(1e-3, 2e-3, 3e-3), "2": LayerTiming(4e-3, 5e-3, 6e-3)}, 0.5e-3, 0.0)
+    table = MeasuredTable(
+        4, "test", {"0": LayerTiming(1e-3, 2e-3, 3e-3), "2": LayerTiming(4e-3, 5e-3, 6e-3)}, 0.5e-3, 0.0
+    )
     dev = dataclasses.replace(get_profile("jetson_nano"), measured={"mlp": table})
     cost = CostModel(info, dev, batch_size=8)  # twice the table's batch: times scale linearly
     assert cost.forward_time_s == pytest.approx(2 * (1e-3 + 4e-3 + 0.5e-3))

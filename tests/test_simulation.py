@@ -1,12 +1,17 @@
 """End-to-end runs: determinism in-process, and one real Flower simulation on Ray."""
 
 import json
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from fedelastic.compare import expand
 from fedelastic.fl.runner import run_scenario
+from fedelastic.scenario import load_scenario
+
+from .conftest import ROOT
 
 
 def _frames(run_dir):
@@ -86,11 +91,35 @@ def test_finished_rounds_survive_a_crash(make_scenario, monkeypatch):
 
 @pytest.mark.ray
 def test_real_ray_backend_two_rounds_four_clients(make_scenario):
-    sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1})
+    # static_elastic keeps per-node state across rounds, which must survive Ray's actor pool too
+    train = {"strategy": "static_elastic", "options": {"rho": 0.7}}
+    sc = make_scenario(train=train, simulation={"backend": "ray", "num_cpus_per_client": 1})
     run_dir = run_scenario(sc, run_id="ray")
     clients, rounds = _frames(run_dir)
     assert len(clients) == 8 and list(rounds["round"]) == [0, 1, 2]
+    assert (clients[clients["round"] == 2].emulated_overhead_time_s == 0).all()
     # the Ray run computes exactly what the in-process run computes
-    local_clients, local_rounds = _frames(run_scenario(make_scenario(), run_id="local"))
+    local_clients, local_rounds = _frames(run_scenario(make_scenario(train=train), run_id="local"))
     pd.testing.assert_frame_equal(clients, local_clients)
     pd.testing.assert_frame_equal(rounds, local_rounds)
+
+
+def test_static_elastic_keeps_its_first_selection_across_rounds(make_scenario):
+    sc = make_scenario(train={"strategy": "static_elastic", "options": {"rho": 0.7}}, server={"rounds": 3})
+    clients = pd.read_parquet(run_scenario(sc, run_id="static") / "clients.parquet")
+    trained = clients[clients.steps > 0]
+    assert trained.partition_id.nunique() >= 2
+    for _, g in trained.groupby("partition_id"):
+        g = g.sort_values("round")
+        assert g.emulated_overhead_time_s.iloc[0] > 0  # the probe runs once ...
+        assert (g.emulated_overhead_time_s.iloc[1:] == 0).all()  # ... and never again
+        assert g.fraction_params_trained.nunique() == 1
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "simulations").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_scenarios_validate(path):
+    raw = tomllib.loads(path.read_text())
+    if "compare" in raw:
+        assert expand(raw, str(path))[1]
+    else:
+        assert load_scenario(path).name == raw["name"]

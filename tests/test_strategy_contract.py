@@ -268,19 +268,7 @@ def test_only_selected_change(name, model_name, device):
         assert {info.tensor_names[k] for k in np.flatnonzero(union > 0)} <= set(result.trained)
 
 
-FISHER_BN_BUG = (
-    "fisher_probe runs its forward in train mode and does not restore norm buffers, so the running "
-    "statistics of frozen BatchNorm layers move (fix: snapshot and restore model buffers in fisher_probe)"
-)
-NORM_CASES = [
-    pytest.param(s, m, d, marks=pytest.mark.xfail(strict=True, reason=FISHER_BN_BUG))
-    if REGISTRY[s].probe == "fisher"
-    else (s, m, d)
-    for s, m, d in CASES
-]
-
-
-@pytest.mark.parametrize(("name", "model_name", "device"), NORM_CASES, ids=IDS)
+@pytest.mark.parametrize(("name", "model_name", "device"), CASES, ids=IDS)
 def test_frozen_norm_statistics_unchanged(name, model_name, device):
     """Running statistics of a norm layer none of whose tensors trained stay bit-identical."""
     model, result, selections, info, _ = run(name, model_name, device)

@@ -53,10 +53,13 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     model = _MODELS[key]
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     t = scenario.train
+    strategy = env.strategy()
+    if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+        strategy.load_state({k: v.numpy() for k, v in context.state["strategy-state"].items()})
     result = train_local(
         model,
         env.info,
-        env.strategy(),
+        strategy,
         cost,
         env.data.client(pid),
         epochs=t.local_epochs,
@@ -67,6 +70,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         max_steps=t.max_steps,
         seed=[scenario.seed, server_round, pid],
     )
+    context.state["strategy-state"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in strategy.state().items()})
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
     trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
