@@ -40,7 +40,9 @@ class StrategyVariant:
 @dataclass(frozen=True)
 class CompareConfig:
     strategies: tuple[Any, ...] = field((), help="strategy names or { strategy, label, options } tables")
-    fleets: dict[str, dict[str, int]] = field(default_factory=dict, help="fleet label -> fleet (default: the scenario's)")
+    fleets: dict[str, dict[str, int]] = field(
+        default_factory=dict, help="fleet label -> fleet (default: the scenario's)"
+    )
     seeds: tuple[int, ...] = field((), help="seeds (default: the scenario's)")
     target_accuracy: float = field(0.0, help="report simulated time and energy to reach this accuracy (0: skip)")
 
@@ -74,7 +76,9 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
         for variant, label in zip(variants, labels):
             for seed in seeds:
                 r = copy.deepcopy(raw)
-                r.update(fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_"))
+                r.update(
+                    fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_")
+                )
                 r["train"] = {**r.get("train", {}), "strategy": variant.strategy, "options": variant.options}
                 out.append(Variant(label, fleet_label, seed, parse_scenario(r, src)))
     return cfg, out
@@ -116,7 +120,9 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     plt.close("all")
 
 
-def run_comparison(path: str | Path, *, output: Path | None = None, backend: str | None = None, rounds: int | None = None) -> Path:
+def run_comparison(
+    path: str | Path, *, output: Path | None = None, backend: str | None = None, rounds: int | None = None
+) -> Path:
     """Run every combination of a comparison file; returns the comparison folder."""
     from dataclasses import replace
 
@@ -130,7 +136,12 @@ def run_comparison(path: str | Path, *, output: Path | None = None, backend: str
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
     cfg, variants = expand(raw, str(path))
-    out = output or Path(variants[0].scenario.output_dir) / raw.get("name", path.stem) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = (
+        output
+        or Path(variants[0].scenario.output_dir)
+        / raw.get("name", path.stem)
+        / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     out.mkdir(parents=True, exist_ok=False)
     all_rounds, summary = [], []
     for i, v in enumerate(variants):

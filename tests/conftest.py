@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from fedelastic.devices import builtin_profile_dir
 from fedelastic.scenario import parse_scenario

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tomllib
 import typing
 
 import numpy as np
 import pytest
 import tomli_w
-import tomllib
 import torch
 from torch import nn
 
