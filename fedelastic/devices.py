@@ -8,13 +8,13 @@ See ``device_profiles/SCHEMA.md`` for the full schema.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tomllib
 
 from .errors import ConfigError
 from .units import UNITS, to_si

@@ -7,11 +7,10 @@ strategy options, its model and every device of its fleet exist.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 from .config import check, field, from_dict, to_dict
 from .errors import ConfigError
