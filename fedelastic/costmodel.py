@@ -17,7 +17,9 @@ Conventions (documented in the README):
   The deepest tensor's own dx is not charged: autograd computes no gradient below it.
 * Roofline per kernel: ``max(flops / (peak * efficiency), bytes / bandwidth) + launch_overhead``.
   A profile's measured per-layer table, when it has one for this model, replaces the roofline of
-  the layers it lists (scaled linearly in batch size).
+  the layers it lists (scaled linearly in batch size). A measured ``fwd`` includes the forward of
+  the weightless ops just below the layer, as ``fedelastic profile import-trace`` and
+  ``fedelastic profile measure`` write it (its ``dx`` includes their backward, as above).
 """
 
 from __future__ import annotations
@@ -120,14 +122,17 @@ class CostModel:
                     self.t_dw[k] = kernel(2 * outs, 2 * outs)
                 else:  # bias, norm bias, other: a reduction over the output gradient
                     self.t_dw[k] = kernel(outs, outs + size)
-        # weightless ops: forward always paid; backward charged to the dx of the layer above
-        self.t_ops_fwd = 0.0
+        # weightless ops: forward always paid; backward charged to the dx of the layer above.
+        # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
+        self.t_ops_fwd_layer = np.zeros(len(info.layers) + 1)
         first_tensor = info.layer_first_tensor()
         for op in info.ops:
             t = float(kernel(b * op.out_numel, b * (op.in_numel + op.out_numel)))
-            self.t_ops_fwd += t
+            self.t_ops_fwd_layer[min(op.above, len(info.layers))] += t
             if op.above < len(info.layers):
                 self.t_dx[first_tensor[op.above]] += t
+        self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
+        self.t_bwd_fixed = 0.0
         self.measured = device.measured.get(info.model_name)
         if self.measured is not None:
             self._apply_measured(layer_fwd)
@@ -135,17 +140,22 @@ class CostModel:
         # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
         self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
         self._fwd_macs = float(b * sum(layer.macs for layer in info.layers))
+        self._prepare_memory()
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
         table, info = self.measured, self.info
         assert table is not None
         scale = self.batch_size / table.batch_size
         covered = 0
-        for layer in info.layers:
+        for li, layer in enumerate(info.layers):
             row = table.layers.get(layer.name)
             if row is None:
                 continue
             covered += 1
+            # a measured fwd already holds the weightless ops below the layer (import-trace and
+            # profile measure charge them there): do not count their roofline forward again
+            self.t_ops_fwd -= self.t_ops_fwd_layer[li]
+            self.t_ops_fwd_layer[li] = 0.0
             first = layer.tensors[0]
             self.t_fwd[first], self.t_dx[first] = row.fwd_s * scale, row.dx_s * scale
             roof = self.t_dw[list(layer.tensors)]
@@ -153,9 +163,10 @@ class CostModel:
             self.t_dw[list(layer.tensors)] = row.dw_s * scale * share
         if covered == len(info.layers):  # the table already holds the weightless ops
             self.t_ops_fwd = table.unattributed_fwd_s * scale
-            dx_total = self.t_dx.sum()
-            if dx_total > 0:
-                self.t_dx *= 1 + table.unattributed_bwd_s * scale / dx_total
+            self.t_ops_fwd_layer[:] = 0.0
+            self.t_ops_fwd_layer[-1] = self.t_ops_fwd
+            # backward no layer owns (the loss gradient): paid once by every step that trains anything
+            self.t_bwd_fixed = table.unattributed_bwd_s * scale
 
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:
@@ -168,7 +179,7 @@ class CostModel:
         on = ratios > 0
         dw = np.where(on, launch + ratios * (self.t_dw - launch), 0.0).sum()
         opt = np.where(on, launch + ratios * (self.t_opt - launch), 0.0).sum()
-        return float(dw + opt + self._dx_above[selected[0]])
+        return float(dw + opt + self._dx_above[selected[0]] + self.t_bwd_fixed)
 
     def step_time_s(self, ratios: np.ndarray) -> float:
         """Forward plus backward time of one training step."""
@@ -190,32 +201,45 @@ class CostModel:
     def memory(self, ratios: np.ndarray) -> MemoryBreakdown:
         """Peak training memory, per ALGORITHMS.md section 4.
 
-        Weights are all resident. A weight gradient saves its layer's input (the trained channel
-        fraction of it); a norm scale saves its normalised input; biases save nothing. Weightless
+        Weights are all resident. A weight gradient saves its layer's input: all of it for a dense
+        layer, whatever output channels train, and the trained channels' share for a grouped
+        (depthwise) conv, whose output channels each read only their own inputs. A norm scale
+        saves its normalised input; biases save nothing. Weightless
         ops above the deepest trained tensor save a one-bit mask (ReLU-like) or their input.
         Trained elements add a gradient and the optimizer's state. The workspace is the largest
         forward in+out pair (inference) or backward gradient buffer.
         """
-        info, e, b = self.info, float(self.device.bytes_per_element), float(self.batch_size)
         ratios = np.asarray(ratios, float)
-        weights = float(info.tensor_numel.sum()) * e
+        e = float(self.device.bytes_per_element)
         selected = np.flatnonzero(ratios > 0)
-        trained = float((ratios * info.tensor_numel).sum())
+        trained = float(ratios @ self.info.tensor_numel)
         acts = 0.0
         if selected.size:
-            k_min_layer = int(info.tensor_layer[selected[0]])
-            for k in selected:
-                layer = info.layers[info.tensor_layer[k]]
-                role = info.tensor_roles[k]
-                if role == "weight":
-                    acts += ratios[k] * layer.in_numel * b * e
-                elif role in ("norm_weight", "other"):
-                    acts += ratios[k] * layer.out_numel * b * e
-            for op in info.ops:
-                if op.above > k_min_layer:
-                    acts += op.out_numel * b / 8 if op.kind == "mask" else op.in_numel * b * e
-        workspace = max((b * (layer.in_numel + layer.out_numel) * e for layer in info.layers), default=0.0)
-        return MemoryBreakdown(weights, acts, trained * e, trained * e * self.optimizer_state, workspace)
+            share = np.where(self._act_scales_with_ratio, ratios, ratios > 0)
+            acts = float(share @ self._act_bytes) + self._op_bytes_above[self.info.tensor_layer[selected[0]]]
+        return MemoryBreakdown(
+            self._weight_bytes, acts, trained * e, trained * e * self.optimizer_state, self._workspace
+        )
+
+    def _prepare_memory(self) -> None:
+        """Per-tensor saved-activation bytes and per-layer op bytes, so memory() is vectorised."""
+        info, e, b = self.info, float(self.device.bytes_per_element), float(self.batch_size)
+        self._weight_bytes = float(info.tensor_numel.sum()) * e
+        self._act_bytes = np.zeros(info.num_tensors)
+        self._act_scales_with_ratio = np.ones(info.num_tensors, bool)
+        for k, (role, li) in enumerate(zip(info.tensor_roles, info.tensor_layer)):
+            layer = info.layers[li]
+            if role == "weight":  # dense: any output channel's gradient needs the whole input
+                self._act_bytes[k] = layer.in_numel * b * e
+                self._act_scales_with_ratio[k] = layer.groups > 1
+            elif role in ("norm_weight", "other"):
+                self._act_bytes[k] = layer.out_numel * b * e
+        # _op_bytes_above[l]: what weightless ops above layer l save when l is the deepest trained layer
+        per_layer = np.zeros(len(info.layers) + 1)
+        for op in info.ops:
+            per_layer[op.above] += op.out_numel * b / 8 if op.kind == "mask" else op.in_numel * b * e
+        self._op_bytes_above = np.concatenate([np.cumsum(per_layer[::-1])[::-1][1:], [0.0]])
+        self._workspace = max((b * (layer.in_numel + layer.out_numel) * e for layer in info.layers), default=0.0)
 
     def peak_memory_bytes(self, ratios: np.ndarray) -> float:
         return self.memory(ratios).total_bytes
