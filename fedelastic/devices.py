@@ -3,7 +3,7 @@
 A profile is a TOML file. Every number is an inline table
 ``{ value = ..., unit = "...", source = "..." }``; the loader checks the unit against the
 quantity's dimension, converts to SI and keeps the source. Unknown keys are errors.
-See ``device_profiles/SCHEMA.md`` for the full schema.
+The schema is documented in the README ("Device profiles").
 """
 
 from __future__ import annotations
