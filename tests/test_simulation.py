@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomli_w
 
 from fedelastic.compare import expand
 from fedelastic.fl.runner import run_scenario
@@ -123,3 +124,19 @@ def test_shipped_scenarios_validate(path):
         assert expand(raw, str(path))[1]
     else:
         assert load_scenario(path).name == raw["name"]
+
+
+def test_declared_availability_drops_clients_reproducibly(make_scenario, tmp_path, profile_raw):
+    folder = tmp_path / "devices"
+    folder.mkdir()
+    profile_raw.update(name="flaky_nano", availability={"probability": {"value": 0.5, "unit": "1", "source": "test"}})
+    (folder / "flaky_nano.toml").write_text(tomli_w.dumps(profile_raw))
+    sc = make_scenario(fleet={"flaky_nano": 6, "raspberry_pi_4": 2}, device_dirs=[str(folder)], server={"rounds": 4})
+    clients, rounds = _frames(run_scenario(sc, run_id="avail"))
+    per_round = clients.groupby("round").device.apply(list)
+    assert all(r.count("raspberry_pi_4") == 2 for r in per_round)  # always available
+    flaky = [r.count("flaky_nano") for r in per_round]
+    assert min(flaky) < 6 and max(flaky) > 0
+    assert (rounds.clients_unavailable.iloc[1:] == [6 - f for f in flaky]).all()
+    again, _ = _frames(run_scenario(sc, run_id="avail2"))
+    pd.testing.assert_frame_equal(clients, again)

@@ -69,6 +69,7 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
 _ROUND_KEYS = (
     "clients",
     "clients_failed",
+    "clients_unavailable",
     "clients_not_fitting",
     "round_time_s",
     "mean_train_loss",
@@ -91,15 +92,25 @@ class PartialFedAvg(FedAvg):
         self._arrays: ArrayRecord | None = None
         self._round: dict = dict.fromkeys(_ROUND_KEYS, 0)  # round 0: the initial model
         self._round_start = time.perf_counter()
+        self._unavailable = 0
+        self._availability = [
+            a.value if (a := env.profile(device).availability) is not None else 1.0 for device in env.devices
+        ]
 
     def sample(self, server_round: int) -> list[int]:
-        """Partition ids trained in ``server_round``: all, or a seeded sample."""
-        n, k = self.sc.num_clients, self.sc.server.clients_per_round or self.sc.num_clients
-        if k >= n:
-            return list(range(n))
-        return sorted(
-            np.random.default_rng([self.sc.seed, server_round, 0x5A]).choice(n, size=k, replace=False).tolist()
-        )
+        """Partition ids trained in ``server_round``: available devices, then a seeded sample of them.
+
+        A device whose profile declares ``availability.probability = p`` is reachable in a round
+        with probability p (a seeded draw per round and partition).
+        """
+        rng = np.random.default_rng([self.sc.seed, server_round, 0x5A])
+        draws = rng.random(self.sc.num_clients)
+        available = [p for p in range(self.sc.num_clients) if draws[p] < self._availability[p]]
+        self._unavailable = self.sc.num_clients - len(available)
+        k = self.sc.server.clients_per_round or self.sc.num_clients
+        if k >= len(available):
+            return available
+        return sorted(rng.choice(available, size=k, replace=False).tolist())
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -174,6 +185,7 @@ class PartialFedAvg(FedAvg):
         self._round = {
             "clients": len(replies),
             "clients_failed": len(failed),
+            "clients_unavailable": self._unavailable,
             "clients_not_fitting": len(rows) - len(fitted),
             "round_time_s": round_time,
             "mean_train_loss": float(np.nanmean([r["train_loss"] for r in fitted])) if fitted else float("nan"),
