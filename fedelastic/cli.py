@@ -166,6 +166,78 @@ def cmd_pretrain(args) -> None:
     initial_state(environment(sc))
 
 
+def cmd_profile(args) -> None:
+    from .profiler import import_trace_into, measure_profile
+
+    progress = Console(stderr=True)  # stdout may carry the TOML table
+
+    def say(msg: str) -> None:
+        progress.print(f"  {msg}", highlight=False, markup=False)
+
+    try:
+        if args.action == "measure":
+            options = dict(kv.split("=", 1) for kv in args.option)
+            options = {k: float(v) if v.replace(".", "", 1).isdigit() else v for k, v in options.items()}
+            options = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in options.items()}
+            profile, fit, table = measure_profile(
+                args.model,
+                args.out,
+                batch_size=args.batch_size,
+                input_size=args.input_size,
+                num_classes=args.num_classes,
+                in_channels=args.in_channels,
+                name=args.name,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                threads=args.threads,
+                clock=args.clock,
+                like=args.like,
+                device_class=args.device_class,
+                model_options=options,
+                progress=say,
+            )
+            console.print(
+                f"[bold]{profile.name}[/]: step {table.step_s * 1e3:.1f} ms (forward {table.forward_s * 1e3:.1f}, "
+                f"backward {table.backward_s * 1e3:.1f}, optimizer {table.other_s * 1e3:.1f}) at batch {table.batch_size}; "
+                f"fitted peak x efficiency {fit.peak_eff / 1e9:.3g} GFLOP/s, bandwidth {fit.mem_bandwidth / 1e9:.3g} GB/s, "
+                f"launch {fit.launch_overhead * 1e6:.3g} us (median layer error {fit.median_rel_err:.0%}); "
+                f"written to {args.out}",
+                highlight=False,
+            )
+            return
+        table, raw, fit = import_trace_into(
+            args.file,
+            model=args.model,
+            batch_size=args.batch_size,
+            profile=args.profile,
+            fit=args.fit,
+            input_size=args.input_size,
+            num_classes=args.num_classes,
+            source=args.source,
+            progress=say,
+        )
+    except (ValueError, OSError) as exc:
+        raise FedelasticError(f"profile {args.action}: {exc}") from None
+    if args.profile is None:
+        from .profiler import dumps_profile
+
+        console.print(dumps_profile(raw), end="", highlight=False, markup=False, soft_wrap=True)
+        return
+    console.print(
+        f"{args.profile}: [measured.{args.model}] written ({len(table.layers)} layers), profile valid",
+        markup=False,
+        highlight=False,
+    )
+    if fit is not None:
+        c = raw["compute"]
+        console.print(
+            f"  refitted on {', '.join(fit.models)}: efficiency {c['efficiency']['value']}, launch_overhead "
+            f"{c['launch_overhead']['value']} us, mem_bandwidth {c['mem_bandwidth']['value']} GB/s "
+            f"(layer error median {fit.median_rel_err:.0%}, p90 {fit.p90_rel_err:.0%}; total {fit.total_rel_err:+.0%})",
+            highlight=False,
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedelastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +267,33 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("pretrain", help="pretrain (and cache) a scenario's starting weights")
     pre.add_argument("scenario")
     pre.set_defaults(fn=cmd_pretrain)
+    prof = sub.add_parser("profile", help="measure this device, or import a measured trace into a profile")
+    prof_sub = prof.add_subparsers(dest="action", required=True)
+    meas = prof_sub.add_parser("measure", help="measure this machine with torch and write its device profile")
+    meas.add_argument("--model", required=True, help="registry model name or package.module:callable")
+    meas.add_argument("--out", required=True, type=Path, help="profile file to write (its stem is the device name)")
+    meas.add_argument("--batch-size", type=int, default=8)
+    meas.add_argument("--input-size", type=int, help="input height and width (default: the factory's)")
+    meas.add_argument("--num-classes", type=int, help="classifier size (default: the factory's)")
+    meas.add_argument("--in-channels", type=int, help="input channels (default: the factory's, else 3)")
+    meas.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra factory argument")
+    meas.add_argument("--name", help="device name (default: the --out file stem; must equal it)")
+    meas.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (medians)")
+    meas.add_argument("--warmup", type=int, default=2, help="untimed runs before each measurement")
+    meas.add_argument("--threads", type=int, help="torch threads (default: torch's default); recorded")
+    meas.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: thread CPU time (1 thread)")
+    meas.add_argument("--like", help="profile (name or file) to copy [power] and [network] from")
+    meas.add_argument("--device-class", choices=["mcu", "sbc", "gpu-edge", "phone"], default="sbc")
+    imp = prof_sub.add_parser("import-trace", help="turn a Chrome trace into a [measured.<model>] table")
+    imp.add_argument("file", type=Path, help="Chrome-trace file (.json or .json.gz)")
+    imp.add_argument("--model", required=True, help="model registry name the table is for (e.g. resnet50)")
+    imp.add_argument("--batch-size", type=int, default=4)
+    imp.add_argument("--profile", type=Path, help="profile to write the table into (else print it)")
+    imp.add_argument("--fit", action="store_true", help="also refit the profile's roofline to its measured tables")
+    imp.add_argument("--input-size", type=int, help="input size of --model for the fit (default: the factory's)")
+    imp.add_argument("--num-classes", type=int, help="classes of --model for the fit (default: the factory's)")
+    imp.add_argument("--source", help="source text of the table (default: the file name)")
+    prof.set_defaults(fn=cmd_profile)
     return parser
 
 
