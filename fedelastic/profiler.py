@@ -6,26 +6,29 @@ profile from measured tables.
 
 Measuring (:func:`measure_layers`)
 ----------------------------------
-The model runs in training mode on a fixed batch, every parameter trainable, with
-``torch.set_num_threads`` fixed by the caller (the thread count is recorded in the source).
-Per layer (a module that owns parameters, as in :class:`~fedelastic.modelinfo.ModelInfo`):
+On a fixed batch, with ``torch.set_num_threads`` fixed by the caller (the count is recorded in
+every source), the whole model runs three kinds of passes, each time-stamped per layer (a
+module that owns parameters, as in :class:`~fedelastic.modelinfo.ModelInfo`) by forward hooks
+on every layer and tensor hooks on every layer's output (the moment backward reaches it):
 
-- the layer's input is captured by a forward hook, then its forward, dX and dW are timed **in
-  isolation**, median over ``repeats`` after ``warmup`` runs:
+- *train*: full training steps, training mode, every parameter trainable;
+- *eval-train*: the same with batch norms in eval mode;
+- *frozen*: eval mode, no autograd: what a layer below the trained part costs.
 
-  * ``fwd``: ``layer(x)`` with autograd on (parameters require grad, ``x`` does not);
-  * ``dx``: ``torch.autograd.grad(y, x, dy)`` with the parameters frozen;
-  * ``dw``: ``torch.autograd.grad(y, params, dy)`` with ``x`` not requiring grad;
+The forward between the end of one layer and the end of the next is that next layer's (its
+weightless ops included); the backward between two consecutive stamps is the layer's dX and dW
+plus the weightless ops below it, which is the cost model's convention (the backward of
+weightless ops between layer L and L+1 goes to L+1's dx). Each layer is also timed **in
+isolation** on its captured input (forward with autograd on; dX = ``autograd.grad`` wrt the
+input with the parameters frozen; dW = ``autograd.grad`` wrt the parameters with the input not
+requiring grad; medians after warm-up), which splits its in-graph backward into dX and dW.
 
-- the weightless ops (activations, pooling, residual adds, functional ops that no hook sees)
-  are timed **in the graph**: a full training step runs with forward hooks that time-stamp
-  every layer's start and end, and tensor hooks on every layer's output that time-stamp the
-  moment backward reaches it. The forward time between the end of one layer and the start of
-  the next is charged to the next layer's ``fwd``, and the in-graph backward between two
-  consecutive layer stamps, less the isolated ``dx + dw`` of the layer, to that layer's ``dx``
-  (the cost model's convention: the backward of weightless ops between layer L and L+1 is
-  charged to L+1's dx). What runs after the last layer (the loss and its gradient) is
-  ``unattributed``.
+Training costs more than the sum of frozen forwards and backward kernels on a CPU: autograd
+keeps activations (allocations, page faults) and a batch norm in training mode computes batch
+statistics (~5x its eval-mode forward). The table charges each of these where the cost model
+pays for it: autograd's extra forward to ``dx`` (paid by every layer above the deepest trained
+tensor), training mode to a norm's ``dw`` (the trainer runs a norm in training mode only when
+one of its tensors trains), so that the cost model's constant forward is the frozen one.
 
 Fitting (:func:`fit_roofline`)
 ------------------------------
@@ -58,15 +61,23 @@ from .modelinfo import ModelInfo
 from .trace import LayerTime, MeasuredTable
 
 __all__ = [
+    "FIT_OBJECTIVES",
     "FitResult",
+    "apply_fit",
     "build_model",
     "build_profile_dict",
+    "describe_model",
     "dumps_profile",
     "fit_roofline",
+    "fit_to_profile",
+    "get_clock",
     "host_memory_available",
+    "import_trace_into",
     "layer_roofline",
     "measure_layers",
     "measure_peak_flops",
+    "measure_profile",
+    "measured_by",
     "measured_table_toml",
     "profile_table",
     "set_measured_table",
@@ -123,7 +134,8 @@ def build_model(
 # ----------------------------------------------------------------------------- measuring
 
 #: Clocks ``measure_layers`` can time with: wall time, or the CPU time of the calling thread
-#: (only meaningful with one torch thread; robust on a machine shared with other work).
+#: (only meaningful with one torch thread; it leaves out time the thread spends descheduled on
+#: a machine shared with other work).
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 _NORMS = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
@@ -666,15 +678,31 @@ def fit_roofline(
     )
 
 
+def datasheet_bandwidth(device: DeviceProfile) -> float | None:
+    """The profile's bandwidth before any fit (B/s), or None if a fit replaced it without saying."""
+    import re
+
+    from .units import to_si
+
+    q = device.mem_bandwidth_bytes_per_s
+    if not q.source.startswith("fitted"):
+        return q.value
+    found = re.search(r"; was ([0-9.eE+-]+) (\S+): ", q.source)
+    try:
+        return to_si(float(found.group(1)), found.group(2), "bandwidth") if found else None
+    except (KeyError, ValueError):
+        return None
+
+
 def fit_to_profile(
     pairs: Sequence[tuple[ModelInfo, Any]], device: DeviceProfile, *, objective: str = "time"
 ) -> FitResult:
-    """:func:`fit_roofline` bounded by the profile's own peak (efficiency <= 1) and bandwidth."""
+    """:func:`fit_roofline` bounded by the profile's peak (efficiency <= 1) and datasheet bandwidth."""
     return fit_roofline(
         pairs,
         device,
         max_peak_eff=device.peak_flops.value,
-        max_bandwidth=device.mem_bandwidth_bytes_per_s.value,
+        max_bandwidth=datasheet_bandwidth(device),
         objective=objective,
     )
 

@@ -150,6 +150,10 @@ def test_import_trace_cli_writes_a_valid_measured_table(tmp_path, capsys):
     assert "fitted" in refit.efficiency.source and "small_cnn" in refit.launch_overhead_s.source
     assert 0 < refit.efficiency.value <= 1 and refit.launch_overhead_s.value > 0
     assert refit.peak_flops == loaded.peak_flops  # the datasheet peak is kept
+    assert "was 25.6 GB/s" in refit.mem_bandwidth_bytes_per_s.source
+    assert main([*argv, "--profile", str(profile), "--fit"]) == 0  # a refit still knows the datasheet bandwidth
+    again = load_profile(profile).mem_bandwidth_bytes_per_s
+    assert again.source.count("; was ") == 1 and again.value <= 25.6e9
 
 
 def test_import_trace_cli_reports_a_bad_file(tmp_path):
