@@ -1,0 +1,553 @@
+"""Fidelity of the cost model: predicted vs real training-step times (issue 3).
+
+    python benchmarks/fidelity.py [--quick] [--no-write] [--out benchmarks/results/fidelity.json]
+
+Two parts, one command. Results go to ``--out`` (JSON) and, unless ``--no-write``, to the
+section "## fidelity (issue 3)" of ``benchmarks/RESULTS.md`` (only that section is replaced).
+
+**This host.** For each model (small project models sized so that a step takes ~20-200 ms):
+30+ selections (full training, plus random 0/1 tensor masks with a random deepest tensor; each
+applied as the trainer applies it: ``requires_grad`` per tensor, batch norms with no trained
+tensor in eval mode) are run for real (forward, cross-entropy, backward, SGD-momentum step) and
+predicted by the cost model with
+
+(a) the host's measured profile: ``fedelastic.profiler.measure_layers`` table + fitted roofline
+    (what ``fedelastic profile measure`` writes), and
+(b) the fitted roofline alone (the same profile without its measured table),
+
+next to the rule peer simulators use, step = 3 x forward (FedScale), with the forward of a
+full-training step (and, for reference, the inference forward). The machine is shared with
+other work (2 cores): the clock is the thread's CPU time with one torch thread, and the profile
+measurement and the real steps are interleaved over ``rounds`` so that load drift hits both
+alike (profile entries and real steps are medians over rounds).
+
+**Jetson TX2, leave one model out.** The three TX2 traces (ResNet-50, MobileNetV2, ViT-B/16;
+batch 4, 224x224, 200 classes) are imported with ``fedelastic.trace.import_trace``; the roofline
+(efficiency, launch overhead, effective bandwidth; datasheet peak) is fitted on two and
+predicts the third: its full-training step and its per-layer times. Baseline: 3 x the trace's
+forward time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.devices import load_profile, parse_profile  # noqa: E402
+from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.profiler import (  # noqa: E402
+    FitResult,
+    _roofline_device,
+    _start_device,
+    build_model,
+    build_profile_dict,
+    fit_roofline,
+    host_memory_available,
+    layer_roofline,
+    measure_layers,
+    measure_peak_flops,
+    measured_by,
+)
+from fedelastic.trace import LayerTime, MeasuredTable, import_trace  # noqa: E402
+
+DATE = "2026-11-22"
+TRACES = ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2"
+TX2_MODELS = {"resnet50": "resnet50", "mobilenetv2": "mobilenetv2", "vit_b16": "vit"}  # registry -> trace
+HOST_MODELS = {
+    # name: (factory options, batch size); 10 classes
+    "mobilenetv2": ({"width_mult": 0.5, "input_size": 96}, 8),
+    "resnet_small": ({"width": 16, "blocks": (1, 1, 1, 1), "input_size": 64}, 8),
+    "mcu_net": ({"width": 16, "input_size": 32, "in_channels": 3}, 16),
+}
+CLOCK = time.thread_time
+_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+
+
+def rel_stats(pred: np.ndarray, real: np.ndarray) -> dict[str, float]:
+    err = np.asarray(pred) / np.asarray(real) - 1
+    return {
+        "median_abs": float(np.median(np.abs(err))),
+        "p90_abs": float(np.percentile(np.abs(err), 90)),
+        "median_signed": float(np.median(err)),
+        "max_abs": float(np.max(np.abs(err))),
+    }
+
+
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order]) / weights.sum()
+    return float(values[order][np.searchsorted(cum, 0.5)])
+
+
+# ----------------------------------------------------------------------------- host
+
+
+def random_selections(n_tensors: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Full training, then random 0/1 masks: a uniform deepest tensor, each tensor above it kept with p ~ U(0.1, 0.9)."""
+    out = [np.ones(n_tensors)]
+    while len(out) < count:
+        k_min = int(rng.integers(0, n_tensors))
+        r = (rng.random(n_tensors) < rng.uniform(0.1, 0.9)).astype(float)
+        r[:k_min] = 0
+        r[k_min] = 1
+        out.append(r)
+    return out
+
+
+def apply_selection(model, info, ratios) -> list[torch.nn.Parameter]:
+    """What the trainer does: requires_grad per tensor; untrained batch norms in eval mode."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    ordered = [params[n] for n in info.tensor_names]
+    model.train()
+    for p, r in zip(ordered, ratios):
+        p.requires_grad_(bool(r > 0))
+    for layer in info.layers:
+        if isinstance(modules[layer.name], _NORMS):
+            modules[layer.name].train(any(ratios[k] > 0 for k in layer.tensors))
+    return ordered
+
+
+def real_steps(model, info, x, y, ratios, timed: int = 2) -> tuple[list[float], list[float]]:
+    """Times of ``timed`` real steps (after one warm-up step): (whole step, forward + loss)."""
+    params = apply_selection(model, info, ratios)
+    opt = torch.optim.SGD(params, lr=1e-12, momentum=0.9)
+    steps, fwds = [], []
+    for i in range(1 + timed):
+        t0 = CLOCK()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        t1 = CLOCK()
+        loss.backward()
+        opt.step()
+        t2 = CLOCK()
+        if i:
+            steps.append(t2 - t0)
+            fwds.append(t1 - t0)
+    for p in params:
+        p.requires_grad_(True)
+    model.train()
+    return steps, fwds
+
+
+def inference_forward(model, x, repeats: int = 3) -> list[float]:
+    model.eval()
+    out = []
+    with torch.no_grad():
+        model(x)
+        for _ in range(repeats):
+            t0 = CLOCK()
+            model(x)
+            out.append(CLOCK() - t0)
+    model.train()
+    return out
+
+
+def median_table(tables: list[MeasuredTable]) -> MeasuredTable:
+    """Entry-wise median of tables of the same model."""
+    first = tables[0]
+    layers = {
+        n: LayerTime(*np.median([[t.layers[n].fwd_s, t.layers[n].dx_s, t.layers[n].dw_s] for t in tables], axis=0))
+        for n in first.layers
+    }
+    med = {
+        f: float(np.median([getattr(t, f) for t in tables]))
+        for f in ("step_s", "forward_s", "backward_s", "other_s", "unattributed_fwd_s", "unattributed_bwd_s")
+    }
+    return dataclasses.replace(first, layers=layers, n_steps=sum(t.n_steps for t in tables), **med)
+
+
+def host_model(name: str, rounds: int, n_selections: int, seed: int, log) -> dict:
+    options, batch = HOST_MODELS[name]
+    options = dict(options)
+    size, channels = options.pop("input_size"), options.pop("in_channels", None)
+    torch.manual_seed(seed)
+    model, shape = build_model(name, num_classes=10, input_size=size, in_channels=channels, **options)
+    x = torch.randn(batch, *shape)
+    y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(seed))
+    info = describe(model, x[:1], model_name=name)
+    rng = np.random.default_rng(seed)
+    sels = random_selections(info.num_tensors, n_selections, rng)
+    log(f"host {name}: {info.num_tensors} tensors, {len(info.layers)} layers, batch {batch}, input {shape}")
+    by = measured_by(1, "cpu", DATE)
+    tables, steps, fwds, infer = [], [[] for _ in sels], [[] for _ in sels], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        tables.append(measure_layers(model, x, target=y, model_name=name, repeats=3, warmup=1, clock="cpu", source=by))
+        for i in rng.permutation(len(sels)):
+            s, f = real_steps(model, info, x, y, sels[i])
+            steps[i] += s
+            fwds[i] += f
+        infer += inference_forward(model, x)
+        log(f"  round {r + 1}/{rounds}: {time.perf_counter() - t0:.1f} s wall")
+    table = median_table(tables)
+    real = np.array([np.median(s) for s in steps])
+    peak = measure_peak_flops(repeats=5, clock="cpu")
+    fit = fit_roofline([(info, table)], _start_device(peak[0]), max_peak_eff=peak[0])
+    raw = build_profile_dict(
+        "host",
+        tables={name: table},
+        fit=fit,
+        peak_flops=peak,
+        memory=host_memory_available(),
+        measured_by=by,
+    )
+    measured = parse_profile(raw, "<host profile>", stem="host")
+    roofline = dataclasses.replace(measured, measured={})
+    pred_a = np.array([CostModel(info, measured, batch).step_time_s(s) for s in sels])
+    pred_b = np.array([CostModel(info, roofline, batch).step_time_s(s) for s in sels])
+    train_fwd = float(np.median(fwds[0]))
+    infer_fwd = float(np.median(infer))
+    k_min = [int(np.flatnonzero(s)[0]) for s in sels]
+    return {
+        "model": name,
+        "options": {**HOST_MODELS[name][0], "num_classes": 10},
+        "batch_size": batch,
+        "tensors": info.num_tensors,
+        "selections": len(sels),
+        "rounds": rounds,
+        "real_full_step_s": float(real[0]),
+        "real_step_range_s": [float(real.min()), float(real.max())],
+        "train_forward_s": train_fwd,
+        "inference_forward_s": infer_fwd,
+        "fit": dataclasses.asdict(fit),
+        "peak_flops": peak[0],
+        "measured": rel_stats(pred_a, real),
+        "roofline": rel_stats(pred_b, real),
+        "fedscale_3x_train_forward": rel_stats(np.full(len(real), 3 * train_fwd), real),
+        "fedscale_3x_inference_forward": rel_stats(np.full(len(real), 3 * infer_fwd), real),
+        "per_selection": [
+            {
+                "k_min": k,
+                "n_selected": int(s.sum()),
+                "real_s": float(rr),
+                "measured_s": float(a),
+                "roofline_s": float(b),
+            }
+            for k, s, rr, a, b in zip(k_min, sels, real, pred_a, pred_b)
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------- Jetson TX2
+
+
+def tx2_data(log) -> dict[str, tuple]:
+    data = {}
+    for name, stem in TX2_MODELS.items():
+        table = import_trace(TRACES / f"{stem}.trace.json.gz", model=name, batch_size=4)
+        model, shape = build_model(name, num_classes=200, input_size=224)
+        data[name] = (describe(model, torch.zeros(1, *shape), model_name=name), table)
+        log(f"tx2 {name}: trace step {table.step_s * 1e3:.1f} ms, forward {table.forward_s * 1e3:.1f} ms")
+    return data
+
+
+def tx2_predict(device, fit: FitResult, info, table) -> dict:
+    dev = _roofline_device(device, fit.peak_eff, fit.mem_bandwidth, fit.launch_overhead)
+    cost = CostModel(info, dev, table.batch_size)
+    full = np.ones(info.num_tensors)
+    step = cost.step_time_s(full)
+    fwd_bwd = step - float(cost.t_opt.sum())
+    pred = layer_roofline(info, dev, table.batch_size)
+    meas = np.array(
+        [[table.layers[ly.name].fwd_s, table.layers[ly.name].dx_s, table.layers[ly.name].dw_s] for ly in info.layers]
+    )
+    meas[0, 1] = pred[0, 1] = 0.0  # never paid: no gradient below the input
+    err = pred.sum(1) / meas.sum(1) - 1
+    return {
+        "step_pred_s": step,
+        "step_meas_s": table.step_s,
+        "step_err": step / table.step_s - 1,
+        "fwd_bwd_pred_s": fwd_bwd,
+        "fwd_bwd_meas_s": table.forward_s + table.backward_s,
+        "fwd_bwd_err": fwd_bwd / (table.forward_s + table.backward_s) - 1,
+        "fwd_err": cost.forward_time_s / table.forward_s - 1,
+        "layer_median_abs": float(np.median(np.abs(err))),
+        "layer_p90_abs": float(np.percentile(np.abs(err), 90)),
+        "layer_weighted_median_abs": weighted_median(np.abs(err), meas.sum(1)),
+        "baseline_3x_err": 3 * table.forward_s / table.step_s - 1,
+    }
+
+
+def tx2_section(log, objectives=("time", "log", "rel")) -> dict:
+    device = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
+    data = tx2_data(log)
+    names = list(data)
+    out: dict = {"objectives": {}}
+    for objective in objectives:
+        rows = {}
+        for held in names:
+            fit = fit_roofline(
+                [data[m] for m in names if m != held],
+                device,
+                max_peak_eff=device.peak_flops.value,
+                max_bandwidth=59.7e9,
+                objective=objective,
+            )
+            rows[held] = {"fit": dataclasses.asdict(fit), **tx2_predict(device, fit, *data[held])}
+        fit_all = fit_roofline(
+            [data[m] for m in names],
+            device,
+            max_peak_eff=device.peak_flops.value,
+            max_bandwidth=59.7e9,
+            objective=objective,
+        )
+        rows["all (in-sample)"] = {
+            "fit": dataclasses.asdict(fit_all),
+            **{m: tx2_predict(device, fit_all, *data[m]) for m in names},
+        }
+        out["objectives"][objective] = rows
+        log(f"tx2 objective {objective}: done")
+    out["peak_fp32"] = device.peak_flops.value
+    # the profile as shipped: measured tables for the three models (plus the roofline optimizer)
+    out["with_tables"] = {}
+    for name, (info, table) in data.items():
+        cost = CostModel(info, device, table.batch_size)
+        full = np.ones(info.num_tensors)
+        step = cost.step_time_s(full)
+        fwd_bwd = step - float(cost.t_opt.sum())
+        out["with_tables"][name] = {
+            "table_used": cost.measured is not None,
+            "step_pred_s": step,
+            "step_err": step / table.step_s - 1,
+            "fwd_bwd_err": fwd_bwd / (table.forward_s + table.backward_s) - 1,
+            "optimizer_pred_s": float(cost.t_opt.sum()),
+            "trace_other_s": table.other_s,
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def pct(x: float, signed: bool = False) -> str:
+    return f"{x:+.1%}" if signed else f"{x:.1%}"
+
+
+def markdown(res: dict, command: str) -> str:
+    lines = [
+        "## fidelity (issue 3)",
+        "",
+        f"Command: `{command}` ({DATE}; {res['host']['machine']}, torch {torch.__version__}, 1 torch thread; "
+        f"{res['wall_s']:.0f} s wall). Raw numbers: `{res['out']}`.",
+        "",
+        "### This host: predicted vs real step time of random selections",
+        "",
+        "Each model: the full-training selection plus random 0/1 tensor masks (random deepest tensor, "
+        "each tensor above it kept with probability U(0.1, 0.9)), applied as the trainer applies them "
+        "(`requires_grad` per tensor, untrained batch norms in eval mode), each step = forward + "
+        "cross-entropy + backward + SGD-momentum step. Clock: thread CPU time (the machine is shared); "
+        f"profile measurement and real steps interleaved over {res['host']['rounds']} rounds, medians. "
+        "Error = |predicted / real - 1| over the selections; 'signed' is the median of the signed error.",
+        "",
+        "| model (batch) | sel. | real step (full; range) | (a) measured profile: median / p90 (signed) "
+        "| (b) roofline only: median / p90 (signed) | 3 x training fwd: median / p90 | 3 x inference fwd: median / p90 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in res["host"]["models"]:
+        a, b = m["measured"], m["roofline"]
+        f3, i3 = m["fedscale_3x_train_forward"], m["fedscale_3x_inference_forward"]
+        lo, hi = m["real_step_range_s"]
+        lines.append(
+            f"| {m['model']} {m['options']} ({m['batch_size']}) | {m['selections']} | "
+            f"{m['real_full_step_s'] * 1e3:.1f} ms; {lo * 1e3:.1f}-{hi * 1e3:.1f} ms | "
+            f"**{pct(a['median_abs'])}** / **{pct(a['p90_abs'])}** ({pct(a['median_signed'], True)}) | "
+            f"{pct(b['median_abs'])} / {pct(b['p90_abs'])} ({pct(b['median_signed'], True)}) | "
+            f"{pct(f3['median_abs'])} / {pct(f3['p90_abs'])} | {pct(i3['median_abs'])} / {pct(i3['p90_abs'])} |"
+        )
+    lines += [
+        "",
+        "Fitted host roofline per model (peak = measured `torch.mm` 1024x1024 throughput):",
+        "",
+        "| model | peak | peak x efficiency | bandwidth | launch overhead | fit: median / p90 layer error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in res["host"]["models"]:
+        f = m["fit"]
+        lines.append(
+            f"| {m['model']} | {m['peak_flops'] / 1e9:.1f} GFLOP/s | {f['peak_eff'] / 1e9:.1f} GFLOP/s | "
+            f"{f['mem_bandwidth'] / 1e9:.1f} GB/s | {f['launch_overhead'] * 1e6:.1f} us | "
+            f"{pct(f['median_rel_err'])} / {pct(f['p90_rel_err'])} |"
+        )
+    tx2 = res["tx2"]["objectives"]
+    main = tx2["time"]
+    lines += [
+        "",
+        "### Jetson TX2, leave one model out (roofline calibrated on the other two traces)",
+        "",
+        "Traces: `shared/data/measured/jetson_tx2` (batch 4, 224x224, 200 classes), imported with "
+        "`fedelastic.trace.import_trace`; project models `resnet50`, `mobilenetv2`, `vit_b16` described "
+        "at 224x224 with 200 classes. Fit: efficiency (peak = datasheet 573.4 GFLOP/s), launch "
+        "overhead and effective bandwidth (<= 59.7 GB/s datasheet), least squares in seconds with variance "
+        "proportional to time (objective `time`). Step = forward + backward + optimizer (the trace step "
+        "includes the optimizer and gaps, 'other'); layer error over per-layer fwd+dx+dw.",
+        "",
+        "| held out | fitted on | efficiency / bandwidth / launch | step: predicted vs trace (error) "
+        "| fwd+bwd error | layers: median / p90 / time-weighted median | 3 x forward baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    peak = res["tx2"]["peak_fp32"]
+    for held, row in main.items():
+        if held.startswith("all"):
+            continue
+        f = row["fit"]
+        lines.append(
+            f"| {held} | {', '.join(f['models'])} | {f['peak_eff'] / peak:.2f} / {f['mem_bandwidth'] / 1e9:.1f} GB/s / "
+            f"{f['launch_overhead'] * 1e6:.0f} us | {row['step_pred_s'] * 1e3:.0f} vs {row['step_meas_s'] * 1e3:.0f} ms "
+            f"(**{pct(row['step_err'], True)}**) | {pct(row['fwd_bwd_err'], True)} | "
+            f"{pct(row['layer_median_abs'])} / {pct(row['layer_p90_abs'])} / {pct(row['layer_weighted_median_abs'])} | "
+            f"{pct(row['baseline_3x_err'], True)} |"
+        )
+    allrow = main["all (in-sample)"]
+    f = allrow["fit"]
+    lines += [
+        "",
+        f"Fit on all three (what `device_profiles/jetson_tx2.toml` now holds): efficiency {f['peak_eff'] / peak:.3f}, "
+        f"bandwidth {f['mem_bandwidth'] / 1e9:.2f} GB/s, launch overhead {f['launch_overhead'] * 1e6:.1f} us; in-sample "
+        + ", ".join(
+            f"{m} step {pct(allrow[m]['step_err'], True)} (layers median {pct(allrow[m]['layer_median_abs'])})"
+            for m in TX2_MODELS
+        )
+        + ".",
+        "",
+        "With the measured tables (the profile as shipped; the optimizer is still priced by the roofline, "
+        "the traces' 'other' time is optimizer plus gaps): "
+        + ", ".join(
+            f"{m} step {pct(w['step_err'], True)} (fwd+bwd {pct(w['fwd_bwd_err'], True)}; optimizer "
+            f"{w['optimizer_pred_s'] * 1e3:.0f} ms vs 'other' {w['trace_other_s'] * 1e3:.0f} ms)"
+            for m, w in res["tx2"]["with_tables"].items()
+        )
+        + ".",
+        "",
+        "Other fit objectives, same leave-one-out (step error of the held-out model; layer median error):",
+        "",
+        "| objective | " + " | ".join(TX2_MODELS) + " |",
+        "|---|" + "---|" * len(TX2_MODELS),
+    ]
+    for obj, rows in tx2.items():
+        lines.append(
+            f"| {obj} | "
+            + " | ".join(f"{pct(rows[m]['step_err'], True)}; {pct(rows[m]['layer_median_abs'])}" for m in TX2_MODELS)
+            + " |"
+        )
+    lines += ["", discussion(res).strip(), ""]
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace (or append) the '## fidelity (issue 3)' section of RESULTS.md, leaving the rest alone."""
+    head = "## fidelity (issue 3)"
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    if head in old:
+        start = old.index(head)
+        nxt = old.find("\n## ", start + len(head))
+        new = old[:start] + text.rstrip() + "\n" + (old[nxt:] if nxt >= 0 else "")
+    else:
+        new = old.rstrip() + "\n\n" + text.rstrip() + "\n"
+    path.write_text(new)
+
+
+def discussion(res: dict) -> str:
+    models = res["host"]["models"]
+    bwd = [(m["real_full_step_s"] - m["train_forward_s"]) / m["train_forward_s"] for m in models]
+    train = [m["train_forward_s"] / m["inference_forward_s"] for m in models]
+    worst_a = max(m["measured"]["p90_abs"] for m in models)
+    return f"""\
+Where the errors come from:
+
+- Host (a): the measured table prices every layer from in-graph passes of the whole model (frozen,
+  eval-mode training and training passes), so full training is reproduced to within the noise;
+  the error of partial selections (p90 at most {pct(worst_a)}) is mostly (1) timing noise of a
+  shared 2-core VM (the same step varies by ~20 % from one second to the next even in thread CPU
+  time), (2) probably the deepest trained layer's own autograd cost, which the table cannot put
+  where the cost model charges it (it is neither in a charged dX nor in that layer's dW), and
+  (3) the optimizer, priced by the fitted roofline (one launch per tensor) because a table has
+  no optimizer column.
+- Host (b): the roofline cannot see what the table measures: a training forward costs
+  {min(train):.1f}-{max(train):.1f}x the inference forward here (batch norm in training mode is ~5x
+  its eval mode on CPU; autograd keeps activations alive: allocations, page faults), and the
+  per-module overhead of PyTorch on CPU is not a per-kernel launch (median errors
+  {min(m["roofline"]["median_abs"] for m in models):.0%}-{max(m["roofline"]["median_abs"] for m in models):.0%}, mostly too low).
+- 3 x forward: on this CPU backward + optimizer cost {min(bwd):.1f}-{max(bwd):.1f}x the training
+  forward, not 2x, and the rule ignores the selection: it overestimates partial selections 2-5x.
+- TX2 roofline: it underestimates what TensorFlow on the TX2 spends outside the kernels the cost
+  model knows: NCHW/NHWC layout transposes (32 ms of ResNet-50's 503 ms step) and separate BiasAdd
+  passes around convolutions, LayerNorm as a chain of small elementwise ops (several times its roofline),
+  the attention core (batched QK^T and AV matmuls and softmax: ~100 ms of ViT-B/16's 1473 ms,
+  invisible to ModelInfo because it is functional), and MobileNetV2's depthwise backprop kernels,
+  up to ~30x their roofline (DepthwiseConv2dNativeBackpropFilter alone: 40 ms of the 230 ms step).
+  One efficiency/bandwidth/launch triple cannot fit both ViT's large GEMMs and MobileNetV2's
+  depthwise kernels, so a held-out MobileNetV2 is underpredicted by about half, and the 3 x forward
+  rule (which is given the held-out model's measured forward) is closer on step time for two of
+  the three models. The measured tables remove this for the three traced models (fwd+bwd within
+  0.3 %); the fitted roofline is what an untraced model gets on the TX2.
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 host models, 3 rounds (about 3 minutes)")
+    parser.add_argument("--rounds", type=int, help="host rounds (default 6, quick 3)")
+    parser.add_argument("--selections", type=int, default=31, help="selections per host model (incl. full)")
+    parser.add_argument("--models", nargs="*", help="host models (default: all, quick: mobilenetv2 resnet_small)")
+    parser.add_argument("--skip-host", action="store_true")
+    parser.add_argument("--skip-tx2", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.json")
+    parser.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
+    parser.add_argument("--from-json", type=Path, help="only re-render RESULTS.md from a saved --out file")
+    args = parser.parse_args()
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        text = markdown(res, res.get("command", "python benchmarks/fidelity.py"))
+        print(text)
+        if not args.no_write:
+            write_section(ROOT / "benchmarks" / "RESULTS.md", text)
+        return 0
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    rounds = args.rounds or (3 if args.quick else 6)
+    models = args.models or (["mobilenetv2", "resnet_small"] if args.quick else list(HOST_MODELS))
+    res: dict = {"date": DATE, "out": str(args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out)}
+    res["host"] = {
+        "machine": f"{platform.node()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread",
+        "rounds": rounds,
+        "models": [] if args.skip_host else [host_model(m, rounds, args.selections, 0, log) for m in models],
+    }
+    for m in res["host"]["models"]:
+        log(
+            f"host {m['model']}: (a) {pct(m['measured']['median_abs'])}/{pct(m['measured']['p90_abs'])}  "
+            f"(b) {pct(m['roofline']['median_abs'])}/{pct(m['roofline']['p90_abs'])}  "
+            f"3x {pct(m['fedscale_3x_train_forward']['median_abs'])}"
+        )
+    res["tx2"] = {} if args.skip_tx2 else tx2_section(log)
+    res["wall_s"] = time.perf_counter() - start
+    res["command"] = "python benchmarks/fidelity.py" + (" --quick" if args.quick else "")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1, default=float))
+    text = markdown(res, res["command"]) if res["host"]["models"] and res["tx2"] else ""
+    if text:
+        print(text)
+        if not args.no_write:
+            write_section(ROOT / "benchmarks" / "RESULTS.md", text)
+    log(f"done; {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
