@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..scenario import Scenario
 from ..training import train_local
+from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .env import environment
 
 # Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
@@ -51,11 +52,11 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         _MODELS.clear()
         _MODELS[key] = env.new_model()
     model = _MODELS[key]
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    model.load_state_dict(record_to_torch(msg.content["arrays"]))
     t = scenario.train
     strategy = env.strategy()
     if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
-        strategy.load_state({k: v.numpy() for k, v in context.state["strategy-state"].items()})
+        strategy.load_state(record_to_numpy(context.state["strategy-state"]))
     result = train_local(
         model,
         env.info,
@@ -70,7 +71,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         max_steps=t.max_steps,
         seed=[scenario.seed, server_round, pid],
     )
-    context.state["strategy-state"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in strategy.state().items()})
+    context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
     trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
@@ -94,8 +95,8 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     }
     content = RecordDict(
         {
-            "arrays": ArrayRecord({k: Array(v) for k, v in result.trained.items()}),
-            "masks": ArrayRecord({k: Array(v) for k, v in result.channel_masks.items()}),
+            "arrays": record_from_numpy(result.trained),
+            "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
         }
     )

@@ -38,6 +38,7 @@ class RunEnvironment:
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
         self._costs: dict[str, CostModel] = {}
+        self._profiles: dict[str, DeviceProfile] = {}
 
     @cached_property
     def split(self) -> tuple[ArrayDataset, ArrayDataset]:
@@ -81,7 +82,12 @@ class RunEnvironment:
         return assign_fleet(self.scenario.fleet, self.scenario.seed)
 
     def profile(self, name: str) -> DeviceProfile:
-        return get_profile(name, self.scenario.device_dirs, context=self.scenario.source or "<scenario>")
+        """The device's profile, loaded once per run (the server asks for it once per client per round)."""
+        if name not in self._profiles:
+            self._profiles[name] = get_profile(
+                name, self.scenario.device_dirs, context=self.scenario.source or "<scenario>"
+            )
+        return self._profiles[name]
 
     def new_model(self) -> nn.Module:
         """The architecture, with the factory's own initialisation (seeded)."""

@@ -16,7 +16,7 @@ from logging import WARNING
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
@@ -24,6 +24,7 @@ from flwr.supercore import log
 from ..results import Recorder
 from ..scenario import Scenario
 from .aggregate import ClientUpdate, aggregate_partial
+from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
 from .env import RunEnvironment, environment
 
@@ -167,12 +168,12 @@ class PartialFedAvg(FedAvg):
             )
         self.recorder.add_clients(rows)
         assert self._arrays is not None
-        current = {k: v.numpy() for k, v in self._arrays.items()}
+        current = record_to_numpy(self._arrays)
         updates = [
             ClientUpdate(
                 float(m.content["metrics"]["num-examples"]),
-                {k: v.numpy() for k, v in m.content["arrays"].items()},
-                {k: v.numpy() for k, v in m.content["masks"].items()},
+                record_to_numpy(m.content["arrays"]),
+                record_to_numpy(m.content["masks"]),
             )
             for m, r in zip(ok, metrics)
             if r["fits"]
@@ -192,7 +193,7 @@ class PartialFedAvg(FedAvg):
             "round_energy_j": energy,
             "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
         }
-        arrays = ArrayRecord({k: Array(v) for k, v in new_state.items()})
+        arrays = record_from_numpy(new_state)
         return arrays, MetricRecord({"round-time-s": round_time})
 
     def configure_evaluate(
@@ -206,7 +207,7 @@ class PartialFedAvg(FedAvg):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Global test accuracy after every round; writes the round's row."""
         model = self.env.new_model()
-        model.load_state_dict(arrays.to_torch_state_dict())
+        model.load_state_dict(record_to_torch(arrays))
         test = self.env.data.test
         accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {

@@ -1,0 +1,86 @@
+"""Exact, faster conversion between numpy arrays and Flower ``Array`` records.
+
+Flower stores every ``Array`` as the bytes of ``np.save`` and reads it back with ``np.load``,
+which parses the ``.npy`` header (a Python literal) for every tensor of every message: about
+60-70 us per tensor, i.e. 1-1.5 ms per model per direction for a 20-tensor model, as much as a
+small client's whole local training step. The header of a given dtype and shape never changes,
+so here it is built or parsed once and cached; the bytes written and the arrays read are
+exactly those of ``np.save``/``np.load`` (anything unusual falls back to Flower's own code).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+_NPY = "numpy.ndarray"  # flwr's SType.NUMPY
+_MAGIC = b"\x93NUMPY"
+_MAX_CACHE = 4096
+_READ: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # header bytes -> (shape, fortran, dtype)
+_WRITE: dict[tuple[str, tuple[int, ...], bool], bytes] = {}  # (dtype.str, shape, fortran) -> header bytes
+
+
+def _remember(cache: dict, key, value) -> None:
+    if len(cache) >= _MAX_CACHE:
+        cache.clear()
+    cache[key] = value
+
+
+def to_numpy(array: Array) -> np.ndarray:
+    """``array.numpy()``, with the ``.npy`` header parsed once per distinct header."""
+    data = array.data
+    if array.stype != _NPY or data[:6] != _MAGIC or data[6] not in (1, 2):
+        return array.numpy()
+    size = 2 if data[6] == 1 else 4
+    start = 8 + size + int.from_bytes(data[8 : 8 + size], "little")
+    header = data[:start]
+    info = _READ.get(header)
+    if info is None:
+        fh = io.BytesIO(header)
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        info = read(fh)
+        if info[2].hasobject:
+            return array.numpy()
+        _remember(_READ, header, info)
+    shape, fortran, dtype = info
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(data) != start + count * dtype.itemsize:
+        return array.numpy()  # let numpy raise its own error
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    out = flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
+    return out.copy(order="K")  # writable and owning its memory, as np.load's result
+
+
+def from_numpy(ndarray: np.ndarray) -> Array:
+    """``Array(ndarray)``: the same bytes as ``np.save``, with the header built once per dtype and shape."""
+    if ndarray.dtype.hasobject:
+        return Array(ndarray)
+    fortran = bool(ndarray.flags.f_contiguous and not ndarray.flags.c_contiguous)
+    key = (ndarray.dtype.str, tuple(ndarray.shape), fortran)
+    header = _WRITE.get(key)
+    if header is None:
+        buffer = io.BytesIO()
+        np.save(buffer, ndarray, allow_pickle=False)
+        data = buffer.getvalue()
+        _remember(_WRITE, key, data[: len(data) - ndarray.nbytes])
+    else:
+        data = header + ndarray.tobytes(order="F" if fortran else "C")
+    return Array(dtype=str(ndarray.dtype), shape=tuple(int(n) for n in ndarray.shape), stype=_NPY, data=data)
+
+
+def record_from_numpy(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: from_numpy(np.asarray(v)) for k, v in arrays.items()})
+
+
+def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: to_numpy(v) for k, v in record.items()}
+
+
+def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``record.to_torch_state_dict()``, with the faster reader."""
+    return {k: torch.from_numpy(to_numpy(v)) for k, v in record.items()}

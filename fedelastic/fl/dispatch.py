@@ -1,0 +1,73 @@
+"""A linear-time replacement for the message dispatch loop of Flower's simulation engine.
+
+Flower 1.41's ``vce_api.add_messages_to_queue`` polls the in-memory LinkState every 0.1 s by
+asking, for *each* node, ``get_message_ins(node_id, limit=1)``; each such call walks *every*
+stored message and re-validates it (``_check_stored_messages``). With N nodes and up to N
+messages in flight a sweep costs O(N^2) validations, back to back, in the driver process: at
+200 nodes this thread alone keeps about one core busy, which on a 2-core machine starves the
+Ray actors doing the training (measured in benchmarks/overhead.py, issue 2).
+
+:func:`fast_dispatch` swaps in a loop that does the same thing in one pass per sweep: validate
+the stored messages once, take the first undelivered message of each simulated node, mark it
+delivered and hand it to the workers. Same messages, same validity rules, same 0.1 s period;
+only the order within a sweep may differ, and the results never depend on it (the server
+sorts replies and every client is seeded by (seed, round, partition)). Anything unexpected
+(another LinkState class, a Flower without these internals) runs Flower's own loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from queue import Queue
+
+_PERIOD_S = 0.1  # Flower's own polling period
+
+
+def _linear_dispatch(original):
+    def add_messages_to_queue(state, queue: Queue, nodes_mapping: dict, f_stop: threading.Event) -> None:
+        from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+        from flwr.supercore.date import now
+
+        usable = isinstance(state, InMemoryLinkState) and all(
+            hasattr(state, name) for name in ("lock", "message_ins_store", "_check_stored_messages")
+        )
+        if not usable:
+            return original(state, queue, nodes_mapping, f_stop)
+        nodes = set(nodes_mapping)
+        while not f_stop.is_set():
+            picked: dict[int, object] = {}
+            with state.lock:
+                state._check_stored_messages(set(state.message_ins_store))  # drops expired/invalid ones
+                for msg in list(state.message_ins_store.values()):
+                    meta = msg.metadata
+                    if meta.delivered_at == "" and meta.dst_node_id in nodes and meta.dst_node_id not in picked:
+                        picked[meta.dst_node_id] = msg  # limit=1 per node and sweep, as Flower's loop
+                delivered_at = now().isoformat()
+                for msg in picked.values():
+                    msg.metadata.delivered_at = delivered_at
+            for msg in picked.values():
+                queue.put(msg)
+            f_stop.wait(_PERIOD_S)
+
+    return add_messages_to_queue
+
+
+@contextmanager
+def fast_dispatch() -> Iterator[None]:
+    """Use the linear dispatch loop for simulations started inside this block."""
+    try:
+        from flwr.server.superlink.fleet.vce import vce_api
+    except ImportError:  # a Flower without this module: nothing to patch
+        yield
+        return
+    original = getattr(vce_api, "add_messages_to_queue", None)
+    if original is None:
+        yield
+        return
+    vce_api.add_messages_to_queue = _linear_dispatch(original)
+    try:
+        yield
+    finally:
+        vce_api.add_messages_to_queue = original
