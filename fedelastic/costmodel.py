@@ -9,7 +9,8 @@ Conventions (documented in the README):
 * Per tensor k: ``t_dw[k]`` computes its own gradient; ``t_dx[k]`` passes the error gradient
   from the output of its layer to its input. A layer's dx sits on its first tensor, and the
   backward of weightless ops (ReLU, pooling) between two layers is charged to the dx of the layer
-  above them. ``t_opt[k]`` is the optimizer update of the tensor.
+  above them. ``t_opt[k]`` is the optimizer update of the tensor (memory-bound); the update's
+  single fused launch per step is in ``t_bwd_fixed``.
 * Backward time of a selection with deepest selected tensor ``k_min``::
 
       T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
@@ -97,7 +98,9 @@ class CostModel:
         n = info.num_tensors
         numel = info.tensor_numel.astype(float)
         self.t_fwd, self.t_dx, self.t_dw = np.zeros(n), np.zeros(n), np.zeros(n)
-        self.t_opt = kernel(numel * (3 + 2 * self.optimizer_state), numel * (3 + 2 * self.optimizer_state))
+        # the optimizer update streams each trained element's weight, gradient and state; one fused
+        # (foreach) launch per step covers all tensors, as torch's SGD and Adam do by default
+        self.t_opt = numel * (3 + 2 * self.optimizer_state) * e / bw
         self.tensor_macs = np.zeros(n)  # dW MACs per step, for the dynamic energy term
         layer_fwd = np.zeros(len(info.layers))
         for li, layer in enumerate(info.layers):
@@ -132,14 +135,16 @@ class CostModel:
             if op.above < len(info.layers):
                 self.t_dx[first_tensor[op.above]] += t
         self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
-        self.t_bwd_fixed = 0.0
+        self.t_bwd_fixed = launch  # paid once by every step that trains anything (+ the loss, if measured)
         self.measured = device.measured.get(info.model_name)
         if self.measured is not None:
             self._apply_measured(layer_fwd)
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
         # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
         self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
-        self._fwd_macs = float(b * sum(layer.macs for layer in info.layers))
+        layer_macs = b * np.array([layer.macs for layer in info.layers], float)
+        self._fwd_macs = float(layer_macs.sum())
+        self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
         self._prepare_memory()
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
@@ -166,7 +171,7 @@ class CostModel:
             self.t_ops_fwd_layer[:] = 0.0
             self.t_ops_fwd_layer[-1] = self.t_ops_fwd
             # backward no layer owns (the loss gradient): paid once by every step that trains anything
-            self.t_bwd_fixed = table.unattributed_bwd_s * scale
+            self.t_bwd_fixed += table.unattributed_bwd_s * scale
 
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:
@@ -178,7 +183,7 @@ class CostModel:
         launch = self.device.launch_overhead_s.value
         on = ratios > 0
         dw = np.where(on, launch + ratios * (self.t_dw - launch), 0.0).sum()
-        opt = np.where(on, launch + ratios * (self.t_opt - launch), 0.0).sum()
+        opt = (ratios * self.t_opt).sum()
         return float(dw + opt + self._dx_above[selected[0]] + self.t_bwd_fixed)
 
     def step_time_s(self, ratios: np.ndarray) -> float:
@@ -262,10 +267,8 @@ class CostModel:
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:
             return self._fwd_macs
-        b = float(self.batch_size)
-        first = int(self.info.tensor_layer[selected[0]])
-        dx = sum(b * layer.macs for layer in self.info.layers[first + 1 :])
-        return self._fwd_macs + dx + float((ratios * self.tensor_macs).sum())
+        dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]]
+        return self._fwd_macs + dx + float(ratios @ self.tensor_macs)
 
     def energy_j(
         self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0

@@ -144,7 +144,9 @@ def solve(
     return mask
 
 
-def shrink_to_memory(select: Callable[[int], np.ndarray], fits: Callable[[np.ndarray], bool]) -> np.ndarray:
+def shrink_to_memory(
+    select: Callable[[int], np.ndarray], fits: Callable[[np.ndarray], bool], start_floor: int = -1
+) -> np.ndarray:
     """Raise the floor until the selection fits in memory (or is empty).
 
     Parameters
@@ -153,13 +155,15 @@ def shrink_to_memory(select: Callable[[int], np.ndarray], fits: Callable[[np.nda
         ``select(floor)`` returns a bool mask over units with every selected index ``> floor``.
     fits : callable
         Whether a unit mask fits the memory budget.
+    start_floor : int
+        The first floor to try; units at or below it are known not to fit.
 
     Returns
     -------
     np.ndarray
-        The first mask, from floor ``-1`` upward, that fits; the empty mask if none does.
+        The first mask, from ``start_floor`` upward, that fits; the empty mask if none does.
     """
-    mask = select(-1)
+    mask = select(start_floor)
     while mask.any() and not fits(mask):
         mask = select(int(np.flatnonzero(mask)[0]))
     return mask
@@ -224,7 +228,15 @@ class BudgetedStrategy(SelectionStrategy):
             in_time = ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
             return in_time and ctx.cost.peak_memory_bytes(ratios) <= memory_budget
 
-        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits)))
+        # Memory only grows as units are added, so a unit that does not fit alone never fits: start
+        # the floor just below the deepest unit that fits alone (one solve instead of one per floor).
+        start = -1
+        if ctx.cost.peak_memory_bytes(np.zeros(n)) <= memory_budget:
+            for u in range(num_units):
+                if ctx.cost.peak_memory_bytes(to_tensors(np.arange(num_units) == u)) <= memory_budget:
+                    start = u - 1
+                    break
+        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits, start)))
 
 
 def require_importance(ctx: SelectionContext, name: str) -> np.ndarray:

@@ -75,7 +75,7 @@ def test_backward_follows_the_chain_rule():
         mask = np.zeros(n)
         mask[k_min] = 1
         mask[-1] = 1
-        expected = (cost.t_dw + cost.t_opt)[mask > 0].sum() + cost.t_dx[k_min + 1 :].sum()
+        expected = (cost.t_dw + cost.t_opt)[mask > 0].sum() + cost.t_dx[k_min + 1 :].sum() + cost.t_bwd_fixed
         assert cost.backward_time_s(mask) == pytest.approx(expected)
     assert cost.backward_time_s(np.zeros(n)) == 0
     assert cost.step_time_s(np.zeros(n)) == pytest.approx(cost.forward_time_s)
