@@ -66,3 +66,12 @@ def test_iid_and_shards_cover(labels):
 def test_dirichlet_impossible_request_is_a_clear_error(labels):
     with pytest.raises(ValueError, match="cannot give"):
         partition_dirichlet(labels[:10], 20, 0.5, seed=0)
+
+
+def test_digits_match_scikit_learn():
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    ds = load_digits_dataset()
+    np.testing.assert_array_equal(ds.y, bunch.target)
+    np.testing.assert_array_equal(ds.x[:, 0], (bunch.images / 16.0).astype(np.float32))
