@@ -6,8 +6,8 @@ no download). Partitioners are pure numpy and deterministic from a seed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import importlib.util
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
