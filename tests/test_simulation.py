@@ -140,3 +140,17 @@ def test_declared_availability_drops_clients_reproducibly(make_scenario, tmp_pat
     assert (rounds.clients_unavailable.iloc[1:] == [6 - f for f in flaky]).all()
     again, _ = _frames(run_scenario(sc, run_id="avail2"))
     pd.testing.assert_frame_equal(clients, again)
+
+
+def test_a_users_own_model_factory_runs(make_scenario, tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n\n"
+        "def tiny_mlp(num_classes, in_channels, input_size, hidden=12):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * input_size**2, hidden), nn.ReLU(),\n"
+        "                         nn.Linear(hidden, num_classes))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sc = make_scenario(model={"name": "my_models:tiny_mlp", "options": {"hidden": 7}}, train={"strategy": "last_layer"})
+    clients, rounds = _frames(run_scenario(sc, run_id="user"))
+    assert len(rounds) == 3 and clients.fits.all()
+    assert clients.fraction_params_trained.iloc[0] == pytest.approx((7 * 10 + 10) / (64 * 7 + 7 + 7 * 10 + 10))
