@@ -130,8 +130,9 @@ def time_configs(model, info, params, batch, selections: dict, repeats: int, war
             c0, w0 = time.thread_time(), time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            applied.step(opt)
+            if sel.mask.any():  # rho at or below the forward share selects nothing: a forward-only step
+                loss.backward()
+                applied.step(opt)
             c1, w1 = time.thread_time(), time.perf_counter()
             if r >= warmup:
                 cpu[key].append(c1 - c0)
