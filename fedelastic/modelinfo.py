@@ -64,9 +64,6 @@ class ModelInfo:
     def num_params(self) -> int:
         return int(self.tensor_numel.sum())
 
-    def tensor_index(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.tensor_names)}
-
     def layer_first_tensor(self) -> np.ndarray:
         return np.array([layer.tensors[0] for layer in self.layers], dtype=np.int64)
 

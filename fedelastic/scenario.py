@@ -122,8 +122,6 @@ class Scenario:
     def to_dict(self) -> dict:
         return to_dict(self)
 
-    def with_overrides(self, **changes: Any) -> Scenario:
-        return replace(self, **changes)
 
 
 def validate(scenario: Scenario) -> Scenario:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .config import from_dict, to_dict
+from .config import from_dict
 from .costmodel import CostModel
 from .errors import ConfigError
 from .modelinfo import ModelInfo
@@ -59,9 +59,6 @@ class Selection:
     def mask(self) -> np.ndarray:
         return self.ratios > 0
 
-    @property
-    def fraction_trained(self) -> float:
-        return float(self.ratios.sum() / max(len(self.ratios), 1))
 
 
 @dataclass
@@ -152,7 +149,3 @@ def make_strategy(
         raise ConfigError(src, f"{key}.strategy", f"a registered strategy, one of {sorted(REGISTRY)}", name)
     cls = REGISTRY[name]
     return cls(from_dict(cls.config_cls, options or {}, src, prefix=f"{key}.options"))
-
-
-def config_dict(strategy: SelectionStrategy) -> dict:
-    return to_dict(strategy.config)

@@ -22,11 +22,6 @@ UNITS: dict[str, dict[str, float]] = {
 }
 
 
-def units_of(dimension: str) -> list[str]:
-    """The unit spellings accepted for ``dimension``."""
-    return list(UNITS[dimension])
-
-
 def to_si(value: float, unit: str, dimension: str) -> float:
     """Convert ``value`` in ``unit`` to the base unit of ``dimension``; KeyError if not allowed."""
     return float(value) * UNITS[dimension][unit]
