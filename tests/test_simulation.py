@@ -154,3 +154,24 @@ def test_a_users_own_model_factory_runs(make_scenario, tmp_path, monkeypatch):
     clients, rounds = _frames(run_scenario(sc, run_id="user"))
     assert len(rounds) == 3 and clients.fits.all()
     assert clients.fraction_params_trained.iloc[0] == pytest.approx((7 * 10 + 10) / (64 * 7 + 7 + 7 * 10 + 10))
+
+
+def test_a_failing_client_is_recorded_and_the_round_goes_on(make_scenario, monkeypatch):
+    import fedelastic.fl.client as client
+
+    real = client.train_local
+
+    def flaky(*args, seed, **kwargs):
+        if seed[2] == 1:  # partition 1 always fails
+            raise RuntimeError("device fell over")
+        return real(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(client, "train_local", flaky)
+    run_dir = run_scenario(make_scenario(), run_id="flaky")
+    clients = pd.read_parquet(run_dir / "clients.parquet")
+    bad = clients[clients.partition_id == 1]
+    assert len(bad) == 2 and bad.error.str.contains("device fell over").all() and bad.emulated_energy_j.isna().all()
+    good = clients[clients.partition_id != 1]
+    assert (good.error == "").all() and good.emulated_energy_j.notna().all()
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    assert list(rounds.clients_failed) == [0, 1, 1] and rounds.total_energy_j.notna().all()

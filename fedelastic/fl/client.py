@@ -32,8 +32,6 @@ METRIC_KEYS = (
     "host-wall-s",
 )
 
-_MODELS: dict[int, torch.nn.Module] = {}
-
 
 def _partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
@@ -47,11 +45,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     server_round = int(msg.content["config"]["server-round"])
     device = env.devices[pid]
     cost = env.cost(device)
-    key = id(env)
-    if key not in _MODELS:
-        _MODELS.clear()
-        _MODELS[key] = env.new_model()
-    model = _MODELS[key]
+    model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
     t = scenario.train
     strategy = env.strategy()

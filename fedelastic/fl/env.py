@@ -103,6 +103,11 @@ class RunEnvironment:
         )
 
     @cached_property
+    def client_model(self) -> nn.Module:
+        """One model instance per process, reused by every client call (weights are loaded each time)."""
+        return self.new_model()
+
+    @cached_property
     def info(self) -> ModelInfo:
         model = self.new_model()
         return describe(model, torch.zeros(1, *self.input_shape), model_name=self.scenario.model.name)

@@ -67,6 +67,26 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     return mapping
 
 
+# numeric columns of a client row (NaN in the row of a client that failed)
+_CLIENT_FIGURES = (
+    "num_examples",
+    "steps",
+    "selections",
+    "train_loss",
+    "fraction_params_trained",
+    "emulated_train_time_s",
+    "emulated_overhead_time_s",
+    "emulated_comm_time_s",
+    "emulated_energy_j",
+    "emulated_idle_energy_j",
+    "emulated_peak_memory_bytes",
+    "device_memory_bytes",
+    "emulated_bytes_up",
+    "emulated_bytes_down",
+    "emulated_macs",
+    "host_wall_s",
+)
+
 _ROUND_KEYS = (
     "clients",
     "clients_failed",
@@ -164,9 +184,26 @@ class PartialFedAvg(FedAvg):
                     "emulated_bytes_down": r["emulated-bytes-down"],
                     "emulated_macs": r["emulated-macs"],
                     "host_wall_s": r["host-wall-s"],
+                    "error": "",
                 }
             )
-        self.recorder.add_clients(rows)
+        failed_rows = []
+        for m in failed:  # a failed client is a row too: nothing is silently dropped
+            pid = self.partition_of_node.get(m.metadata.src_node_id, -1)
+            device = self.env.devices[pid] if pid >= 0 else ""
+            failed_rows.append(
+                {
+                    "round": server_round,
+                    "partition_id": pid,
+                    "device": device,
+                    "device_class": self.env.profile(device).device_class if device else "",
+                    "strategy": self.sc.train.strategy,
+                    "fits": False,
+                    **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
+                    "error": m.error.reason,
+                }
+            )
+        self.recorder.add_clients(rows + failed_rows)
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
         updates = [
