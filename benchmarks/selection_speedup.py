@@ -253,7 +253,7 @@ def part1(args) -> tuple[dict, dict]:
         for r in rows:
             r["ratio_cpu"] = r["meas_speedup_cpu"] / r["pred_speedup"]
             r["ratio_wall"] = r["meas_speedup_wall"] / r["pred_speedup"]
-            r["nodes_ratio"] = rows[0]["nodes"] / r["nodes"]
+            r["nodes_ratio"] = rows[0]["nodes"] / r["nodes"] if r["nodes"] else float("inf")  # no backward at all
         t = tables[key]
         results["models"][key] = {
             "description": desc,
