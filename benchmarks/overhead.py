@@ -8,7 +8,7 @@ subprocess, one after the other, inside this one command (the machine is noisy: 
 numbers from the same invocation):
 
 (a) ``bare``: one process, no Flower. Per round, per sampled client: load the global weights
-    into the model, ``train_local`` with exactly the client's arguments (same partition, device
+    into the model, ``train_partition`` (the client's own call) with exactly the client's arguments (same partition, device
     cost model, strategy and its kept state, batches, seed ``[seed, round, pid]``), then
     ``aggregate_partial``. It runs first and again last; the reference is the mean of the two.
 (b) ``ray``: ``run_scenario`` with backend "ray" (Flower's simulation engine on Ray).
@@ -131,10 +131,10 @@ def worker_bare(sc) -> dict:
     import torch
 
     from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
+    from fedelastic.fl.client import train_partition
     from fedelastic.fl.env import environment
     from fedelastic.fl.server import PartialFedAvg
     from fedelastic.pretrain import initial_state
-    from fedelastic.training import train_local
 
     t0 = time.perf_counter()
     env = environment(sc)
@@ -142,7 +142,6 @@ def worker_bare(sc) -> dict:
     torch.set_num_threads(sc.simulation.torch_threads)
     model = env.new_model()
     glob = {k: v.detach().numpy().copy() for k, v in state.items()}
-    t = sc.train
     # the server's own seeded sampling (availability draws, clients_per_round); nodes = partitions
     sampler = PartialFedAvg(env, {p: p for p in range(sc.num_clients)}, None, None)
     strategy_state: dict[int, dict] = {}  # what the client keeps in its Context across rounds
@@ -156,20 +155,7 @@ def worker_bare(sc) -> dict:
             strategy = env.strategy()
             if pid in strategy_state:
                 strategy.load_state(strategy_state[pid])
-            result = train_local(
-                model,
-                env.info,
-                strategy,
-                env.cost(env.devices[pid]),
-                env.data.client(pid),
-                epochs=t.local_epochs,
-                batch_size=t.batch_size,
-                lr=t.lr,
-                momentum=t.momentum,
-                weight_decay=t.weight_decay,
-                max_steps=t.max_steps,
-                seed=[sc.seed, rnd, pid],
-            )
+            result = train_partition(env, model, strategy, pid, rnd)
             strategy_state[pid] = {k: np.array(v) for k, v in strategy.state().items()}
             tr += result.host_wall_s
             losses[f"{rnd}/{pid}"] = result.train_loss

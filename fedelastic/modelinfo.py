@@ -93,12 +93,13 @@ def _macs(module: nn.Module, kind: str, inp: torch.Tensor, out: torch.Tensor) ->
     return 0
 
 
-def _first_tensor(x) -> torch.Tensor | None:
+def first_tensor(x) -> torch.Tensor | None:
+    """The first tensor in ``x`` (a tensor, or nested tuples/lists), or None."""
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, (tuple, list)):
         for item in x:
-            found = _first_tensor(item)
+            found = first_tensor(item)
             if found is not None:
                 return found
     return None
@@ -116,7 +117,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         def fn(mod, args, out):
             if id(mod) in seen:
                 return
-            inp, o = _first_tensor(args), _first_tensor(out)
+            inp, o = first_tensor(args), first_tensor(out)
             batch = sample.shape[0]
             in_n = inp.numel() // batch if inp is not None else 0
             out_n = o.numel() // batch if o is not None else 0

@@ -57,7 +57,7 @@ import numpy as np
 from .costmodel import CostModel
 from .devices import DeviceProfile, LayerTiming, parse_profile
 from .devices import MeasuredTable as ProfileTable
-from .modelinfo import ModelInfo
+from .modelinfo import ModelInfo, first_tensor
 from .trace import LayerTime, MeasuredTable
 
 __all__ = [
@@ -173,19 +173,6 @@ def _is_norm(module) -> bool:
     return type(module).__name__ in _NORMS
 
 
-def _first_tensor(x):
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)):
-        for item in x:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 @dataclass
 class _Captured:
     args: tuple
@@ -229,7 +216,7 @@ def _time_isolated(
 
     def call(inp):
         args = (inp, *cap.args[1:]) if x is not None else cap.args
-        return _first_tensor(mod(*args, **cap.kwargs))
+        return first_tensor(mod(*args, **cap.kwargs))
 
     for p in params:
         p.requires_grad_(True)
@@ -272,7 +259,7 @@ def _stamped_pass(model, sample, target, owners, optimizer, loss_fn, clock, trai
             s = stamps[name]
             if s[1] == 0.0:
                 s[1] = clock()
-                o = _first_tensor(out)
+                o = first_tensor(out)
                 if o is not None and o.requires_grad:
                     o.register_hook(lambda _g: bwd.append((clock(), name)))
 

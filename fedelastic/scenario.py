@@ -123,7 +123,6 @@ class Scenario:
         return to_dict(self)
 
 
-
 def validate(scenario: Scenario) -> Scenario:
     """Check the names a scenario refers to: strategy and options, model, devices."""
     from .devices import get_profile

@@ -60,7 +60,6 @@ class Selection:
         return self.ratios > 0
 
 
-
 @dataclass
 class SelectionContext:
     """What a strategy may look at when it selects."""

@@ -8,9 +8,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..scenario import Scenario
-from ..training import train_local
+from ..training import LocalResult, train_local
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
-from .env import environment
+from .env import RunEnvironment, environment
 
 # Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
 METRIC_KEYS = (
@@ -37,6 +37,25 @@ def _partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
+def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round: int) -> LocalResult:
+    """One round of local training of partition ``pid``, seeded by (seed, round, partition)."""
+    t = env.scenario.train
+    return train_local(
+        model,
+        env.info,
+        strategy,
+        env.cost(env.devices[pid]),
+        env.data.client(pid),
+        epochs=t.local_epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        max_steps=t.max_steps,
+        seed=[env.scenario.seed, server_round, pid],
+    )
+
+
 def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     """Train on this node's partition from the global arrays in ``msg``."""
     env = environment(scenario)
@@ -47,24 +66,10 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     cost = env.cost(device)
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
-    t = scenario.train
     strategy = env.strategy()
     if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
-    result = train_local(
-        model,
-        env.info,
-        strategy,
-        cost,
-        env.data.client(pid),
-        epochs=t.local_epochs,
-        batch_size=t.batch_size,
-        lr=t.lr,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
-        max_steps=t.max_steps,
-        seed=[scenario.seed, server_round, pid],
-    )
+    result = train_partition(env, model, strategy, pid, server_round)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
