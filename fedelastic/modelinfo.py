@@ -9,13 +9,24 @@ Functional operations inside ``forward`` (e.g. a residual ``x + y``) are not see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
-_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
-_CHEAP_ACTS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Dropout, nn.Identity, nn.Flatten)
+if TYPE_CHECKING:  # torch is imported only by describe(): the data classes stay torch-free
+    import torch
+    from torch import nn
+
+
+@cache
+def _module_types() -> tuple[tuple, tuple]:
+    """(norm layer types, activation types whose backward needs only a one-bit mask)."""
+    from torch import nn
+
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
+    cheap = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Dropout, nn.Identity, nn.Flatten)
+    return norms, cheap
 
 
 @dataclass(frozen=True)
@@ -69,11 +80,13 @@ class ModelInfo:
 
 
 def _kind(module: nn.Module) -> str:
+    from torch import nn
+
     if isinstance(module, nn.modules.conv._ConvNd):
         return "conv"
     if isinstance(module, nn.Linear):
         return "linear"
-    if isinstance(module, _NORMS):
+    if isinstance(module, _module_types()[0]):
         return "norm"
     if isinstance(module, nn.MultiheadAttention):
         return "attention"
@@ -95,6 +108,8 @@ def _macs(module: nn.Module, kind: str, inp: torch.Tensor, out: torch.Tensor) ->
 
 def first_tensor(x) -> torch.Tensor | None:
     """The first tensor in ``x`` (a tensor, or nested tuples/lists), or None."""
+    import torch
+
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, (tuple, list)):
@@ -107,6 +122,8 @@ def first_tensor(x) -> torch.Tensor | None:
 
 def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> ModelInfo:
     """Run ``model`` once on ``sample`` (batch >= 1) and describe it per sample."""
+    import torch
+
     owners = [(name, mod) for name, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False))]
     owner_ids = {id(mod) for _, mod in owners}
     leaves = [(name, mod) for name, mod in model.named_modules() if not any(True for _ in mod.children())]
@@ -158,7 +175,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     ops_raw = []
     for _, name, mod, in_n, out_n, macs, out_ch in sorted(seen.values(), key=lambda r: r[0]):
         if id(mod) not in owner_ids:
-            kind = "mask" if isinstance(mod, _CHEAP_ACTS) else "saved"
+            kind = "mask" if isinstance(mod, _module_types()[1]) else "saved"
             ops_raw.append((name, kind, in_n, out_n, len(layers)))
             continue
         kind = _kind(mod)
