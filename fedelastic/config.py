@@ -51,7 +51,7 @@ def _coerce(value: Any, tp: Any, src: str, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(src, key, f"one of {list(allowed)}", value)
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, src, prefix=key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
