@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .config import check, field, from_dict
+from .config import check, field, from_dict, read_toml
 from .errors import ConfigError
 from .scenario import Scenario, parse_scenario
 
@@ -129,12 +128,7 @@ def run_comparison(
     from .fl.runner import run_scenario
 
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(path, "<file>", "an existing scenario file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
+    raw = read_toml(path, "scenario")
     cfg, variants = expand(raw, str(path))
     out = (
         output

@@ -9,8 +9,10 @@ validate their values in ``__post_init__`` by raising ``ValueError``; that messa
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -117,6 +119,17 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+def read_toml(path: str | Path, what: str) -> dict:
+    """Parse a TOML file; a missing file or bad TOML is a :class:`ConfigError` naming the file."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(path, "<file>", f"an existing {what} file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
 
 
 def check(condition: bool, key: str, expected: str) -> None:

@@ -8,7 +8,6 @@ The schema is documented in the README ("Device profiles").
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import read_toml
 from .errors import ConfigError
 from .units import UNITS, to_si
 
@@ -250,12 +250,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
 def load_profile(path: str | Path) -> DeviceProfile:
     """Load and validate one profile file; raises :class:`ConfigError` naming the file and key."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(path, "<file>", "an existing device profile file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
+    raw = read_toml(path, "device profile")
     return parse_profile(raw, str(path), stem=path.stem)
 
 

@@ -7,12 +7,11 @@ strategy options, its model and every device of its fleet exist.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import check, field, from_dict, to_dict
+from .config import check, field, from_dict, read_toml, to_dict
 from .errors import ConfigError
 
 
@@ -146,13 +145,7 @@ def parse_scenario(raw: dict, src: str = "<scenario>") -> Scenario:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Load, type-check and validate a scenario file."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(path, "<file>", "an existing scenario file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
+    raw = read_toml(path, "scenario")
     if "source" in raw:
         raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
     return parse_scenario(raw, str(path))

@@ -74,6 +74,17 @@ def _check_inputs(
     return imp, dw, dx
 
 
+def _candidates(imp: np.ndarray, eligible: np.ndarray | None) -> np.ndarray:
+    """Tensors worth selecting: positive importance, and eligible if a mask is given."""
+    candidate = imp > 0
+    if eligible is not None:
+        elig = np.asarray(eligible, dtype=bool)
+        if elig.shape != imp.shape:
+            raise ValueError(f"eligible: expected shape {imp.shape}, got {elig.shape}")
+        candidate &= elig
+    return candidate
+
+
 def _chain_dx(t_dx: np.ndarray) -> np.ndarray:
     """``chain[j] = sum_{i > j} t_dx[i]``: error-gradient cost to reach the output of tensor j."""
     chain = np.zeros_like(t_dx)
@@ -185,12 +196,7 @@ def select_exact(
     empty = np.zeros(n, dtype=bool)
     if n == 0 or budget <= 0:
         return empty
-    candidate = imp > 0
-    if eligible is not None:
-        elig = np.asarray(eligible, dtype=bool)
-        if elig.shape != (n,):
-            raise ValueError(f"eligible: expected shape ({n},), got {elig.shape}")
-        candidate &= elig
+    candidate = _candidates(imp, eligible)
     if not candidate.any():
         return empty
     if backward_cost(candidate, dw, dx) <= budget:
@@ -380,12 +386,7 @@ def select_greedy_ratio(
     mask = np.zeros(n, dtype=bool)
     if n == 0 or budget <= 0:
         return mask
-    open_ = imp > 0
-    if eligible is not None:
-        elig = np.asarray(eligible, dtype=bool)
-        if elig.shape != (n,):
-            raise ValueError(f"eligible: expected shape ({n},), got {elig.shape}")
-        open_ &= elig
+    open_ = _candidates(imp, eligible)
     chain = _chain_dx(dx)
     spent = 0.0  # backward time used so far
     reached = 0.0  # t_dx chain cost down to the deepest selected tensor
