@@ -64,6 +64,15 @@ class TrainConfig:
     lr: float = field(0.05, help="SGD learning rate")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
+    numerics: Literal["device", "fp32"] = field(
+        "device",
+        help="'device': each client trains in its profile's train_dtype (int8/fp16 emulated); 'fp32': all fp32",
+    )
+    qas: bool = field(True, help="int8 devices: quantisation-aware scaling of gradients (Lin et al. 2022)")
+    quantized_gradients: bool = field(False, help="int8 devices: round weight and input gradients to int8 per channel")
+    master_weights: Literal["fp32", "device"] = field(
+        "fp32", help="int8/fp16 devices: keep an fp32 copy of trained tensors, or store them in the device dtype"
+    )
 
     def __post_init__(self):
         check(self.local_epochs >= 1, "local_epochs", "an integer >= 1")

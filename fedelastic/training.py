@@ -24,6 +24,7 @@ from torch import nn
 from .costmodel import CostModel
 from .data import ArrayDataset
 from .modelinfo import ModelInfo
+from .quant import with_numerics
 from .selection import Selection, SelectionContext, SelectionStrategy
 
 _NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -200,6 +201,7 @@ def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_
             step += 1
 
 
+@with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
     info: ModelInfo,

@@ -7,6 +7,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import LocalResult, train_local
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
@@ -53,6 +54,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         weight_decay=t.weight_decay,
         max_steps=t.max_steps,
         seed=[env.scenario.seed, server_round, pid],
+        numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype),
     )
 
 
