@@ -101,3 +101,18 @@ def test_installed_package_has_both_names_and_the_entry_point_group(tmp_path):
     assert len(list(Path(got["profiles"]).glob("*.toml"))) == len(list((ROOT / "device_profiles").glob("*.toml")))
     assert got["top_level"] == []  # no top-level `strategies` / `device_profiles` any more
     assert not (target / "strategies").exists() and not (target / "device_profiles").exists()
+
+
+def test_old_top_level_imports_in_a_source_tree_do_not_clash_with_the_installed_names():
+    # from the repository root, `strategies` is the folder itself; fedelastic then imports the
+    # same modules as fedelastic.strategies: each class registers once, under either name
+    code = (
+        "from strategies.tinytrain import layer_scores\n"
+        "from fedelastic.selection import REGISTRY, available, make_strategy\n"
+        "assert 'tinytrain' in available()\n"
+        "make_strategy('tinytrain')\n"
+        "print(REGISTRY['full'].__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("strategies.full", "fedelastic.strategies.full")
