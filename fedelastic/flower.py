@@ -67,7 +67,12 @@ class PartialAwareFedAvg(FedAvg):
         valid = [msg for msg in replies if not msg.has_error()]
         for msg in replies:
             if msg.has_error():
-                log(WARNING, "aggregate_train: error in reply from node %d: %s", msg.metadata.src_node_id, msg.error.reason)
+                log(
+                    WARNING,
+                    "aggregate_train: error in reply from node %d: %s",
+                    msg.metadata.src_node_id,
+                    msg.error.reason,
+                )
         if not valid:
             return None, None
         contents = [msg.content for msg in valid]
@@ -87,7 +92,9 @@ class PartialAwareFedAvg(FedAvg):
                 raise ValueError(f"a reply sent tensors the global model does not have: {unknown}")
             masks = content.array_records.get(self.maskrecord_key)
             metrics = next(iter(content.metric_records.values()))
-            updates.append(ClientUpdate(float(metrics[self.weighted_by_key]), arrays, _to_numpy(masks) if masks else {}))
+            updates.append(
+                ClientUpdate(float(metrics[self.weighted_by_key]), arrays, _to_numpy(masks) if masks else {})
+            )
         merged = aggregate_partial(current, updates)
         new = ArrayRecord({name: Array(np.asarray(value)) for name, value in merged.items()})
         return new, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
@@ -164,4 +171,3 @@ def device_comm_mod(
         return reply
 
     return mod
-

@@ -37,7 +37,7 @@ PROBE = textwrap.dedent(
     """
 )
 
-THIRD_PARTY = '''
+THIRD_PARTY = """
 import numpy as np
 from fedelastic.selection import Selection, SelectionStrategy, register
 
@@ -48,7 +48,7 @@ class Mine(SelectionStrategy):
 
     def select(self, ctx):
         return Selection.from_mask(np.ones(ctx.info.num_tensors))
-'''
+"""
 
 
 def _probe(path: list[Path], cwd: Path) -> dict:
