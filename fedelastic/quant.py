@@ -10,8 +10,10 @@ and ``algorithm/core/optimizer/sgd_scale.py`` (QAS):
 
 * **Weights**: symmetric int8 per output channel, ``s_W[c] = max|W[c]| / 127``, computed from the
   weights the client received at the start of its local training and then fixed (the paper's
-  scales are fixed after post-training quantisation). The forward uses
-  ``s_W * clamp(round(W / s_W), -127, 127)``; the gradient passes straight through.
+  scales are fixed after post-training quantisation). The forward uses ``s_W * round(W / s_W)``
+  (not saturated, as the paper's ``weight.round()``: the received weights lie in [-127, 127]
+  steps, and a weight trained past them stays representable); the gradient passes straight
+  through.
 * **Activations**: the input of every conv/linear layer is int8 per tensor, asymmetric
   (a zero point, as the paper's ``zero_x``): ``s_x = (max(x, 0) - min(x, 0)) / 255``,
   ``z = -128 - round(min(x, 0) / s_x)``, calibrated on the first batch the layer sees in the
@@ -35,10 +37,10 @@ and ``algorithm/core/optimizer/sgd_scale.py`` (QAS):
   the weight gradient per output channel and the gradient of each layer's input per channel are
   rounded to int8 (``s = max|g| / 127``, no zero point).
 * **Master weights**: ``fp32`` keeps an fp32 copy of the trained tensors, as the simulation code
-  does (it rounds weights only in the forward), clamped after each step to the int8 range
-  ``[-127 s_W, 127 s_W]`` that the forward can represent; ``device`` stores them in the device dtype, so
+  does (it rounds weights only in the forward); ``device`` stores them in the device dtype, so
   each updated weight is rounded back onto its int8 grid after every step (an update smaller than
-  half a step is lost) and biases onto their int32 grid.
+  half a step is lost) and saturates at +-127 steps of its fixed scale, and biases are rounded
+  onto their int32 grid.
 * **fp16** rounds weights, layer inputs and gradients to fp16 (mixed precision; no QAS).
 
 Not emulated: norm layers, activations functions, pooling and residual additions run in fp32 and
@@ -110,14 +112,16 @@ def _per_channel(scales: torch.Tensor, like: torch.Tensor, dim: int = 0) -> torc
     return scales.view(shape)
 
 
-def quantize_weight(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The int8 values (as floats) of ``w`` at per-output-channel ``scales``."""
-    return torch.round(w / _per_channel(scales, w)).clamp(-W_MAX, W_MAX)
+def quantize_weight(w: torch.Tensor, scales: torch.Tensor, saturate: bool = True) -> torch.Tensor:
+    """The integer values (as floats) of ``w`` at per-output-channel ``scales``, saturated at +-127."""
+    q = torch.round(w / _per_channel(scales, w))
+    return q.clamp(-W_MAX, W_MAX) if saturate else q
 
 
 def fake_quant_weight(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``s * q(w)`` in the forward, identity gradient (STE)."""
-    wq = quantize_weight(w.detach(), scales) * _per_channel(scales, w)
+    """``s * round(w / s)`` in the forward, identity gradient (STE). Not saturated, as the paper's
+    forward (``weight.round()``): a weight that outgrows its fixed scale is still represented."""
+    wq = quantize_weight(w.detach(), scales, saturate=False) * _per_channel(scales, w)
     return w + (wq - w).detach()
 
 
@@ -275,14 +279,13 @@ class Emulation:
                 if device and p.grad is not None:
                     p.copy_(p.half().float())
             return
+        if not device:
+            return
         for p, kind, scale in self._quantised_tensors():
             if p.grad is None or scale is None:
                 continue
-            s = _per_channel(scale, p)
-            if kind == "weight":  # int8 holds [-127, 127] steps: the stored weight saturates there
-                p.copy_(quantize_weight(p, scale) * s if device else p.clamp(-W_MAX * s, W_MAX * s))
-            elif device:
-                p.copy_(torch.round(p / s) * s)
+            s = _per_channel(scale, p)  # int8 storage saturates at +-127 steps of the fixed scale
+            p.copy_((quantize_weight(p, scale) if kind == "weight" else torch.round(p / s)) * s)
 
     def install(self) -> None:
         for q in self.layers.values():

@@ -259,3 +259,26 @@ def test_numerics_config_is_validated(tmp_path):
         with pytest.raises(ConfigError, match=f"train.{key}"):
             parse_scenario(raw, src="s.toml")
     assert TrainConfig().numerics == "device" and TrainConfig().qas
+
+
+def test_a_weight_past_its_fixed_range_saturates_only_in_int8_storage():
+    for master, expected_steps in (("fp32", 127 * 3), ("device", 127)):
+        model, info = two_layer()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        with emulate(model, info, Numerics("int8", master_weights=master)) as em:
+            model(torch.from_numpy(X))
+            s = em.layers["0"].w_scale[0].item()  # 0.5 / 127
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            model[0].weight.grad[0, 0] = -1.0  # one step of lr 1 takes W[0, 0] from 0.5 to 1.5
+            opt.step()
+            out = {}
+            model[0].register_forward_hook(lambda _m, _i, o, out=out: out.setdefault("y", o))
+            x = np.array([[1.0, 0.0, 0.0]], dtype=np.float32)  # picks column 0 (x is calibrated already)
+            model(torch.from_numpy(x))
+        _, q = hand_int8(X, W1, B1)
+        x_int = np.round(1.0 / q["s_x"]) + q["z"]
+        expected = (x_int - q["z"]) * q["s_x"] * expected_steps * s + q["b_int"][0] * s * q["s_x"]
+        assert out["y"][0, 0].item() == pytest.approx(expected, rel=1e-5)
+        stored = model[0].weight[0, 0].item()
+        assert stored == pytest.approx(1.5 if master == "fp32" else 127 * s, rel=1e-6)
