@@ -25,8 +25,8 @@ the in-process backend, one after another; each finished run is appended to
 ``int8_study_runs.csv`` at once, and a re-started study skips the runs it already has. Outputs in
 ``--out-dir``: ``int8_study_runs.csv`` (one row per run: final accuracy, accuracy per round,
 train loss, emulated training clock, host wall time) and ``int8_study.csv`` (per workload,
-strategy and numerics: mean and std over seeds, and the change against fp32 in points); the
-markdown table is printed.
+strategy and numerics: mean and std over seeds, and the change against the same seed's fp32
+run in points); two markdown tables are printed (the second: one row per workload and strategy).
 """
 
 from __future__ import annotations
@@ -146,6 +146,24 @@ def markdown(agg: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def pivot_markdown(agg: pd.DataFrame) -> str:
+    """One row per (workload, strategy): fp32 accuracy, then each int8 variant as accuracy (change in points)."""
+    variants = [n for n in NUMERICS if n in set(agg.numerics)]
+    lines = ["| workload | strategy | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    for (w, s), g in agg.groupby(["workload", "strategy"], sort=False):
+        g = g.set_index("numerics")
+        cells = []
+        for n in variants:
+            if n not in g.index:
+                cells.append("")
+                continue
+            r = g.loc[n]
+            acc = f"{r.final_accuracy_mean:.3f}"
+            cells.append(acc if n == "fp32" else f"{acc} ({r.delta_points_mean:+.1f})")
+        lines.append(f"| {w} | {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -186,6 +204,8 @@ def main(argv=None) -> None:
         f"{os.getloadavg()[0]:.1f}); {len(runs)} runs in {path}\n"
     )
     print(markdown(agg))
+    print()
+    print(pivot_markdown(agg))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A client whose device profile trains in ``int8`` (MCUs) or ``fp16`` trains with 
 numerics; ``fp32`` devices are untouched (bit-identical to no emulation). The host computes in
 fp32 and emulates the dtype with fake quantisation and straight-through estimators (STE). The
 int8 rules follow the simulation code of Lin et al., "On-Device Training Under 256KB Memory"
-(NeurIPS 2022), mit-han-lab/tiny-training, ``algorithm/quantize/quantized_ops_diff.py`` (the
+(NeurIPS 2022), mit-han-lab/tiny-training (commit 7bf8e05), ``algorithm/quantize/quantized_ops_diff.py`` (the
 quantised conv and its backward), ``algorithm/quantize/quantize_helper.py`` (``get_weight_scales``)
 and ``algorithm/core/optimizer/sgd_scale.py`` (QAS):
 
