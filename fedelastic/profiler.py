@@ -133,22 +133,33 @@ def build_model(
 
 # ----------------------------------------------------------------------------- measuring
 
-#: Clocks ``measure_layers`` can time with: wall time, or the CPU time of the calling thread
+def _cuda_clock() -> float:
+    """Wall time after waiting for every queued CUDA kernel (each stamp is a device barrier)."""
+    import torch
+
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+#: Clocks ``measure_layers`` can time with: wall time, the CPU time of the calling thread
 #: (only meaningful with one torch thread; it leaves out time the thread spends descheduled on
-#: a machine shared with other work).
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+#: a machine shared with other work), or wall time after a CUDA synchronisation (``cuda``: a
+#: model and sample on a GPU; every stamp waits for the kernels queued before it).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time, "cuda": _cuda_clock}
 
 _NORMS = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 
 
 def get_clock(name: str) -> Callable[[], float]:
-    """The clock called ``name`` (``wall`` or ``cpu``); ``cpu`` requires one torch thread."""
+    """The clock called ``name`` (``wall``, ``cpu`` or ``cuda``); ``cpu`` requires one torch thread."""
     import torch
 
     if name not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
     if name == "cpu" and torch.get_num_threads() != 1:
         raise ValueError("the 'cpu' clock (thread CPU time) needs torch.set_num_threads(1)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("the 'cuda' clock needs a CUDA device (torch.cuda.is_available() is False)")
     return CLOCKS[name]
 
 
@@ -396,6 +407,7 @@ def measure_layers(
             with torch.no_grad():
                 classes = model.eval()(sample).shape[-1]
             target = torch.randint(0, classes, (sample.shape[0],), generator=torch.Generator().manual_seed(0))
+            target = target.to(sample.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-12, momentum=0.9)
 
         def passes(train_mode: bool, grads: bool) -> dict[str, np.ndarray]:
