@@ -49,6 +49,7 @@ from fedelastic.devices import load_profile, parse_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.profiler import (  # noqa: E402
     FitResult,
+    profile_table,
     _roofline_device,
     _start_device,
     build_model,
@@ -60,10 +61,15 @@ from fedelastic.profiler import (  # noqa: E402
     measure_peak_flops,
     measured_by,
 )
+from fedelastic.kernelfit import fit_kernels, kernel_device  # noqa: E402
 from fedelastic.trace import LayerTime, MeasuredTable, import_trace  # noqa: E402
 
 DATE = "2026-11-22"
-TRACES = ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2"
+# the shared data sit beside the checkout (../shared), or beside its parent for a git worktree
+TRACES = next(
+    (p / "shared" / "data" / "measured" / "jetson_tx2" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()),
+    ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2",
+)
 TX2_MODELS = {"resnet50": "resnet50", "mobilenetv2": "mobilenetv2", "vit_b16": "vit"}  # registry -> trace
 HOST_MODELS = {
     # name: (factory options, batch size); 10 classes
@@ -327,6 +333,80 @@ def tx2_section(log, objectives=("time", "log", "rel")) -> dict:
             "trace_other_s": table.other_s,
         }
     return out
+
+
+# ----------------------------------------------------------------------------- kernel-aware (issue 13)
+
+
+def selection_time(cost: CostModel, ratios: np.ndarray) -> float:
+    """Forward + selected dW + dX above the deepest selected tensor (+ the loss): no optimizer update."""
+    return cost.step_time_s(ratios) - float(np.asarray(ratios, float) @ cost.t_opt)
+
+
+def layer_matrix(cost: CostModel, info) -> np.ndarray:
+    """Per-layer [fwd (with the ops below it), dx, dw] seconds of a cost model."""
+    out = np.zeros((len(info.layers), 3))
+    for li, layer in enumerate(info.layers):
+        first = layer.tensors[0]
+        out[li] = (cost.t_fwd[first] + cost.t_ops_fwd_layer[li], cost.t_dx[first], cost.t_dw[list(layer.tensors)].sum())
+    return out
+
+
+def held_out_row(pred: CostModel, truth: CostModel, info, sels: list[np.ndarray], meas_step: float) -> dict:
+    """Errors of ``pred`` against ``truth`` (a cost model holding the measured table) on one model."""
+    p_full, t_full = selection_time(pred, sels[0]), selection_time(truth, sels[0])
+    p_ratio = np.array([selection_time(pred, s) / p_full for s in sels[1:]])
+    t_ratio = np.array([selection_time(truth, s) / t_full for s in sels[1:]])
+    pl, tl = layer_matrix(pred, info), layer_matrix(truth, info)
+    pl[0, 1] = tl[0, 1] = 0.0
+    err = pl.sum(1) / np.maximum(tl.sum(1), 1e-12) - 1
+    return {
+        "fwd_bwd_pred_s": p_full,
+        "fwd_bwd_meas_s": meas_step,
+        "fwd_bwd_err": p_full / meas_step - 1,
+        "layer_median_abs": float(np.median(np.abs(err))),
+        "layer_weighted_median_abs": weighted_median(np.abs(err), tl.sum(1)),
+        "ratio_median_abs": float(np.median(np.abs(p_ratio / t_ratio - 1))),
+        "ratio_p90_abs": float(np.percentile(np.abs(p_ratio / t_ratio - 1), 90)),
+    }
+
+
+def tx2_kernel_section(log, n_selections: int = 50) -> dict:
+    """Leave one model out on the TX2 traces: kernel-aware fit vs the single-efficiency roofline vs 3 x forward."""
+    device = dataclasses.replace(load_profile(ROOT / "device_profiles" / "jetson_tx2.toml"), measured={})
+    data = tx2_data(log)
+    names = list(data)
+    rows: dict = {}
+    for held in names:
+        train = [data[m] for m in names if m != held]
+        info, table = data[held]
+        kfit = fit_kernels(train, device, max_bandwidth=59.7e9, leave_one_out=True)
+        rfit = fit_roofline(train, device, max_peak_eff=device.peak_flops.value, max_bandwidth=59.7e9)
+        truth_dev = dataclasses.replace(device, measured={held: profile_table(table)})
+        truth = CostModel(info, truth_dev, table.batch_size)
+        sels = random_selections(info.num_tensors, n_selections + 1, np.random.default_rng(13))
+        meas = table.forward_s + table.backward_s
+        kern = CostModel(info, kernel_device(device, kfit.params), table.batch_size)
+        roof = CostModel(info, _roofline_device(device, rfit.peak_eff, rfit.mem_bandwidth, rfit.launch_overhead), 4)
+        fwd3 = 3 * table.forward_s
+        rows[held] = {
+            "fitted_on": [m for m in names if m != held],
+            "kernel": {**held_out_row(kern, truth, info, sels, meas), "uncertainty": kfit.uncertainty},
+            "kernel_fit": dataclasses.asdict(kfit),
+            "roofline": held_out_row(roof, truth, info, sels, meas),
+            "fedscale_3x_fwd_err": fwd3 / meas - 1,
+            "fedscale_3x_ratio_median_abs": float(
+                np.median([abs(1 / (selection_time(truth, s) / selection_time(truth, sels[0])) - 1) for s in sels[1:]])
+            ),
+            "truth_consistency": selection_time(truth, sels[0]) / meas - 1,
+        }
+        k = rows[held]["kernel"]
+        log(
+            f"tx2 held-out {held}: kernel fwd+bwd {pct(k['fwd_bwd_err'], True)}, layers wmed "
+            f"{pct(k['layer_weighted_median_abs'])}, ratio med {pct(k['ratio_median_abs'])}; roofline "
+            f"{pct(rows[held]['roofline']['fwd_bwd_err'], True)}; 3x fwd {pct(rows[held]['fedscale_3x_fwd_err'], True)}"
+        )
+    return rows
 
 
 # ----------------------------------------------------------------------------- report

@@ -1,0 +1,247 @@
+"""Fit the kernel-aware roofline (one roofline per kernel class) to measured per-layer tables.
+
+Every layer's measured ``fwd``, ``dx`` and ``dw`` is a sum of kernels the cost model knows (its
+own, the weightless and functional ops charged to it); each kernel's time is
+``max(flops / P_c, bytes / B_c) / s + L_c`` with ``s = outputs / (outputs + W_c)`` for its class
+``c`` (see :mod:`fedelastic.costmodel`). :func:`fit_kernels` fits ``(P_c, B_c, L_c, W_c)`` of
+every class by ``scipy.optimize.least_squares`` on the log ratio of predicted to measured
+entries, weighted by the square root of the entry's share of the time (a step's big kernels
+matter most). Classes are tied to a shared *global* roofline by a weak prior (a penalty on the
+log distance, ``prior_weight``): a class with kernels in the tables is fitted by them, a class
+with none (e.g. depthwise kernels when no table has a depthwise conv) takes its fallback class's
+values (:data:`~fedelastic.devices.KERNEL_CLASSES`), or the global ones.
+
+Uncertainty. With two or more tables, each model is left out in turn, the rest refitted, and the
+left-out model's whole-step time (sum of its entries) predicted: the root mean square of those
+relative errors is the profile's ``[uncertainty] step``. With one table, the time-weighted root
+mean square of the fit's per-entry relative residuals stands in (an optimistic band).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .costmodel import _DW, _DX, _FWD, _OPS, CostModel, kernel_times
+from .devices import KERNEL_CLASSES, DeviceProfile, KernelClass, Quantity
+from .modelinfo import ModelInfo
+
+__all__ = ["KernelFit", "fit_kernels", "kernel_device", "kernels_toml"]
+
+_CLASSES = list(KERNEL_CLASSES)
+_N = len(_CLASSES)
+_PARENT = [(_CLASSES.index(p) if p is not None else _N) for p in KERNEL_CLASSES.values()]  # _N: global
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """Fitted per-class rooflines (SI units) and how well they fit.
+
+    ``params[c] = (P_c FLOP/s, B_c B/s, overhead_c s, W_c elements)`` where the overhead is on
+    top of the device's launch overhead. ``fitted`` lists the classes that had kernels in the
+    tables; the others hold their prior. ``uncertainty`` is the relative 1-sigma step band.
+    """
+
+    params: dict[str, tuple[float, float, float, float]]
+    fitted: tuple[str, ...]
+    models: tuple[str, ...]
+    n_points: int
+    median_rel_err: float
+    weighted_median_rel_err: float
+    total_rel_err: float
+    uncertainty: float
+    uncertainty_how: str
+
+
+def kernel_device(device: DeviceProfile, params: dict[str, tuple[float, float, float, float]], source: str = "fit"):
+    """``device`` with ``params`` as its ``[kernels]`` (no measured tables)."""
+    peak, bw = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value
+    kernels = {
+        c: KernelClass(
+            Quantity(min(p / peak, 1.0), source),
+            Quantity(min(b / bw, 1.0), source),
+            Quantity(max(o, 0.0), source),
+            Quantity(w, source),
+        )
+        for c, (p, b, o, w) in params.items()
+    }
+    return replace(device, kernels=kernels, measured={})
+
+
+@dataclass
+class _Data:
+    info: ModelInfo
+    cls: np.ndarray
+    flops: np.ndarray
+    nbytes: np.ndarray
+    outputs: np.ndarray
+    entry: np.ndarray  # flat index (layer * 3 + phase) of each kernel, -1 if in no entry
+    meas: np.ndarray  # flat measured entries
+    ok: np.ndarray
+
+
+def _data(info: ModelInfo, table: Any, device: DeviceProfile) -> _Data:
+    """The kernels of ``info`` at the table's batch size, each mapped to a (layer, phase) entry."""
+    placeholder = {c: (device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value, 0.0, 0.0) for c in _CLASSES}
+    cost = CostModel(info, kernel_device(device, placeholder), int(table.batch_size))
+    nl = len(info.layers)
+    layer_of = np.where(
+        np.isin(cost.kernel_slot, (_FWD, _DX, _DW)),
+        info.tensor_layer[np.minimum(cost.kernel_index, info.num_tensors - 1)],
+        cost.kernel_index,
+    )
+    phase = np.select([cost.kernel_slot == _DX, cost.kernel_slot == _DW], [1, 2], 0)
+    entry = np.where((cost.kernel_slot == _OPS) & (cost.kernel_index >= nl), -1, layer_of * 3 + phase)
+    meas = np.zeros((nl, 3))
+    ok = np.zeros((nl, 3), bool)
+    for li, layer in enumerate(info.layers):
+        row = table.layers.get(layer.name)
+        if row is not None:
+            meas[li] = (row.fwd_s, row.dx_s, row.dw_s)
+            ok[li] = meas[li] > 1e-9
+    ok[0, 1] = False  # never paid: no gradient below the input
+    return _Data(
+        info, cost.kernel_class, cost.kernel_flops, cost.kernel_bytes, cost.kernel_outputs, entry, meas.ravel(), ok.ravel()
+    )
+
+
+def _predict(d: _Data, table_params: np.ndarray, launch: float) -> np.ndarray:
+    p = table_params.copy()
+    p[:, 2] += launch
+    t = kernel_times(p, d.cls, d.flops, d.nbytes, d.outputs)
+    out = np.zeros(d.meas.size)
+    on = d.entry >= 0
+    np.add.at(out, d.entry[on], t[on])
+    return out
+
+
+def _unpack(theta: np.ndarray) -> np.ndarray:
+    """theta (log P, log B, log overhead, log W per class, then global) -> class params (no global)."""
+    return np.exp(theta.reshape(_N + 1, 4)[:_N])
+
+
+def _fit(data: list[_Data], device: DeviceProfile, max_peak: float, max_bw: float, prior_weight: float, objective: str):
+    from scipy.optimize import least_squares
+
+    launch = device.launch_overhead_s.value
+    present = np.zeros(_N, bool)
+    for d in data:
+        used = np.unique(d.cls[(d.entry >= 0) & np.isin(d.entry, np.flatnonzero(d.ok))])
+        present[used] = True
+    total = sum(float(d.meas[d.ok].sum()) for d in data)
+    scale = total / sum(int(d.ok.sum()) for d in data)
+    lo = np.tile([np.log(1e6), np.log(1e5), np.log(1e-8), np.log(1.0)], _N + 1)
+    hi = np.tile([np.log(max_peak), np.log(max_bw), np.log(1e-1), np.log(1e9)], _N + 1)
+    x0 = np.tile([np.log(0.3 * max_peak), np.log(0.3 * max_bw), np.log(1e-6), np.log(1e2)], _N + 1)
+    parent = np.array(_PARENT)
+
+    def residuals(theta):
+        params = _unpack(theta)
+        out = []
+        for d in data:
+            pred = _predict(d, params, launch)
+            m = d.meas[d.ok]
+            if objective == "time":  # least squares in seconds, variance taken proportional to time
+                out.append((pred[d.ok] - m) / np.sqrt(m * scale))
+            else:  # log ratio weighted by the square root of the entry's time share
+                out.append(np.log(pred[d.ok] / m) * np.sqrt(m / scale))
+        t = theta.reshape(_N + 1, 4)
+        out.append(np.sqrt(prior_weight) * (t[:_N] - t[parent]).ravel())
+        return np.concatenate(out)
+
+    res = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-5, max_nfev=3000)
+    return _unpack(res.x), present
+
+
+def fit_kernels(
+    pairs: Sequence[tuple[ModelInfo, Any]],
+    device: DeviceProfile,
+    *,
+    max_peak: float | None = None,
+    max_bandwidth: float | None = None,
+    prior_weight: float = 0.01,
+    objective: str = "time",
+    leave_one_out: bool = True,
+) -> KernelFit:
+    """Fit every kernel class's roofline to measured tables (see the module docstring).
+
+    Parameters
+    ----------
+    pairs : sequence of (ModelInfo, table)
+        Model descriptions and their measured tables (anything with ``batch_size`` and ``layers``
+        of ``fwd_s``/``dx_s``/``dw_s``); a model may appear with several tables (batch sizes).
+    device : DeviceProfile
+        Supplies the dtype, peak, bandwidth and launch overhead the classes are relative to.
+    max_peak, max_bandwidth : float, optional
+        Upper bounds of ``P_c`` and ``B_c`` (default: the device's peak and bandwidth).
+    prior_weight : float
+        Weight of the pull of each class toward its fallback (log distance).
+    leave_one_out : bool
+        Compute the uncertainty by refitting without each model (when there are two or more).
+    """
+    if not pairs:
+        raise ValueError("fit_kernels needs at least one (ModelInfo, table) pair")
+    max_peak = max_peak or device.peak_flops.value
+    max_bw = max_bandwidth or device.mem_bandwidth_bytes_per_s.value
+    data = [_data(info, table, device) for info, table in pairs]
+    data = [d for d in data if d.ok.any()]
+    if not data:
+        raise ValueError("the measured tables share no layer with the models")
+    params, present = _fit(data, device, max_peak, max_bw, prior_weight, objective)
+    launch = device.launch_overhead_s.value
+    preds = [_predict(d, params, launch) for d in data]
+    rel = np.concatenate([p[d.ok] / d.meas[d.ok] - 1 for p, d in zip(preds, data)])
+    weights = np.concatenate([d.meas[d.ok] for d in data])
+    total = float(weights.sum())
+    pred_total = sum(float(p[d.ok].sum()) for p, d in zip(preds, data))
+    models = tuple(dict.fromkeys(d.info.model_name for d in data))
+    if leave_one_out and len(models) >= 2:
+        errs = []
+        for held in models:
+            rest = [d for d in data if d.info.model_name != held]
+            p_rest, _ = _fit(rest, device, max_peak, max_bw, prior_weight, objective)
+            for d in data:
+                if d.info.model_name == held:
+                    errs.append(float(_predict(d, p_rest, launch)[d.ok].sum() / d.meas[d.ok].sum() - 1))
+        uncertainty = float(np.sqrt(np.mean(np.square(errs))))
+        how = f"RMS of leave-one-model-out step errors over {', '.join(models)}"
+    else:
+        uncertainty = float(np.sqrt(np.sum(weights * rel**2) / total))
+        how = "time-weighted RMS of the in-sample per-layer residuals (one model: optimistic)"
+    order = np.argsort(np.abs(rel))
+    cum = np.cumsum(weights[order]) / total
+    return KernelFit(
+        params={c: tuple(float(v) for v in params[i]) for i, c in enumerate(_CLASSES)},  # type: ignore[misc]
+        fitted=tuple(c for i, c in enumerate(_CLASSES) if present[i]),
+        models=models,
+        n_points=int(rel.size),
+        median_rel_err=float(np.median(np.abs(rel))),
+        weighted_median_rel_err=float(np.abs(rel)[order][np.searchsorted(cum, 0.5)]),
+        total_rel_err=pred_total / total - 1,
+        uncertainty=uncertainty,
+        uncertainty_how=how,
+    )
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def kernels_toml(fit: KernelFit, device: DeviceProfile, source: str) -> dict[str, Any]:
+    """``[kernels]`` and ``[uncertainty]`` tables (TOML-ready) of a fit, relative to ``device``."""
+    peak, bw = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value
+    models = ", ".join(fit.models)
+    kernels = {}
+    for c, (p, b, o, w) in fit.params.items():
+        src = f"{source} ({models})" if c in fit.fitted else f"{source}: no {c} kernels in the tables ({models}), the prior"
+        kernels[c] = {
+            "efficiency": {"value": _sig(min(p / peak, 1.0)), "unit": "1", "source": src},
+            "bandwidth_share": {"value": _sig(min(b / bw, 1.0)), "unit": "1", "source": src},
+            "overhead": {"value": _sig(o * 1e6), "unit": "us", "source": src},
+            "width": {"value": _sig(w), "unit": "elements", "source": src},
+        }
+    band = {"step": {"value": _sig(fit.uncertainty, 3), "unit": "1", "source": f"{source}: {fit.uncertainty_how}"}}
+    return {"kernels": kernels, "uncertainty": band}
