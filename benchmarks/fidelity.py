@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.devices import load_profile, parse_profile  # noqa: E402
+from fedelastic.kernelfit import fit_kernels, kernel_device  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.profiler import (  # noqa: E402
     FitResult,
-    profile_table,
     _roofline_device,
     _start_device,
     build_model,
@@ -60,14 +60,18 @@ from fedelastic.profiler import (  # noqa: E402
     measure_layers,
     measure_peak_flops,
     measured_by,
+    profile_table,
 )
-from fedelastic.kernelfit import fit_kernels, kernel_device  # noqa: E402
 from fedelastic.trace import LayerTime, MeasuredTable, import_trace  # noqa: E402
 
 DATE = "2026-11-22"
 # the shared data sit beside the checkout (../shared), or beside its parent for a git worktree
 TRACES = next(
-    (p / "shared" / "data" / "measured" / "jetson_tx2" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()),
+    (
+        p / "shared" / "data" / "measured" / "jetson_tx2"
+        for p in (ROOT.parent, ROOT.parent.parent)
+        if (p / "shared").is_dir()
+    ),
     ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2",
 )
 TX2_MODELS = {"resnet50": "resnet50", "mobilenetv2": "mobilenetv2", "vit_b16": "vit"}  # registry -> trace

@@ -241,7 +241,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
-    parser.add_argument("--elastic-batches", nargs="*", type=int, help="batch sizes of the elastic experiment (default: all)")
+    parser.add_argument(
+        "--elastic-batches", nargs="*", type=int, help="batch sizes of the elastic experiment (default: all)"
+    )
     parser.add_argument("--selections", type=int, default=30)
     parser.add_argument("--input-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=200)

@@ -63,7 +63,12 @@ def kernel_parameters(device: DeviceProfile) -> np.ndarray:
         if k is None:
             out[i] = (peak * device.efficiency.value, bw, launch, 0.0)
         else:
-            out[i] = (peak * k.efficiency.value, bw * k.bandwidth_share.value, launch + k.overhead_s.value, k.width.value)
+            out[i] = (
+                peak * k.efficiency.value,
+                bw * k.bandwidth_share.value,
+                launch + k.overhead_s.value,
+                k.width.value,
+            )
     return out
 
 
@@ -144,7 +149,7 @@ class CostModel:
             rows.append((slot, idx, cls_id[cls], flops, elements * e, outputs))
 
         first_tensor = info.layer_first_tensor()
-        for li, layer in enumerate(info.layers):
+        for layer in info.layers:
             ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
             wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
             first = layer.tensors[0]
@@ -177,18 +182,27 @@ class CostModel:
         # so that a v1 profile's fitted roofline keeps the meaning it was fitted with
         for fn in info.functional if device.kernels else ():
             self._functional_kernels(fn, b, add, nl, int(first_tensor[fn.above]) if fn.above < nl else -1)
-        self.kernel_slot, self.kernel_index, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs = (
-            np.array([r[i] for r in rows], dtype=np.int64 if i < 3 else float).reshape(-1) for i in range(6)
-        )
+        (
+            self.kernel_slot,
+            self.kernel_index,
+            self.kernel_class,
+            self.kernel_flops,
+            self.kernel_bytes,
+            self.kernel_outputs,
+        ) = (np.array([r[i] for r in rows], dtype=np.int64 if i < 3 else float).reshape(-1) for i in range(6))
         self.kernel_params = kernel_parameters(device)
-        times = kernel_times(self.kernel_params, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs)
+        times = kernel_times(
+            self.kernel_params, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs
+        )
         self.kernel_time = times
         self.t_fwd, self.t_dx, self.t_dw = (self._gather(slot, times, n) for slot in (_FWD, _DX, _DW))
         # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
         self.t_ops_fwd_layer = self._gather(_OPS, times, nl + 1)
         layer_fwd = self.t_fwd[first_tensor] if nl else np.zeros(0)
         self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
-        self.t_bwd_fixed = device.launch_overhead_s.value  # paid once by every step that trains anything (+ the loss, if measured)
+        self.t_bwd_fixed = (
+            device.launch_overhead_s.value
+        )  # paid once by every step that trains anything (+ the loss, if measured)
         self.measured = device.measured.get(info.model_name)
         if self.measured is not None:
             self._apply_measured(layer_fwd)

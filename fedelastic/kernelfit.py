@@ -104,7 +104,14 @@ def _data(info: ModelInfo, table: Any, device: DeviceProfile) -> _Data:
             ok[li] = meas[li] > 1e-9
     ok[0, 1] = False  # never paid: no gradient below the input
     return _Data(
-        info, cost.kernel_class, cost.kernel_flops, cost.kernel_bytes, cost.kernel_outputs, entry, meas.ravel(), ok.ravel()
+        info,
+        cost.kernel_class,
+        cost.kernel_flops,
+        cost.kernel_bytes,
+        cost.kernel_outputs,
+        entry,
+        meas.ravel(),
+        ok.ravel(),
     )
 
 
@@ -236,7 +243,11 @@ def kernels_toml(fit: KernelFit, device: DeviceProfile, source: str) -> dict[str
     models = ", ".join(fit.models)
     kernels = {}
     for c, (p, b, o, w) in fit.params.items():
-        src = f"{source} ({models})" if c in fit.fitted else f"{source}: no {c} kernels in the tables ({models}), the prior"
+        src = (
+            f"{source} ({models})"
+            if c in fit.fitted
+            else f"{source}: no {c} kernels in the tables ({models}), the prior"
+        )
         kernels[c] = {
             "efficiency": {"value": _sig(min(p / peak, 1.0)), "unit": "1", "source": src},
             "bandwidth_share": {"value": _sig(min(b / bw, 1.0)), "unit": "1", "source": src},

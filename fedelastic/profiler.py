@@ -133,6 +133,7 @@ def build_model(
 
 # ----------------------------------------------------------------------------- measuring
 
+
 def _cuda_clock() -> float:
     """Wall time after waiting for every queued CUDA kernel (each stamp is a device barrier)."""
     import torch
