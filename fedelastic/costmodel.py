@@ -22,7 +22,7 @@ Conventions (documented in the README):
 
       t = max(flops / P_c, bytes / B_c) / s + L_c,   s = outputs / (outputs + W_c)
 
-  ``P_c = peak * efficiency_c``, ``B_c = bandwidth * bandwidth_share_c``, ``L_c = launch_overhead +
+  ``P_c = peak * efficiency_c``, ``B_c`` the class's fitted bandwidth, ``L_c = launch_overhead +
   overhead_c``: a class's kernels reach ``P_c`` only when large (``s`` saturates in the kernel's
   output elements; ``W_c = 0`` means always). A v1 profile has one class: ``efficiency``, the whole
   bandwidth, the launch overhead. Kernel-aware profiles (``[kernels]``) also price the functional
@@ -63,12 +63,7 @@ def kernel_parameters(device: DeviceProfile) -> np.ndarray:
         if k is None:
             out[i] = (peak * device.efficiency.value, bw, launch, 0.0)
         else:
-            out[i] = (
-                peak * k.efficiency.value,
-                bw * k.bandwidth_share.value,
-                launch + k.overhead_s.value,
-                k.width.value,
-            )
+            out[i] = (peak * k.efficiency.value, k.bandwidth.value, launch + k.overhead_s.value, k.width.value)
     return out
 
 
@@ -265,6 +260,28 @@ class CostModel:
             self.t_ops_fwd_layer[-1] = self.t_ops_fwd
             # backward no layer owns (the loss gradient): paid once by every step that trains anything
             self.t_bwd_fixed += table.unattributed_bwd_s * scale
+
+    # ---- uncertainty ------------------------------------------------------------------------
+    def roofline_share(self) -> float:
+        """Share of the full step's time priced by the roofline (not by a measured table)."""
+        full = self.full_step_time_s()
+        if self.measured is None or full <= 0:
+            return 1.0
+        covered = 0.0
+        for li, layer in enumerate(self.info.layers):
+            if layer.name in self.measured.layers:
+                ks = list(layer.tensors)
+                covered += self.t_fwd[ks[0]] + self.t_ops_fwd_layer[li] + self.t_dx[ks[0]] + self.t_dw[ks].sum()
+        return float(min(max(1.0 - covered / full, 0.0), 1.0))
+
+    def time_band_s(self, seconds: float) -> float:
+        """One-sigma error band (seconds) of an emulated time of ``seconds``.
+
+        The profile's ``[uncertainty] step`` (a relative error, from the kernel fit's leave-one-model-out
+        residuals) times the share of the step the roofline prices; 0 when the profile gives none.
+        """
+        rel = self.device.uncertainty.value if self.device.uncertainty is not None else 0.0
+        return float(seconds * rel * self.roofline_share())
 
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:

@@ -74,14 +74,14 @@ class MeasuredTable:
 
 @dataclass(frozen=True)
 class KernelClass:
-    """Fitted roofline of one kernel class: ``max(flops / (peak * efficiency * s), bytes / (bandwidth *
-    bandwidth_share * s)) + launch_overhead + overhead`` with ``s = outputs / (outputs + width)``.
+    """Fitted roofline of one kernel class: ``max(flops / (peak * efficiency), bytes / bandwidth) / s
+    + launch_overhead + overhead`` with ``s = outputs / (outputs + width)``.
 
     ``width`` is the output elements at which a kernel reaches half its throughput (0: always full).
     """
 
     efficiency: Quantity  # fraction of the dtype's peak
-    bandwidth_share: Quantity  # fraction of compute.mem_bandwidth
+    bandwidth: Quantity  # effective B/s of the class's kernels
     overhead_s: Quantity  # per kernel, on top of compute.launch_overhead
     width: Quantity  # elements
 
@@ -149,7 +149,7 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
     "uncertainty": {"step": ("ratio", True)},
 }
 _OPTIONAL_SECTIONS = ("availability", "uncertainty")
-_KERNEL_KEYS = {"efficiency": "ratio", "bandwidth_share": "ratio", "overhead": "time", "width": "count"}
+_KERNEL_KEYS = {"efficiency": "ratio", "bandwidth": "bandwidth", "overhead": "time", "width": "count"}
 _TOP_KEYS = {"schema_version", "name", "display_name", "device_class", "train_dtype", "notes", "measured", "kernels"}
 
 
@@ -234,9 +234,9 @@ def _kernels(src: str, raw: Any) -> dict[str, KernelClass]:
             q[key] = _quantity(src, f"{where}.{key}", table[key], dimension)
         if not 0 < q["efficiency"].value <= 1:
             raise ConfigError(src, f"{where}.efficiency.value", "a fraction in (0, 1]", q["efficiency"].value)
-        if not 0 < q["bandwidth_share"].value <= 1:
-            raise ConfigError(src, f"{where}.bandwidth_share.value", "a fraction in (0, 1]", q["bandwidth_share"].value)
-        out[name] = KernelClass(q["efficiency"], q["bandwidth_share"], q["overhead"], q["width"])
+        if q["bandwidth"].value <= 0:
+            raise ConfigError(src, f"{where}.bandwidth.value", "a positive number", q["bandwidth"].value)
+        out[name] = KernelClass(q["efficiency"], q["bandwidth"], q["overhead"], q["width"])
     return out
 
 

@@ -58,11 +58,11 @@ class KernelFit:
 
 def kernel_device(device: DeviceProfile, params: dict[str, tuple[float, float, float, float]], source: str = "fit"):
     """``device`` with ``params`` as its ``[kernels]`` (no measured tables)."""
-    peak, bw = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value
+    peak = device.peak_flops.value
     kernels = {
         c: KernelClass(
             Quantity(min(p / peak, 1.0), source),
-            Quantity(min(b / bw, 1.0), source),
+            Quantity(b, source),
             Quantity(max(o, 0.0), source),
             Quantity(w, source),
         )
@@ -183,7 +183,8 @@ def fit_kernels(
     device : DeviceProfile
         Supplies the dtype, peak, bandwidth and launch overhead the classes are relative to.
     max_peak, max_bandwidth : float, optional
-        Upper bounds of ``P_c`` and ``B_c`` (default: the device's peak and bandwidth).
+        Upper bounds of ``P_c`` and ``B_c`` (default: the device's peak and bandwidth; pass the
+        datasheet bandwidth when the profile's is an effective, fitted one).
     prior_weight : float
         Weight of the pull of each class toward its fallback (log distance).
     leave_one_out : bool
@@ -239,7 +240,7 @@ def _sig(x: float, digits: int = 4) -> float:
 
 def kernels_toml(fit: KernelFit, device: DeviceProfile, source: str) -> dict[str, Any]:
     """``[kernels]`` and ``[uncertainty]`` tables (TOML-ready) of a fit, relative to ``device``."""
-    peak, bw = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value
+    peak = device.peak_flops.value
     models = ", ".join(fit.models)
     kernels = {}
     for c, (p, b, o, w) in fit.params.items():
@@ -250,7 +251,7 @@ def kernels_toml(fit: KernelFit, device: DeviceProfile, source: str) -> dict[str
         )
         kernels[c] = {
             "efficiency": {"value": _sig(min(p / peak, 1.0)), "unit": "1", "source": src},
-            "bandwidth_share": {"value": _sig(min(b / bw, 1.0)), "unit": "1", "source": src},
+            "bandwidth": {"value": _sig(b / 1e9), "unit": "GB/s", "source": src},
             "overhead": {"value": _sig(o * 1e6), "unit": "us", "source": src},
             "width": {"value": _sig(w), "unit": "elements", "source": src},
         }

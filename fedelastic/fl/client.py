@@ -83,6 +83,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "train-loss": result.train_loss,
         "fraction-params-trained": trained_params,
         "emulated-train-time-s": figures.train_time_s,
+        "emulated-train-time-band-s": cost.time_band_s(figures.train_time_s),
         "emulated-overhead-time-s": result.overhead_time_s,
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
