@@ -52,7 +52,11 @@ def report(run_dir: Path) -> None:
             str(g.partition_id.nunique()),
             f"{g.fits.mean():.0%}",
             f"{g.emulated_train_time_s.mean():.3g} s"
-            + (f" ± {g.emulated_train_time_band_s.mean():.2g}" if g.get("emulated_train_time_band_s", 0).mean() > 0 else ""),
+            + (
+                f" ± {g.emulated_train_time_band_s.mean():.2g}"
+                if "emulated_train_time_band_s" in g and g.emulated_train_time_band_s.mean() > 0
+                else ""
+            ),
             f"{g.emulated_energy_j.mean():.3g} J",
             _fmt_bytes(g.emulated_peak_memory_bytes.max()),
             _fmt_bytes(g.device_memory_bytes.iloc[0]),

@@ -678,6 +678,19 @@ def fit_roofline(
     )
 
 
+def fit_kernels_into(
+    raw: dict[str, Any], pairs: Sequence[tuple[ModelInfo, Any]], src: str, source: str, max_bandwidth: float | None
+) -> None:
+    """Fit the kernel classes (:func:`fedelastic.kernelfit.fit_kernels`) and write ``[kernels]``,
+    ``[uncertainty]`` and ``schema_version = 2`` into ``raw``."""
+    from .kernelfit import fit_kernels, kernels_toml
+
+    device = parse_profile(raw, src)
+    fit = fit_kernels(pairs, device, max_bandwidth=max_bandwidth or device.mem_bandwidth_bytes_per_s.value)
+    raw["schema_version"] = 2
+    raw.update(kernels_toml(fit, device, source))
+
+
 def datasheet_bandwidth(device: DeviceProfile) -> float | None:
     """The profile's bandwidth before any fit (B/s), or None if a fit replaced it without saying."""
     import re
@@ -954,10 +967,13 @@ def dumps_profile(raw: dict[str, Any]) -> str:
         if not isinstance(value, dict):
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for section, table in raw.items():
-        if not isinstance(table, dict) or section == "measured":
+        if not isinstance(table, dict) or section in ("measured", "kernels"):
             continue
         lines += ["", f"[{_toml_key(section)}]"]
         lines += [f"{_toml_key(k)} = {_inline(v) if isinstance(v, dict) else _toml_value(v)}" for k, v in table.items()]
+    for cls, table in raw.get("kernels", {}).items():
+        lines += ["", f"[kernels.{_toml_key(cls)}]"]
+        lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
     for model, table in raw.get("measured", {}).items():
         lines += ["", f"[measured.{_toml_key(model)}]"]
         lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if k != "layers"]
@@ -1084,6 +1100,8 @@ def measure_profile(
         like=base_raw,
         notes=f"Measured on {model_name} at batch {batch_size}, input {tuple(shape)}.",
     )
+    say("fitting the kernel classes")
+    fit_kernels_into(raw, [(info, table)], str(out), f"fitted: {by}", max_bandwidth=None)
     return write_profile(raw, out), fit, table
 
 
@@ -1145,9 +1163,9 @@ def import_trace_into(
             pairs.append((describe_model(name, **kw), mt))
         result = fit_to_profile(pairs, device)
         origin = "; ".join(f"{info.model_name}: {mt.source.split(' (')[0][:80]}" for info, mt in pairs)
-        apply_fit(
-            raw, result, f"fitted to the measured tables ({origin}) by fedelastic profile import-trace --fit on {day}"
-        )
+        src = f"fitted to the measured tables ({origin}) by fedelastic profile import-trace --fit on {day}"
+        apply_fit(raw, result, src)
+        fit_kernels_into(raw, pairs, str(profile), src, max_bandwidth=datasheet_bandwidth(device))
     write_profile(raw, profile)
     load_profile(profile)
     return table, raw, result

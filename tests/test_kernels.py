@@ -116,7 +116,12 @@ def test_kernel_classes_price_each_kernel_by_hand():
 def test_v1_profile_gives_every_class_the_single_roofline():
     dev = get_profile("jetson_nano")
     assert not dev.kernels
-    row = (dev.peak_flops.value * dev.efficiency.value, dev.mem_bandwidth_bytes_per_s.value, dev.launch_overhead_s.value, 0)
+    row = (
+        dev.peak_flops.value * dev.efficiency.value,
+        dev.mem_bandwidth_bytes_per_s.value,
+        dev.launch_overhead_s.value,
+        0,
+    )
     assert (kernel_parameters(dev) == np.array(row)).all()
 
 
@@ -158,7 +163,12 @@ def _q(value, unit):
 def test_schema_v2_kernels_load_and_bad_entries_are_named(tmp_path, profile_raw):
     from fedelastic.devices import load_profile
 
-    good = {"efficiency": _q(0.5, "1"), "bandwidth": _q(10, "GB/s"), "overhead": _q(3, "us"), "width": _q(100, "elements")}
+    good = {
+        "efficiency": _q(0.5, "1"),
+        "bandwidth": _q(10, "GB/s"),
+        "overhead": _q(3, "us"),
+        "width": _q(100, "elements"),
+    }
     dev = load_profile(_write_v2(tmp_path, profile_raw, {"gemm_fwd": good}))
     assert dev.kernels["gemm_fwd"].bandwidth.value == 10e9 and dev.kernels["gemm_fwd"].overhead_s.value == 3e-6
     with pytest.raises(ConfigError) as info:
@@ -194,7 +204,10 @@ def test_fit_kernels_recovers_a_known_device():
     }
     dev = kernel_device(base, truth)
     pairs = []
-    for model, shape in ((small_cnn(width=8), (1, 16, 16)), (mcu_net(width=8, input_size=16, in_channels=1), (1, 16, 16))):
+    for model, shape in (
+        (small_cnn(width=8), (1, 16, 16)),
+        (mcu_net(width=8, input_size=16, in_channels=1), (1, 16, 16)),
+    ):
         info = describe(model, torch.zeros(1, *shape), model_name=type(model).__name__)
         pairs += [(info, _synthetic_table(info, dev, b)) for b in (1, 8, 32)]
     fit = fit_kernels(pairs, base, max_bandwidth=20e9, leave_one_out=False)
