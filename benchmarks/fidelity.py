@@ -11,7 +11,7 @@ applied as the trainer applies it: ``requires_grad`` per tensor, batch norms wit
 tensor in eval mode) are run for real (forward, cross-entropy, backward, SGD-momentum step) and
 predicted by the cost model with
 
-(a) the host's measured profile: ``fedelastic.profiler.measure_layers`` table + fitted roofline
+(a) the host's measured profile: ``fedelastic.measure.measure_layers`` table + fitted roofline
     (what ``fedelastic profile measure`` writes), and
 (b) the fitted roofline alone (the same profile without its measured table),
 
@@ -45,24 +45,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile, parse_profile  # noqa: E402
-from fedelastic.kernelfit import fit_kernels, kernel_device  # noqa: E402
-from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.profiler import (  # noqa: E402
+from fedelastic.devices import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402  # noqa: E402
+from fedelastic.fit import (  # noqa: E402  # noqa: E402
     FitResult,
     _roofline_device,
     _start_device,
-    build_model,
-    build_profile_dict,
+    fit_kernels,
     fit_roofline,
-    host_memory_available,
+    kernel_device,
     layer_roofline,
-    measure_layers,
-    measure_peak_flops,
-    measured_by,
-    profile_table,
 )
-from fedelastic.trace import LayerTime, MeasuredTable, import_trace  # noqa: E402
+from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
+from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.profiles import build_profile_dict, measured_by  # noqa: E402
+from fedelastic.trace import import_trace  # noqa: E402
 
 DATE = "2026-11-22"
 KERNEL_DATE = "2026-11-23"
@@ -171,7 +168,7 @@ def median_table(tables: list[MeasuredTable]) -> MeasuredTable:
     """Entry-wise median of tables of the same model."""
     first = tables[0]
     layers = {
-        n: LayerTime(*np.median([[t.layers[n].fwd_s, t.layers[n].dx_s, t.layers[n].dw_s] for t in tables], axis=0))
+        n: LayerTiming(*np.median([[t.layers[n].fwd_s, t.layers[n].dx_s, t.layers[n].dw_s] for t in tables], axis=0))
         for n in first.layers
     }
     med = {
@@ -186,7 +183,7 @@ def host_model(name: str, rounds: int, n_selections: int, seed: int, log) -> dic
     options = dict(options)
     size, channels = options.pop("input_size"), options.pop("in_channels", None)
     torch.manual_seed(seed)
-    model, shape = build_model(name, num_classes=10, input_size=size, in_channels=channels, **options)
+    model, shape = build_with_input(name, num_classes=10, input_size=size, in_channels=channels, **options)
     x = torch.randn(batch, *shape)
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(seed))
     info = describe(model, x[:1], model_name=name)
@@ -260,7 +257,7 @@ def tx2_data(log) -> dict[str, tuple]:
     data = {}
     for name, stem in TX2_MODELS.items():
         table = import_trace(TRACES / f"{stem}.trace.json.gz", model=name, batch_size=4)
-        model, shape = build_model(name, num_classes=200, input_size=224)
+        model, shape = build_with_input(name, num_classes=200, input_size=224)
         data[name] = (describe(model, torch.zeros(1, *shape), model_name=name), table)
         log(f"tx2 {name}: trace step {table.step_s * 1e3:.1f} ms, forward {table.forward_s * 1e3:.1f} ms")
     return data
@@ -388,7 +385,7 @@ def tx2_kernel_section(log, n_selections: int = 50) -> dict:
         info, table = data[held]
         kfit = fit_kernels(train, device, max_bandwidth=TX2_DATASHEET_BANDWIDTH, leave_one_out=True)
         rfit = fit_roofline(train, device, max_peak_eff=device.peak_flops.value, max_bandwidth=59.7e9)
-        truth_dev = dataclasses.replace(device, measured={held: profile_table(table)})
+        truth_dev = dataclasses.replace(device, measured={held: table})
         truth = CostModel(info, truth_dev, table.batch_size)
         sels = random_selections(info.num_tensors, n_selections + 1, np.random.default_rng(13))
         meas = table.forward_s + table.backward_s
@@ -430,7 +427,7 @@ def gpu_tables(log) -> tuple[dict, dict]:
             continue
         raw = json.loads(path.read_text())
         name = raw["model"]
-        model, shape = build_model(name, num_classes=raw["num_classes"], input_size=raw["input"][-1])
+        model, shape = build_with_input(name, num_classes=raw["num_classes"], input_size=raw["input"][-1])
         info = describe(model, torch.zeros(1, *shape), model_name=name)
         runs = {}
         for b, row in raw["batches"].items():
@@ -661,7 +658,7 @@ def kernel_markdown(res: dict, command: str) -> str:
         "### Jetson TX2, leave one model out",
         "",
         "Each row: fitted on the other two traces, predicting the held-out model (no table of it). "
-        "`kernel`: the kernel-aware cost model (`fedelastic.kernelfit.fit_kernels`: one roofline per kernel "
+        "`kernel`: the kernel-aware cost model (`fedelastic.fit.fit_kernels`: one roofline per kernel "
         "class, functional ops priced); `roofline`: the old single-efficiency roofline (`fit_roofline`), "
         "kept as the baseline; `3 x fwd`: FedScale's rule with the held-out model's measured forward. "
         "Step = forward + backward (no optimizer: the traces' 'other' time mixes it with gaps). Layers: "

@@ -11,7 +11,7 @@ and copy bandwidth). ``benchmarks/fidelity.py`` reads these files (kept under
 
 Per model (224x224 input, 200 classes, as the TX2 traces) and batch size:
 
-1. ``table``: :func:`fedelastic.profiler.measure_layers` with the ``cuda`` clock (every time
+1. ``table``: :func:`fedelastic.measure.measure_layers` with the ``cuda`` clock (every time
    stamp is a device synchronisation, so per-layer times include each layer's launch gaps);
 2. ``full``: the real step time of full training without hooks (median of timed steps, one
    synchronisation per step), the training forward and the inference forward;
@@ -43,8 +43,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.devices import Quantity, load_profile  # noqa: E402
+from fedelastic.measure import measure_layers  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.profiler import build_model, measure_layers, profile_table  # noqa: E402
+from fedelastic.models import build_with_input  # noqa: E402
 from fedelastic.selection import SelectionContext  # noqa: E402
 
 MODELS = ("resnet50", "mobilenetv2", "vit_b16")
@@ -146,7 +147,7 @@ def gpu_device_profile(table, model: str, bandwidth: float):
         memory_train_bytes=Quantity(1e12, "unbounded for this experiment"),
         mem_bandwidth_bytes_per_s=Quantity(bandwidth, "measured copy bandwidth"),
         launch_overhead_s=Quantity(5e-6, "typical CUDA launch"),
-        measured={model: profile_table(table)},
+        measured={model: table},
     )
 
 
@@ -267,7 +268,7 @@ def main() -> int:
     clock = "cuda" if device.type == "cuda" else "wall"
     for name in args.models:
         torch.manual_seed(0)
-        model, shape = build_model(name, num_classes=args.num_classes, input_size=args.input_size)
+        model, shape = build_with_input(name, num_classes=args.num_classes, input_size=args.input_size)
         model.to(device)
         info = describe(model, torch.zeros(1, *shape, device=device), model_name=name)
         rng = np.random.default_rng(0)

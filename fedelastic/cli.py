@@ -224,7 +224,7 @@ def cmd_profile(args) -> None:
     except (ValueError, OSError) as exc:
         raise FedelasticError(f"profile {args.action}: {exc}") from None
     if args.profile is None:
-        from .profiler import dumps_profile
+        from .profiles import dumps_profile
 
         console.print(dumps_profile(raw), end="", highlight=False, markup=False, soft_wrap=True)
         return

@@ -54,7 +54,12 @@ class Quantity:
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """Measured seconds per training step of one layer, at the table's batch size."""
+    """Measured seconds per training step of one layer, at the table's batch size.
+
+    ``fwd_s``: its forward (and the weightless ops just below it); ``dx_s``: passing the error
+    gradient from its output to its input (through the weightless ops below it); ``dw_s``: the
+    gradients of its own parameters.
+    """
 
     fwd_s: float
     dx_s: float
@@ -63,13 +68,26 @@ class LayerTiming:
 
 @dataclass(frozen=True)
 class MeasuredTable:
-    """A measured per-layer table for one model, keyed by project module name."""
+    """A measured per-layer table of one model on one device (a profile's ``[measured.<model>]``).
+
+    ``layers`` are keyed by the project model's torch module names, in forward order. The step
+    totals (``step_s``, ``forward_s``, ``backward_s``, ``other_s``: medians of the measured steps;
+    ``other_s`` is what falls outside forward and backward, optimizer and gaps included) and
+    ``n_steps`` are known where the table was measured or imported, and 0 when it was loaded from
+    a profile, which keeps only what the cost model uses.
+    """
 
     batch_size: int
     source: str
     layers: dict[str, LayerTiming]
-    unattributed_fwd_s: float = 0.0
-    unattributed_bwd_s: float = 0.0
+    unattributed_fwd_s: float = 0.0  # forward no layer owns (the loss)
+    unattributed_bwd_s: float = 0.0  # backward no layer owns (the loss gradient)
+    model: str = ""
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    other_s: float = 0.0
+    n_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -212,6 +230,7 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
             layers,
             float(extras["unattributed_fwd"]),
             float(extras["unattributed_bwd"]),
+            model=str(model),
         )
     return tables
 

@@ -15,7 +15,7 @@ from torch import nn
 from fedelastic.costmodel import CostModel, kernel_parameters
 from fedelastic.devices import KERNEL_CLASSES, KernelClass, LayerTiming, MeasuredTable, Quantity, get_profile
 from fedelastic.errors import ConfigError
-from fedelastic.kernelfit import fit_kernels, kernel_device
+from fedelastic.fit import fit_kernels, kernel_device
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 
@@ -231,7 +231,7 @@ def test_time_band_scales_with_the_roofline_share():
 def test_gpu_paths_skip_cleanly_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    from fedelastic.profiler import get_clock
+    from fedelastic.measure import get_clock
 
     with pytest.raises(ValueError, match="CUDA"):
         get_clock("cuda")

@@ -12,17 +12,12 @@ import torch
 
 from fedelastic.cli import main
 from fedelastic.costmodel import CostModel
-from fedelastic.devices import builtin_profile_dir, get_profile, load_profile
+from fedelastic.devices import LayerTiming, MeasuredTable, builtin_profile_dir, get_profile, load_profile
+from fedelastic.fit import _roofline_device, fit_roofline, layer_roofline
+from fedelastic.measure import measure_layers
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
-from fedelastic.profiler import (
-    _roofline_device,
-    dumps_profile,
-    fit_roofline,
-    layer_roofline,
-    measure_layers,
-)
-from fedelastic.trace import LayerTime, MeasuredTable
+from fedelastic.profiles import dumps_profile
 
 
 def _small_info(width: int = 4):
@@ -84,7 +79,7 @@ def test_fit_recovers_known_roofline_parameters(objective):
         model="small_cnn",
         batch_size=16,
         source="synthetic",
-        layers={layer.name: LayerTime(*row) for layer, row in zip(info.layers, rows)},
+        layers={layer.name: LayerTiming(*row) for layer, row in zip(info.layers, rows)},
         step_s=0.0,
         forward_s=0.0,
         backward_s=0.0,

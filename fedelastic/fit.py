@@ -1,12 +1,25 @@
-"""Fit the kernel-aware roofline (one roofline per kernel class) to measured per-layer tables.
+"""Fit a device's roofline to measured per-layer tables: one roofline for all kernels, or one per kernel class.
 
+Single roofline
+---------------
+The roofline ``max(flops / (peak * efficiency), bytes / bandwidth) + launch_overhead`` has three
+free numbers. They are fitted by ``scipy.optimize.least_squares`` to the per-layer ``fwd``,
+``dx`` and ``dw`` times of one or more measured tables, each compared with what
+:class:`~fedelastic.costmodel.CostModel` itself predicts for that layer (so the fit uses exactly
+the cost model's flops and bytes per kernel). The default residual is least squares in seconds
+with a variance proportional to the time, ``(pred - meas) / sqrt(meas * mean)``: the kernels
+that make up most of a step matter most, while the many small ones still pin the launch
+overhead. The peak and bandwidth can be bounded by a datasheet (efficiency <= 1).
+
+Kernel classes
+--------------
 Every layer's measured ``fwd``, ``dx`` and ``dw`` is a sum of kernels the cost model knows (its
 own, the weightless and functional ops charged to it); each kernel's time is
 ``max(flops / P_c, bytes / B_c) / s + L_c`` with ``s = outputs / (outputs + W_c)`` for its class
 ``c`` (see :mod:`fedelastic.costmodel`). :func:`fit_kernels` fits ``(P_c, B_c, L_c, W_c)`` of
-every class by ``scipy.optimize.least_squares`` on the log ratio of predicted to measured
-entries, weighted by the square root of the entry's share of the time (a step's big kernels
-matter most). Classes are tied to a shared *global* roofline by a weak prior (a penalty on the
+every class by ``scipy.optimize.least_squares``, with the single roofline's residual
+(``objective="time"``, the default) or the log ratio of predicted to measured entries weighted
+by the square root of the entry's share of the time (``"log"``). Classes are tied to a shared *global* roofline by a weak prior (a penalty on the
 log distance, ``prior_weight``): a class with kernels in the tables is fitted by them, a class
 with none (e.g. depthwise kernels when no table has a depthwise conv) takes its fallback class's
 values (:data:`~fedelastic.devices.KERNEL_CLASSES`), or the global ones.
@@ -19,6 +32,7 @@ mean square of the fit's per-entry relative residuals stands in (an optimistic b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,8 +42,244 @@ import numpy as np
 from .costmodel import _DW, _DX, _FWD, _OPS, CostModel, kernel_times
 from .devices import KERNEL_CLASSES, DeviceProfile, KernelClass, Quantity
 from .modelinfo import ModelInfo
+from .units import to_si
 
-__all__ = ["KernelFit", "fit_kernels", "kernel_device", "kernels_toml"]
+# ----------------------------------------------------------------------------- one roofline
+
+
+def _roofline_device(device: DeviceProfile, peak_eff: float, bandwidth: float, launch: float) -> DeviceProfile:
+    """``device`` with the given effective peak (efficiency folded in), bandwidth and launch, no tables."""
+    return replace(
+        device,
+        peak_flops=Quantity(peak_eff, "fit"),
+        efficiency=Quantity(1.0, "fit"),
+        mem_bandwidth_bytes_per_s=Quantity(bandwidth, "fit"),
+        launch_overhead_s=Quantity(launch, "fit"),
+        measured={},
+    )
+
+
+def layer_roofline(info: ModelInfo, device: DeviceProfile, batch_size: int) -> np.ndarray:
+    """Per-layer ``[fwd, dx, dw]`` seconds the cost model's roofline gives (no measured table).
+
+    ``fwd`` includes the weightless ops just below the layer and ``dx`` their backward, the
+    convention of measured tables; ``dw`` sums the layer's tensors.
+    """
+    cost = CostModel(info, replace(device, measured={}), batch_size)
+    out = np.zeros((len(info.layers), 3))
+    for li, layer in enumerate(info.layers):
+        first = layer.tensors[0]
+        out[li] = (
+            cost.t_fwd[first] + cost.t_ops_fwd_layer[li],
+            cost.t_dx[first],
+            cost.t_dw[list(layer.tensors)].sum(),
+        )
+    return out
+
+
+def _measured_matrix(info: ModelInfo, table) -> tuple[np.ndarray, np.ndarray]:
+    """Measured ``[fwd, dx, dw]`` per layer of ``info`` (scaled to nothing) and a mask of usable entries.
+
+    The first layer's dx is never used (autograd computes no gradient below the input), and
+    entries of layers missing from the table, or below 1 ns, are left out.
+    """
+    meas = np.zeros((len(info.layers), 3))
+    ok = np.zeros((len(info.layers), 3), bool)
+    for li, layer in enumerate(info.layers):
+        row = table.layers.get(layer.name)
+        if row is None:
+            continue
+        meas[li] = (row.fwd_s, row.dx_s, row.dw_s)
+        ok[li] = meas[li] > 1e-9
+    ok[0, 1] = False
+    return meas, ok
+
+
+#: Residuals :func:`fit_roofline` can minimise.
+FIT_OBJECTIVES = ("time", "log", "rel")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Roofline parameters fitted to measured per-layer times.
+
+    Attributes
+    ----------
+    peak_eff : float
+        ``peak * efficiency`` in FLOP/s.
+    mem_bandwidth : float
+        Effective memory bandwidth in B/s.
+    launch_overhead : float
+        Fixed seconds per kernel.
+    n_points : int
+        Measured entries (layer x fwd/dx/dw) fitted to.
+    median_rel_err, p90_rel_err : float
+        Unweighted relative errors of the fitted roofline over those entries.
+    total_rel_err : float
+        Relative error of the sum of all fitted entries.
+    models : tuple of str
+        The models of the tables fitted to.
+    """
+
+    peak_eff: float
+    mem_bandwidth: float
+    launch_overhead: float
+    n_points: int
+    median_rel_err: float
+    p90_rel_err: float
+    total_rel_err: float
+    models: tuple[str, ...]
+
+    def efficiency(self, peak: float) -> float:
+        """Efficiency for a given peak, clipped to (0, 1]."""
+        return float(min(max(self.peak_eff / peak, 1e-6), 1.0))
+
+
+def fit_roofline(
+    pairs: Sequence[tuple[ModelInfo, Any]],
+    device: DeviceProfile,
+    *,
+    fit_bandwidth: bool = True,
+    max_peak_eff: float | None = None,
+    max_bandwidth: float | None = None,
+    objective: str = "time",
+) -> FitResult:
+    """Fit ``peak * efficiency``, ``mem_bandwidth`` and ``launch_overhead`` to measured tables.
+
+    Parameters
+    ----------
+    pairs : sequence of (ModelInfo, table)
+        A model description and its measured table (a :class:`fedelastic.devices.MeasuredTable`,
+        or anything with ``batch_size`` and ``layers`` of
+        ``fwd_s``/``dx_s``/``dw_s``). The roofline is evaluated at the table's batch size.
+    device : DeviceProfile
+        Supplies the train dtype and the starting point (its current parameters).
+    fit_bandwidth : bool
+        Fit the bandwidth too (else keep the device's).
+    max_peak_eff, max_bandwidth : float, optional
+        Upper bounds, e.g. the datasheet peak (efficiency <= 1) and bandwidth.
+    objective : str
+        ``time`` (default): residual ``(pred - meas) / sqrt(meas * mean)``, least squares in
+        seconds with a variance proportional to the time, so the kernels that make up most of a
+        step count most and small ones still pin the launch overhead; ``log``: log ratio;
+        ``rel``: relative error (both weigh every kernel alike).
+
+    Returns
+    -------
+    FitResult
+    """
+    from scipy.optimize import least_squares
+
+    if not pairs:
+        raise ValueError("fit_roofline needs at least one (ModelInfo, table) pair")
+    data = []
+    for info, table in pairs:
+        meas, ok = _measured_matrix(info, table)
+        if ok.any():
+            data.append((info, int(table.batch_size), meas, ok))
+    if not data:
+        raise ValueError("the measured tables share no layer with the models")
+    total = sum(m[ok].sum() for _, _, m, ok in data)
+    n_points = sum(int(ok.sum()) for *_, ok in data)
+    if objective not in FIT_OBJECTIVES:
+        raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    scale = total / n_points
+
+    peak0 = device.peak_flops.value * device.efficiency.value
+    bw0 = device.mem_bandwidth_bytes_per_s.value
+    launch0 = max(device.launch_overhead_s.value, 1e-7)
+
+    def unpack(theta):
+        peak_eff, launch = np.exp(theta[0]), np.exp(theta[-1])
+        bw = np.exp(theta[1]) if fit_bandwidth else bw0
+        return peak_eff, bw, launch
+
+    def predict(theta):
+        dev = _roofline_device(device, *unpack(theta))
+        return [layer_roofline(info, dev, b) for info, b, _, _ in data]
+
+    def residuals(theta):
+        preds = predict(theta)
+        out = []
+        for p, (_, _, m, ok) in zip(preds, data):
+            if objective == "time":  # least squares in seconds, variance taken proportional to time
+                out.append((p[ok] - m[ok]) / np.sqrt(m[ok] * scale))
+            elif objective == "log":
+                out.append(np.log(p[ok] / m[ok]))
+            else:
+                out.append(p[ok] / m[ok] - 1)
+        return np.concatenate(out)
+
+    # the max() of the roofline makes the cost flat in a parameter while no kernel is bound by
+    # it, so the fit starts from several bandwidths (decades apart) and keeps the best
+    hi_peak = np.log(max_peak_eff) if max_peak_eff else np.log(1e16)
+    hi_bw = np.log(max_bandwidth) if max_bandwidth else np.log(1e13)
+    lo = [np.log(1e3)] + ([np.log(1e5)] if fit_bandwidth else []) + [np.log(1e-9)]
+    hi = [hi_peak] + ([hi_bw] if fit_bandwidth else []) + [np.log(1.0)]
+    peak_start = np.log(min(peak0, 0.5 * max_peak_eff) if max_peak_eff else peak0)
+    bw_starts = sorted({bw0, 1e9, 1e10, 1e11}) if fit_bandwidth else [bw0]
+    best = None
+    for bw_start in bw_starts:
+        x0 = [peak_start] + ([min(np.log(bw_start), hi_bw - 0.5)] if fit_bandwidth else []) + [np.log(launch0)]
+        res = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-4)
+        if best is None or res.cost < best.cost:
+            best = res
+    assert best is not None
+    res = best
+    peak_eff, bw, launch = unpack(res.x)
+    preds = predict(res.x)
+    rel = np.concatenate([np.abs(p[ok] / m[ok] - 1) for p, (_, _, m, ok) in zip(preds, data)])
+    pred_total = sum(p[ok].sum() for p, (_, _, m, ok) in zip(preds, data))
+    return FitResult(
+        peak_eff=float(peak_eff),
+        mem_bandwidth=float(bw),
+        launch_overhead=float(launch),
+        n_points=n_points,
+        median_rel_err=float(np.median(rel)),
+        p90_rel_err=float(np.percentile(rel, 90)),
+        total_rel_err=float(pred_total / total - 1),
+        models=tuple(info.model_name for info, *_ in data),
+    )
+
+
+def datasheet_bandwidth(device: DeviceProfile) -> float | None:
+    """The profile's bandwidth before any fit (B/s), or None if a fit replaced it without saying."""
+    q = device.mem_bandwidth_bytes_per_s
+    if not q.source.startswith("fitted"):
+        return q.value
+    found = re.search(r"; was ([0-9.eE+-]+) (\S+): ", q.source)
+    try:
+        return to_si(float(found.group(1)), found.group(2), "bandwidth") if found else None
+    except (KeyError, ValueError):
+        return None
+
+
+def fit_to_profile(
+    pairs: Sequence[tuple[ModelInfo, Any]], device: DeviceProfile, *, objective: str = "time"
+) -> FitResult:
+    """:func:`fit_roofline` bounded by the profile's peak (efficiency <= 1) and datasheet bandwidth."""
+    return fit_roofline(
+        pairs,
+        device,
+        max_peak_eff=device.peak_flops.value,
+        max_bandwidth=datasheet_bandwidth(device),
+        objective=objective,
+    )
+
+
+def _start_device(peak: float) -> DeviceProfile:
+    """A bare fp32 device to start a fit from: half the peak, 20 GB/s, 20 us per kernel."""
+
+    def q(v: float) -> Quantity:
+        return Quantity(v, "fit start")
+
+    one = q(1.0)
+    return DeviceProfile(
+        "host", "host", "sbc", "fp32", one, q(0.5 * peak), q(20e9), one, q(20e-6), one, one, one, one, one, one, one
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- kernel classes
 
 _CLASSES = list(KERNEL_CLASSES)
 _N = len(_CLASSES)
