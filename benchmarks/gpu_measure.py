@@ -251,7 +251,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip what is left after this many seconds")
+    parser.add_argument(
+        "--no-tf32", action="store_true", help="cuDNN convolutions in full fp32 (torch's default is TF32)"
+    )
+    parser.add_argument("--tag", default="", help="suffix of the output files: gpu_<model>_<tag>.json")
     args = parser.parse_args()
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
@@ -263,7 +269,8 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment(device)
-    (args.out / "gpu_env.json").write_text(json.dumps(env, indent=1))
+    suffix = f"_{args.tag}" if args.tag else ""
+    (args.out / f"gpu_env{suffix}.json").write_text(json.dumps(env, indent=1))
     log(f"env: {env}")
     clock = "cuda" if device.type == "cuda" else "wall"
     for name in args.models:
@@ -281,7 +288,7 @@ def main() -> int:
             "selections": [[int(k) for k in np.flatnonzero(s)] for s in sels],
             "batches": {},
         }
-        path = args.out / f"gpu_{name}.json"
+        path = args.out / f"gpu_{name}{suffix}.json"
         for b in args.batches:
             if time.perf_counter() - start > args.budget_s:
                 log(f"budget spent: {name} batch {b} and later skipped")
