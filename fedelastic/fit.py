@@ -48,7 +48,7 @@ from .units import to_si
 
 
 def _roofline_device(device: DeviceProfile, peak_eff: float, bandwidth: float, launch: float) -> DeviceProfile:
-    """``device`` with the given effective peak (efficiency folded in), bandwidth and launch, no tables."""
+    """``device`` with the given effective peak (efficiency folded in), bandwidth and launch; no tables, no kernel classes."""
     return replace(
         device,
         peak_flops=Quantity(peak_eff, "fit"),
@@ -56,6 +56,7 @@ def _roofline_device(device: DeviceProfile, peak_eff: float, bandwidth: float, l
         mem_bandwidth_bytes_per_s=Quantity(bandwidth, "fit"),
         launch_overhead_s=Quantity(launch, "fit"),
         measured={},
+        kernels={},
     )
 
 
