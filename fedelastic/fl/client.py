@@ -22,6 +22,7 @@ METRIC_KEYS = (
     "train-loss",
     "fraction-params-trained",
     "emulated-train-time-s",
+    "emulated-train-time-band-s",
     "emulated-overhead-time-s",
     "emulated-comm-time-s",
     "emulated-energy-j",
