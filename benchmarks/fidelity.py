@@ -231,6 +231,7 @@ def host_model(name: str, rounds: int, n_selections: int, seed: int, log) -> dic
         "real_step_range_s": [float(real.min()), float(real.max())],
         "train_forward_s": train_fwd,
         "inference_forward_s": infer_fwd,
+        "_objects": (info, table, sels, real, batch, peak[0], train_fwd),  # for host_kernel_section, not saved
         "fit": dataclasses.asdict(fit),
         "peak_flops": peak[0],
         "measured": rel_stats(pred_a, real),
@@ -372,6 +373,31 @@ def held_out_row(pred: CostModel, truth: CostModel, info, sels: list[np.ndarray]
         "ratio_median_abs": float(np.median(np.abs(p_ratio / t_ratio - 1))),
         "ratio_p90_abs": float(np.percentile(np.abs(p_ratio / t_ratio - 1), 90)),
     }
+
+
+def host_kernel_section(models: list[dict]) -> dict:
+    """This host, leave one model out: kernel-aware fit vs single roofline vs 3 x forward on the held-out model's real steps."""
+    objs = {m["model"]: m.pop("_objects") for m in models}
+    peak = float(np.median([o[5] for o in objs.values()]))
+    device = _start_device(peak)
+    rows = {}
+    for held, (info, _table, sels, real, batch, _peak, train_fwd) in objs.items():
+        train = [(o[0], o[1]) for m, o in objs.items() if m != held]
+        kfit = fit_kernels(train, device, max_peak=peak, max_bandwidth=1e11, leave_one_out=len(train) >= 2)
+        rfit = fit_roofline(train, device, max_peak_eff=peak)
+        kern = CostModel(info, kernel_device(device, kfit.params), batch)
+        roof = CostModel(info, _roofline_device(device, rfit.peak_eff, rfit.mem_bandwidth, rfit.launch_overhead), batch)
+        out = {"fitted_on": [m for m in objs if m != held], "uncertainty": kfit.uncertainty}
+        for name, cost in (("kernel", kern), ("roofline", roof)):
+            pred = np.array([cost.step_time_s(s) for s in sels])
+            out[name] = {
+                "step_err": float(pred[0] / real[0] - 1),
+                "selections": rel_stats(pred, real),
+                "ratio_median_abs": float(np.median(np.abs((pred[1:] / pred[0]) / (real[1:] / real[0]) - 1))),
+            }
+        out["fedscale_3x_err"] = 3 * train_fwd / real[0] - 1
+        rows[held] = out
+    return rows
 
 
 def tx2_kernel_section(log, n_selections: int = 50) -> dict:
@@ -690,6 +716,29 @@ def kernel_markdown(res: dict, command: str) -> str:
             f"{pct(b['ratio_median_abs'])} | {pct(r['fedscale_3x_fwd_err'], True)} | "
             f"{pct(r['fedscale_3x_ratio_median_abs'])} | {'yes' if ok else 'no'} |"
         )
+    host = res.get("host_kernels") or {}
+    if host:
+        lines += [
+            "",
+            "### This host (CPU, 1 thread, thread CPU time), leave one model out",
+            "",
+            "The host models of the section above (`profile measure` tables, medians over rounds; real steps of "
+            "31 random selections, full training first); each held-out model predicted from a fit on the other two. "
+            "Step: full training, optimizer included. Selections: median / p90 |error| of the step time over all "
+            "selections. Ratio: median |error| of selection / full.",
+            "",
+            "| held out | kernel: step (band) | kernel: selections | kernel: ratio | roofline: step | roofline: selections "
+            "| roofline: ratio | 3 x training fwd: step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for held, r in host.items():
+            k, b = r["kernel"], r["roofline"]
+            lines.append(
+                f"| {held} | **{pct(k['step_err'], True)}** (±{pct(r['uncertainty'])}) | "
+                f"{pct(k['selections']['median_abs'])} / {pct(k['selections']['p90_abs'])} | {pct(k['ratio_median_abs'])} | "
+                f"{pct(b['step_err'], True)} | {pct(b['selections']['median_abs'])} / {pct(b['selections']['p90_abs'])} | "
+                f"{pct(b['ratio_median_abs'])} | {pct(r['fedscale_3x_err'], True)} |"
+            )
     lines += [
         "",
         "### H100, leave one model out, batch 1-64",
@@ -896,6 +945,8 @@ def main() -> int:
         "models": [] if args.skip_host else [host_model(m, rounds, args.selections, 0, log) for m in models],
     }
     for m in res["host"]["models"]:
+        m.pop("_objects", None)
+    for m in res["host"]["models"]:
         log(
             f"host {m['model']}: (a) {pct(m['measured']['median_abs'])}/{pct(m['measured']['p90_abs'])}  "
             f"(b) {pct(m['roofline']['median_abs'])}/{pct(m['roofline']['p90_abs'])}  "
@@ -930,6 +981,10 @@ def kernel_main(args) -> int:
         res = json.loads(args.from_json.read_text())
     else:
         res = {"date": KERNEL_DATE, "out": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)}
+        if not args.skip_host:
+            rounds = args.rounds or 3
+            host = [host_model(m, rounds, args.selections, 0, log) for m in (args.models or list(HOST_MODELS))]
+            res["host_kernels"] = host_kernel_section(host)
         res["tx2_kernels"] = tx2_kernel_section(log)
         res["gpu"] = gpu_section(log) if (GPU_DATA / "gpu_env.json").exists() else {}
         res["gpu_fp32"] = gpu_section(log, GPU_DATA_FP32) if (GPU_DATA_FP32 / "gpu_env.json").exists() else {}
