@@ -29,8 +29,12 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     argv = ["profile", "measure", "--model", "small_cnn", "--out", str(out), "--batch-size", "4"]
     argv += ["--repeats", "2", "--warmup", "1", "--threads", "1", "--option", "width=4"]
     assert main(argv) == 0
-    profile = load_profile(out)  # validates schema v1
+    profile = load_profile(out)  # validates schema v2
     assert profile.name == "tiny_host" and profile.train_dtype == "fp32"
+    # the kernel classes are fitted too: the ones small_cnn has kernels of, and a one-model band
+    assert {"gemm_fwd", "gemm_dx", "gemm_dw"} <= set(profile.kernels)
+    assert all(0 < k.efficiency.value <= 1 and k.bandwidth.value > 0 for k in profile.kernels.values())
+    assert profile.uncertainty is not None and "in-sample" in profile.uncertainty.source
     info = _small_info()
     table = profile.measured["small_cnn"]
     assert table.batch_size == 4
