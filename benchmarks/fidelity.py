@@ -852,20 +852,38 @@ def kernel_discussion(res: dict) -> str:
         return last["kernel"]["step_err"] if last else float("nan")
 
     r64, r64_32 = b64(res["gpu"]), b64(res.get("gpu_fp32", {}))
+    layer_errs = [r["kernel"]["layer_weighted_median_abs"] for r in tx2.values()]
+    mob_ratio = tx2.get("mobilenetv2", {}).get("kernel", {}).get("ratio_median_abs", float("nan"))
+    host = res.get("host_kernels") or {}
+    host_step = max((abs(r["kernel"]["step_err"]) for r in host.values()), default=float("nan"))
+    host_sel = max((r["kernel"]["selections"]["median_abs"] for r in host.values()), default=float("nan"))
+    hr = [r["kernel"]["ratio_median_abs"] for r in host.values()] or [float("nan")]
+    host_ratio = (min(hr), max(hr))
+    neyman = ", ".join(
+        f"{m} {pct(r['objectives']['time']['fwd_bwd_err'], True)}" for m, r in tx2.items() if "objectives" in r
+    )
     return f"""\\
-Findings (the 15% goal is **not** met on every model):
+Findings (the issue's goal is met only in part):
 
 - TX2, held out: step within 15% for {step_ok}; better than 3 x forward for {beats}; speedup
   ratio within 10% for {ratio_ok}; per-layer time-weighted median under 25% for {layers_ok}.
-  MobileNetV2 ({pct(mob.get("fwd_bwd_err", 0), True)}) fails because neither training model has a
-  depthwise conv: the depthwise classes fall back to the element-wise and reduction classes fitted on
-  ResNet-50 and ViT-B/16, and TensorFlow's depthwise kernels on the TX2 (the backprop-filter kernel
-  alone is 40 ms of the 230 ms step) run far below those. Nothing in the other two traces says how
-  slow they are, and we did not tune the fallback to MobileNetV2. Per-layer errors stay large where
-  errors cancel over a step: TensorFlow fuses BN + add + ReLU in some layers and splits LayerNorm into
-  a chain of small ops, so a layer's time depends on how it was fused, which ModelInfo does not see.
-  The kernel-aware model is better than the single-efficiency roofline on ResNet-50 and MobileNetV2
-  and worse on ViT-B/16, where the single roofline happened to be close.
+  The step goal is met through errors that cancel over a step, not through per-layer accuracy
+  (time-weighted median per-layer errors {min(layer_errs):.0%}-{max(layer_errs):.0%}). MobileNetV2
+  ({pct(mob.get("fwd_bwd_err", 0), True)} on the step) shows it most: neither training model has a
+  depthwise conv, so its depthwise classes fall back to the element-wise and reduction classes fitted on
+  ResNet-50 and ViT-B/16, TensorFlow's depthwise kernels on the TX2 (the backprop-filter kernel alone is
+  40 ms of the 230 ms step) run far below those, and the overpredicted pointwise convs and norms make up
+  for it in the sum; its speedup ratio, which depends on where the time sits, is {mob_ratio:.0%} off.
+  Per-layer errors also come from TensorFlow's fusion (BN + add + ReLU in one op in some layers,
+  LayerNorm as a chain of small ops), which ModelInfo does not see.
+- The fit objective matters as much as the kernel classes: with the single roofline's residual
+  (`time`, Neyman's chi-square) the held-out steps are {neyman}. We switched to `sym` because
+  its in-sample totals are the least biased, a criterion that uses no held-out data, but we made the
+  switch after seeing all three objectives' held-out errors on these three traces; the trace kept
+  aside is the real test of that choice.
+- This host: held out, the kernel-aware fit predicts the full step within {host_step:.0%} and the
+  random selections' steps within {host_sel:.0%} (median), closer than the single roofline and the
+  3 x forward rule on both; speedup-ratio errors are {host_ratio[0]:.0%}-{host_ratio[1]:.0%}.
 - H100: eager PyTorch fp32 on a GPU this fast is bound by the CPU that launches kernels up to batch
   ~16 (ResNet-50's real step is 19 ms at batch 1 and 43 ms at batch 64), so the per-class overheads carry
   most of the step, and the sync-per-layer tables overstate the real (overlapped) step by
