@@ -21,7 +21,9 @@ Per model (224x224 input, 200 classes, as the TX2 traces) and batch size:
 4. ``elastic``: importance ``sum(g^2)`` per tensor from one full backward (the importance probe's
    ``-g . dw`` for an SGD step, up to the learning rate); for several ``rho`` the selections of
    ``elastic_tensor`` and ``elastic_layer`` (exact solver) priced by the cost model with this
-   batch's measured table, i.e. at equal predicted time, then both timed for real.
+   batch's measured table, i.e. at equal predicted time, then both timed for real. With
+   ``--elastic-kernels``, only this experiment runs, priced instead by the given kernel classes
+   (e.g. those fitted on the other two models: what a model without a table gets).
 """
 
 from __future__ import annotations
@@ -138,27 +140,34 @@ def importance(model, info, x, y) -> np.ndarray:
     return out
 
 
-def gpu_device_profile(table, model: str, bandwidth: float):
-    """The TX2 profile's schema filled with this machine's measured table and bandwidth (memory unbounded)."""
-    base = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
-    return dataclasses.replace(
-        base,
+def gpu_device_profile(env: dict, table=None, model: str = "", kernels: dict | None = None):
+    """The TX2 profile's schema with this machine's peak and bandwidth (memory unbounded), and either
+    ``table`` as the measured table of ``model`` or ``kernels`` (class -> P, B, overhead, width) as its kernel classes."""
+    from fedelastic.fit import kernel_device
+
+    base = dataclasses.replace(
+        load_profile(ROOT / "device_profiles" / "jetson_tx2.toml"),
         name="gpu",
         memory_train_bytes=Quantity(1e12, "unbounded for this experiment"),
-        mem_bandwidth_bytes_per_s=Quantity(bandwidth, "measured copy bandwidth"),
+        peak_flops=Quantity(env["peak_fp32_flops"], env["peak_fp32_how"]),
+        mem_bandwidth_bytes_per_s=Quantity(env["copy_bandwidth_bytes_per_s"], "measured copy bandwidth"),
         launch_overhead_s=Quantity(5e-6, "typical CUDA launch"),
-        measured={model: table},
+        measured={},
+        kernels={},
+        uncertainty=None,
     )
+    if kernels is not None:
+        return kernel_device(base, {c: tuple(v) for c, v in kernels.items()})
+    return dataclasses.replace(base, measured={model: table})
 
 
-def elastic(model, info, x, y, table, bandwidth: float, timed: int, warmup: int) -> list[dict]:
+def elastic(model, info, x, y, device, timed: int, warmup: int) -> list[dict]:
     import strategies  # noqa: F401  (registers the strategies)
     from strategies._common import ElasticConfig
     from strategies.elastic_layer import ElasticLayer
     from strategies.elastic_tensor import ElasticTensor
 
     imp = importance(model, info, x, y)
-    device = gpu_device_profile(table, info.model_name, bandwidth)
     cost = CostModel(info, device, int(x.shape[0]))
     rows = []
     for rho in RHOS:
@@ -255,7 +264,13 @@ def main() -> int:
         "--no-tf32", action="store_true", help="cuDNN convolutions in full fp32 (torch's default is TF32)"
     )
     parser.add_argument("--tag", default="", help="suffix of the output files: gpu_<model>_<tag>.json")
+    parser.add_argument(
+        "--elastic-kernels",
+        type=Path,
+        help="JSON {model: {class: [P, B, overhead, width]}}: only the elastic experiment, priced by these kernel classes",
+    )
     args = parser.parse_args()
+    kernels = json.loads(args.elastic_kernels.read_text()) if args.elastic_kernels else None
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
@@ -297,6 +312,14 @@ def main() -> int:
             x = torch.randn(b, *shape, device=device)
             y = torch.randint(0, args.num_classes, (b,), device=device)
             row: dict = {}
+            if kernels is not None:  # only the elastic experiment, priced by the given kernel classes
+                dev = gpu_device_profile(env, kernels=kernels[name])
+                row["elastic"] = elastic(model, info, x, y, dev, 7, 2)
+                row["full"] = timed_steps(model, info, x, y, np.ones(info.num_tensors), timed=10, warmup=3)
+                res["batches"][str(b)] = row
+                path.write_text(json.dumps(res, indent=1))
+                log(f"{name} batch {b}: elastic (kernel classes) done")
+                continue
             table = measure_layers(
                 model, x, target=y, model_name=name, repeats=args.repeats, warmup=2, clock=clock, source="gpu"
             )
@@ -305,7 +328,7 @@ def main() -> int:
             row["full"] = {**full, "inference_forward_s": inference_forward(model, x, 10)}
             row["selection_real_s"] = [timed_steps(model, info, x, y, s, timed=3, warmup=1)["step_s"] for s in sels]
             if args.elastic_batches is None or b in args.elastic_batches:
-                row["elastic"] = elastic(model, info, x, y, table, env["copy_bandwidth_bytes_per_s"], 7, 2)
+                row["elastic"] = elastic(model, info, x, y, gpu_device_profile(env, table, name), 7, 2)
             res["batches"][str(b)] = row
             path.write_text(json.dumps(res, indent=1))
             log(
