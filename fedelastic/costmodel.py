@@ -223,8 +223,6 @@ class CostModel:
         if fn.kind == "matmul":
             macs = b * fn.macs
             add(_OPS, above, "gemm_fwd", 2 * macs, in_n + out_n, out_n)
-            if fn.name.startswith("scaled_dot_product_attention"):  # its softmax over the scores
-                add(_OPS, above, "reduce", 5 * macs / max(fn.in_numel, 1) * b, 0.0, out_n)
             if dx_tensor >= 0:  # both operands' gradients: two products of the forward's size
                 add(_DX, dx_tensor, "gemm_dx", 4 * macs, 2 * (in_n + out_n), in_n)
             return

@@ -253,6 +253,11 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
                 n_in = i.numel() if i is not None else 0
                 calls.append((order[0], name, kind, macs // batch, n_in // batch, o.numel() // batch))
                 order[0] += 1
+                if name == "scaled_dot_product_attention" and i is not None:  # its softmax over the scores
+                    k = first_tensor(args[1:])
+                    scores = int(np.prod(i.shape[:-1])) * (k.shape[-2] if k is not None else i.shape[-2])
+                    calls.append((order[0], "softmax", "softmax", 0, scores // batch, scores // batch))
+                    order[0] += 1
             return out
 
     handles = []

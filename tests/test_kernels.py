@@ -243,3 +243,19 @@ def test_gpu_paths_skip_cleanly_without_cuda(tmp_path):
     )
     assert out.returncode == 0 and "no CUDA device" in out.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_sdpa_is_one_matmul_and_its_softmax():
+    class Sdpa(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+            return F.scaled_dot_product_attention(q, k, v)
+
+    info = describe(Sdpa(), torch.zeros(3, 5, 8))
+    # heads 2, tokens 5, head dim 4: q k^T and attn v are 2 x 5 x 5 x 4 MACs each; 2 x 5 x 5 scores
+    assert [(f.kind, f.macs, f.out_numel) for f in info.functional] == [("matmul", 400, 40), ("softmax", 0, 50)]
