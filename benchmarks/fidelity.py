@@ -812,7 +812,9 @@ def kernel_markdown(res: dict, command: str) -> str:
         *elastic_table(
             res.get("gpu_elastic_kernel") or {},
             "priced by the kernel classes fitted on the other two models "
-            "(what a model without a table gets; `gpu_measure.py --elastic-kernels`)",
+            "(what a model without a table gets; `gpu_measure.py --elastic-kernels "
+            "benchmarks/data/h100_elastic_kernels.json`, the held-out fits of an earlier run of this benchmark, "
+            "before the attention softmax was priced separately)",
         ),
     ]
     lines += ["", kernel_discussion(res).strip(), ""]
