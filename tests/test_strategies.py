@@ -148,8 +148,10 @@ def test_importance_probe_restores_weights_and_momentum_exactly():
 # ---- elastic_tensor --------------------------------------------------------------------------------
 def test_elastic_tensor_reselects_and_dropped_tensors_return():
     model, info, cost = build(small_cnn, 8, "jetson_nano")
-    strategy = make_strategy("elastic_tensor", {"rho": 0.6, "interval": 2})
-    assert [s for s in range(9) if strategy.should_reselect(s)] == [2, 4, 6, 8]
+    default = make_strategy("elastic_tensor")  # the artifact's interval: 4 epochs
+    assert [s for s in range(50) if default.should_reselect(s, steps_per_epoch=5)] == [20, 40]
+    strategy = make_strategy("elastic_tensor", {"rho": 0.6, "interval": 2, "interval_unit": "steps"})
+    assert [s for s in range(9) if strategy.should_reselect(s, steps_per_epoch=5)] == [2, 4, 6, 8]
     selections = recorded(strategy)
     result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=16)
     assert result.fits and result.selections == len(selections) == 8
@@ -166,8 +168,12 @@ def test_elastic_tensor_reselects_and_dropped_tensors_return():
         )
     ]
     assert returned, "no dropped tensor ever came back"
-    # the probe (2 forward + 2 backward passes) is charged once per selection
-    assert result.overhead_time_s == pytest.approx(8 * cost.probe_time_s(full_backward_passes=2, forward_passes=2))
+    # the probe (2 forwards, 2 gradient passes over every tensor, one optimizer step) is charged
+    # once per selection, plus the selector's work
+    ones = np.ones(info.num_tensors)
+    probe = 2 * (cost.forward_time_s + cost.backward_time_s(ones) - cost.t_opt.sum()) + cost.t_opt.sum()
+    assert result.selector_time_s > 0
+    assert result.overhead_time_s == pytest.approx(8 * probe + result.selector_time_s)
 
 
 def test_elastic_tensor_solvers_respect_budget():
@@ -236,7 +242,7 @@ def test_no_backward_budget_skips_or_errors():
 # ---- elastic_layer -------------------------------------------------------------------------------------
 def test_elastic_layer_selects_whole_layers_only():
     model, info, cost = build(mcu_net, 8, "jetson_nano")
-    strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2})
+    strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2, "interval_unit": "steps"})
     selections = recorded(strategy)
     train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
     assert len(selections) == 4
@@ -293,7 +299,7 @@ def test_random_budget_is_random_within_budget():
     result = train_local(
         model,
         info,
-        make_strategy("random_budget", {"interval": 2}),
+        make_strategy("random_budget", {"interval": 2, "interval_unit": "steps"}),
         cost,
         digits(),
         epochs=1,
@@ -301,7 +307,8 @@ def test_random_budget_is_random_within_budget():
         lr=0.05,
         max_steps=6,
     )
-    assert result.selections == 3 and result.overhead_time_s == 0  # no probe
+    assert result.selections == 3 and result.probe_peak_memory_bytes == 0  # no probe
+    assert result.overhead_time_s == result.selector_time_s > 0  # only the selector's work
 
 
 # ---- tinytrain -------------------------------------------------------------------------------------------
@@ -369,26 +376,108 @@ def test_sparse_update_static_scheme_fits_mcu():
     ctx = SelectionContext(info, cost, 0, np.random.default_rng(0))
     strategy = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 3})
     sel = strategy.select(ctx)
-    assert cost.peak_memory_bytes(sel.ratios) <= ctx.memory_budget_bytes
+    assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= ctx.memory_budget_bytes
     weights = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] == "weight"]
     assert 1 <= len(weights) <= 3
-    for k in weights:
-        assert sel.ratios[k] in (0.125, 0.25, 0.5, 1.0)
-        if k in sel.channels:
-            assert np.array_equal(sel.channels[k], np.arange(len(sel.channels[k])))  # the first channels
     biases = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] in ("bias", "norm_bias")]
     bias_layers = [
         li
         for li in range(len(info.layers))
         if any(info.tensor_roles[k] in ("bias", "norm_bias") for k in info.layers[li].tensors)
     ]
-    assert sorted({int(info.tensor_layer[k]) for k in biases}) == bias_layers[-4:]
+    updated = bias_layers[-4:]
+    assert sorted({int(info.tensor_layer[k]) for k in biases}) == updated
+    for k in weights:  # input-channel ratios, only on layers whose (folded) bias is updated
+        li = int(info.tensor_layer[k])
+        assert sel.ratios[k] in (0.125, 0.25, 0.5, 1.0) and sel.input_sparse[k]
+        assert li in updated or (li + 1 in updated and info.layers[li + 1].kind == "norm")
     again = strategy.select(SelectionContext(info, cost, 5, np.random.default_rng(1)))  # static: no rng, no probe
     assert np.array_equal(again.ratios, sel.ratios)
-    assert all(np.array_equal(again.channels[k], sel.channels[k]) for k in sel.channels)
     assert not strategy.should_reselect(10)
     result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=3)
     assert result.fits and result.steps == 3
+
+
+def test_sparse_update_input_channel_memory_matches_hand_computation():
+    # conv 8 -> 4 (1x1) on 8 x 3 x 3 inputs, batch 2, fp32: its weight gradient reads its input
+    model = nn.Sequential(nn.Conv2d(8, 4, 1, bias=False), nn.Flatten(), nn.Linear(36, 2))
+    info = describe(model, torch.zeros(1, 8, 3, 3))
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=2)
+    sparse = np.array([True, False, False])
+    full_input = 8 * 9 * 2 * 4
+    flatten = 36 * 2 / 8  # the Flatten above it keeps a one-bit mask
+    assert cost.memory(np.array([1.0, 0, 0]), sparse).activations_bytes == full_input + flatten
+    one = cost.memory(np.array([0.125, 0, 0]), sparse)
+    assert one.activations_bytes == full_input / 8 + flatten  # one kept input channel
+    assert one.gradients_bytes == 4 * 1 * 4  # 4 outputs x 1 input channel, fp32
+    # the same ratio over output channels still needs all of the input
+    assert cost.memory(np.array([0.125, 0, 0])).activations_bytes == full_input + flatten
+
+
+def test_sparse_update_trains_the_input_channels_of_largest_norm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, bias=True), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 10))  # fmt: skip
+    info = describe(model, torch.zeros(1, 1, 8, 8))
+    cost = CostModel(info, get_profile("jetson_nano"), BATCH)
+    w = model[2].weight.detach().clone()
+    norms = w.permute(1, 0, 2, 3).reshape(8, -1).norm(dim=1)
+    kept = set(torch.argsort(-norms)[:2].tolist())  # ratio 1/4 of 8 input channels, by hand
+    ratios = np.zeros(info.num_tensors)
+    ratios[2] = 0.25  # the second conv's weight
+    sparse = np.zeros(info.num_tensors, bool)
+    sparse[2] = True
+    from fedelastic.contribution import _Fixed
+
+    result = train_local(model, info, _Fixed(Selection(ratios, input_sparse=sparse)), cost, digits(),
+                         epochs=1, batch_size=BATCH, lr=0.5, max_steps=3)  # fmt: skip
+    after = model[2].weight.detach()
+    changed = {c for c in range(8) if not torch.equal(after[:, c], w[:, c])}
+    assert changed == kept
+    mask = result.channel_masks["2.weight"]
+    assert mask.shape == (1, 8, 1, 1) and {int(c) for c in np.flatnonzero(mask.ravel())} == kept
+    assert result.ratios[2] == 0.25
+
+
+def test_sparse_update_contribution_search_is_brute_force_optimal(tmp_path):
+    import itertools
+    import json
+
+    from strategies.sparse_update import bias_layers, weights_in_range
+
+    _, info, cost = build(mcu_net, 16, "stm32f746")
+    updated = set(bias_layers(info)[:6])
+    weights = weights_in_range(info, updated)
+    ratios = (0.125, 0.25, 0.5, 1.0)
+    rng = np.random.default_rng(5)
+    gains = {info.layers[info.tensor_layer[k]].name: {str(r): float(g) for r, g in zip(ratios, np.sort(rng.random(4)))}
+             for k in weights}  # fmt: skip
+    path = tmp_path / "gains.json"
+    path.write_text(json.dumps({"bias": [0.1] * 6, "weight": gains}))
+    budget_fraction = 0.8
+    strategy = make_strategy("sparse_update", {"contributions": str(path), "memory_fraction": budget_fraction,
+                                               "max_weight_layers": 2})  # fmt: skip
+    sel = strategy.select(SelectionContext(info, cost, 0, np.random.default_rng(0)))
+    base = np.zeros(info.num_tensors)
+    for li in updated:
+        for k in info.layers[li].tensors:
+            if info.tensor_roles[k] in ("bias", "norm_bias"):
+                base[k] = 1
+    sparse = np.zeros(info.num_tensors, bool)
+    sparse[weights] = True
+    budget = budget_fraction * cost.device.memory_train_bytes.value
+    best = 0.0
+    for pick in itertools.product((0.0, *ratios), repeat=len(weights)):  # every scheme, by brute force
+        if sum(r > 0 for r in pick) > 2:
+            continue
+        r = base.copy()
+        r[weights] = pick
+        if cost.peak_memory_bytes(r, sparse) <= budget:
+            name = [info.layers[info.tensor_layer[k]].name for k in weights]
+            best = max(best, sum(gains[n][str(p)] for n, p in zip(name, pick) if p > 0))
+    got = sum(gains[info.layers[info.tensor_layer[k]].name][str(sel.ratios[k])] for k in weights if sel.ratios[k] > 0)
+    assert got == pytest.approx(best) and best > 0
+    assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= budget
 
 
 def test_sparse_update_searches_against_memory():
@@ -397,7 +486,7 @@ def test_sparse_update_searches_against_memory():
     trained = []
     for fraction in (0.7, 0.85, 1.0):
         sel = make_strategy("sparse_update", {"memory_fraction": fraction}).select(ctx)
-        assert cost.peak_memory_bytes(sel.ratios) <= fraction * ctx.memory_budget_bytes
+        assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= fraction * ctx.memory_budget_bytes
         trained.append(float((sel.ratios * info.tensor_numel).sum()))
     assert trained[0] <= trained[1] <= trained[2] and trained[0] < trained[2]
 

@@ -105,7 +105,7 @@ def is_budgeted(name: str) -> bool:
 
 def matrix_options(name: str, **overrides) -> dict:
     """Options used in the matrix: rho 0.5 and re-selection every 3 steps where they exist."""
-    wanted = {"rho": 0.5, "interval": 3, **overrides}
+    wanted = {"rho": 0.5, "interval": 3, "interval_unit": "steps", **overrides}
     return {k: v for k, v in wanted.items() if k in option_names(name)}
 
 

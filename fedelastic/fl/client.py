@@ -26,6 +26,7 @@ METRIC_KEYS = (
     "emulated-comm-time-s",
     "emulated-energy-j",
     "emulated-peak-memory-bytes",
+    "emulated-probe-peak-memory-bytes",
     "emulated-bytes-up",
     "emulated-bytes-down",
     "emulated-macs",
@@ -53,6 +54,9 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         weight_decay=t.weight_decay,
         max_steps=t.max_steps,
         seed=[env.scenario.seed, server_round, pid],
+        bn_mode=t.bn_mode,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
     )
 
 
@@ -87,6 +91,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
         "emulated-peak-memory-bytes": figures.peak_memory_bytes,
+        "emulated-probe-peak-memory-bytes": result.probe_peak_memory_bytes,
         "emulated-bytes-up": figures.bytes_up,
         "emulated-bytes-down": figures.bytes_down,
         "emulated-macs": figures.macs,
