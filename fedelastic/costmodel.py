@@ -353,8 +353,8 @@ class CostModel:
 
         Importance: training every tensor in ``scope`` (default: all), as :meth:`memory` prices
         it, plus the copies the probe restores after its step: those weights and their optimizer
-        state. Fisher: the weights, the output activation of every conv/linear layer at or above
-        the deepest scope tensor (kept until its gradient arrives: ``a * g``), what the
+        state. Fisher: the weights, the output activation of every conv/linear layer from the
+        deepest to the highest scope tensor (kept until its gradient arrives: ``a * g``), what the
         weightless ops and per-sample norms (and train-mode BatchNorms) there need for the error
         gradient, a float32 accumulator per output channel, and the workspace; no weight
         gradient is formed.
@@ -377,8 +377,9 @@ class CostModel:
                 2 * m.optimizer_bytes,
                 m.workspace_bytes,
             )
-        deepest = int(info.tensor_layer[np.flatnonzero(s)[0]])
-        scored = [layer for layer in info.layers[deepest:] if layer.kind in ("conv", "linear")]
+        picked = np.flatnonzero(s)
+        deepest, highest = int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])
+        scored = [layer for layer in info.layers[deepest : highest + 1] if layer.kind in ("conv", "linear")]
         outputs = sum(layer.out_numel for layer in scored) * b * e
         passed = self._op_bytes_above[deepest] + self._sample_norm_from[deepest] + self._norm_train_bytes[deepest:].sum()
         accumulators = 4.0 * sum(layer.out_channels for layer in scored)
@@ -403,6 +404,48 @@ class CostModel:
         if m == 0:
             return 0, self.probe_memory(probe, 1, scope).total_bytes
         return m, self.probe_memory(probe, m, scope).total_bytes
+
+    def probe_segments(
+        self, probe: str, budget_bytes: float, scope: np.ndarray | None = None
+    ) -> list[tuple[np.ndarray, int]]:
+        """Split the probe over ``scope`` into pieces that fit: ``[(tensor mask, micro_batch), ...]``.
+
+        One piece when the whole scope fits at some micro-batch (the largest that fits). Else,
+        from the output down, each piece is the longest run of scope tensors whose probe fits
+        one sample, run on the largest micro-batch that fits it (each piece pays its own forward
+        and backward). Tensors whose piece would not fit even one sample alone, and every scope
+        tensor below them, are left out: they cannot be probed, so they are never selected. An
+        empty list means not even the tensor nearest the output can be probed.
+        """
+        s = self._scope(scope).astype(bool)
+        picked = np.flatnonzero(s)
+        if picked.size == 0:
+            return []
+        micro, _ = self.probe_plan(probe, budget_bytes, s)
+        if micro:
+            return [(s, micro)]
+
+        def piece(lo: int, hi: int) -> np.ndarray:
+            mask = np.zeros(self.info.num_tensors, bool)
+            mask[picked[lo : hi + 1]] = True
+            return mask
+
+        def fits_one(lo: int, hi: int) -> bool:
+            return self.probe_memory(probe, 1, piece(lo, hi)).total_bytes <= budget_bytes
+
+        pieces, hi = [], len(picked) - 1
+        while hi >= 0 and fits_one(hi, hi):
+            lo_ok, lo_bad = hi, -1  # memory grows as the piece reaches deeper: bisect its lowest end
+            while lo_ok - lo_bad > 1:
+                mid = (lo_ok + lo_bad) // 2
+                if fits_one(mid, hi):
+                    lo_ok = mid
+                else:
+                    lo_bad = mid
+            mask = piece(lo_ok, hi)
+            pieces.append((mask, self.probe_plan(probe, budget_bytes, mask)[0]))
+            hi = lo_ok - 1
+        return pieces
 
     # ---- selection work ---------------------------------------------------------------------
     def selector_time_s(self, evaluations: int, ops: float) -> float:

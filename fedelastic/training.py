@@ -13,7 +13,8 @@
   the real model over the tensors of the strategy's :meth:`probe_scope`; their peak memory is
   priced (:meth:`CostModel.probe_memory`) and a probe runs on the largest micro-batch that fits
   the device (gradients accumulated, a sum loss over the batch: the same numbers as one pass
-  when BatchNorm is frozen). A probe that does not fit even one sample never runs: the client
+  when BatchNorm is frozen), split into pieces of the model when not even one sample fits
+  (:meth:`CostModel.probe_segments`). A probe that does not fit at all never runs: the client
   reports ``fits=False``. Probe and selector work (:meth:`CostModel.selector_time_s`) are
   charged to the emulated time.
 * A selection that does not fit the device's training memory is never trained: the result says
@@ -188,17 +189,19 @@ def fisher_probe(
     ``delta_o = 1/(2N) * sum_n (sum_d a[n,o,d] * g[n,o,d])**2``: the inner sum over the channel's
     positions is taken per sample, before squaring. Only the error gradient is computed (no
     weight gradient). ``micro_batch`` splits the batch (per-sample sums: exact when BatchNorm is
-    frozen); ``scope`` limits it to the layers at or above the deepest tensor in scope.
+    frozen); ``scope`` limits it to the layers from the deepest to the highest tensor in scope.
     """
     modules = dict(model.named_modules())
-    lowest = 0
+    lowest, highest = 0, len(info.layers) - 1
     if scope is not None:
         picked = np.flatnonzero(np.asarray(scope, bool))
-        lowest = int(info.tensor_layer[picked[0]]) if picked.size else len(info.layers)
+        lowest, highest = (
+            (int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])) if picked.size else (1, 0)
+        )
     targets = {
         li: modules[layer.name]
         for li, layer in enumerate(info.layers)
-        if layer.kind in ("conv", "linear") and li >= lowest
+        if layer.kind in ("conv", "linear") and lowest <= li <= highest
     }
     outputs: dict[int, torch.Tensor] = {}
 
@@ -397,19 +400,25 @@ def train_local(
                 if scope is not None and not np.any(scope):  # nothing can be selected: no probe runs
                     ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
                 else:
-                    micro, probe_peak = cost.probe_plan(strategy.probe, memory, scope)
-                    result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
-                    result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
-                    if micro == 0:
+                    pieces = cost.probe_segments(strategy.probe, memory, scope)
+                    if not pieces:
+                        need = cost.probe_memory(strategy.probe, 1, np.arange(info.num_tensors) == info.num_tensors - 1)
+                        result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, need.total_bytes)
+                        result.peak_memory_bytes = max(result.peak_memory_bytes, need.total_bytes)
                         return fail(
-                            f"the {strategy.probe} probe needs {probe_peak:.0f} bytes for one sample; "
-                            f"the device has {memory:.0f}"
+                            f"the {strategy.probe} probe needs {need.total_bytes:.0f} bytes for one sample of the "
+                            f"last tensor; the device has {memory:.0f}"
                         )
-                    if strategy.probe == "importance":
-                        ctx.importance = importance_probe(model, info, opt, x, y, micro, scope)
-                    else:
-                        ctx.fisher = fisher_probe(model, info, x, y, micro, scope)
-                    result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, scope)
+                    ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
+                    for piece, micro in pieces:
+                        probe_peak = cost.probe_memory(strategy.probe, micro, piece).total_bytes
+                        result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
+                        result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
+                        if strategy.probe == "importance":
+                            ctx.importance += importance_probe(model, info, opt, x, y, micro, piece)
+                        else:
+                            ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
+                        result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
             evaluations = cost.evaluations
             selection = strategy.select(ctx)
             selector_s = cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
