@@ -2,7 +2,10 @@
 
 Pure numpy: a :class:`CostModel` is built once per (model, device, batch size) and then prices a
 selection in microseconds. A *selection* is a float array ``ratios`` over the model's tensors in
-forward order: 0 = frozen, 1 = fully trained, in between = that fraction of output channels.
+forward order: 0 = frozen, 1 = fully trained, in between = that fraction of its channels (output
+channels, or input channels where ``input_sparse`` says so: Sparse Update). Probes (importance,
+Fisher) and the selector's own work are priced too (:meth:`CostModel.probe_memory`,
+:meth:`CostModel.probe_time_s`, :meth:`CostModel.selector_time_s`).
 
 Conventions (documented in the README):
 
@@ -224,9 +227,7 @@ class CostModel:
         if batch_size == self.batch_size:
             return self
         if batch_size not in self._other_batch:
-            self._other_batch[batch_size] = CostModel(
-                self.info, self.device, batch_size, self.optimizer, self.bn_mode
-            )
+            self._other_batch[batch_size] = CostModel(self.info, self.device, batch_size, self.optimizer, self.bn_mode)
         return self._other_batch[batch_size]
 
     def _scope(self, scope: np.ndarray | None) -> np.ndarray:
@@ -381,7 +382,9 @@ class CostModel:
         deepest, highest = int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])
         scored = [layer for layer in info.layers[deepest : highest + 1] if layer.kind in ("conv", "linear")]
         outputs = sum(layer.out_numel for layer in scored) * b * e
-        passed = self._op_bytes_above[deepest] + self._sample_norm_from[deepest] + self._norm_train_bytes[deepest:].sum()
+        passed = (
+            self._op_bytes_above[deepest] + self._sample_norm_from[deepest] + self._norm_train_bytes[deepest:].sum()
+        )
         accumulators = 4.0 * sum(layer.out_channels for layer in scored)
         return MemoryBreakdown(self._weight_bytes, outputs + passed * scale, accumulators, 0.0, self._workspace * scale)
 

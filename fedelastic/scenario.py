@@ -65,7 +65,8 @@ class TrainConfig:
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
     optimizer: Literal["sgd", "sgdw"] = field(
-        "sgd", help="'sgd' (weight decay coupled as L2 in the gradient) or 'sgdw' (decoupled, the ElasticTrainer artifact's)"
+        "sgd",
+        help="'sgd' (weight decay coupled as L2 in the gradient) or 'sgdw' (decoupled, the ElasticTrainer artifact's)",
     )
     lr_schedule: Literal["constant", "cosine"] = field(
         "constant", help="'constant' or 'cosine' (lr to 0 over each local training; the artifact's is cosine)"

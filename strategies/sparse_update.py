@@ -248,4 +248,3 @@ class SparseUpdate(SelectionStrategy):
                 return chosen
             chosen[best_move[0]] = best_move[1]
             current = best_memory
-
