@@ -94,6 +94,7 @@ class SelectionStrategy:
     name: ClassVar[str]
     config_cls: ClassVar[type] = StrategyConfig
     probe: ClassVar[str | None] = None  # which probe the trainer runs before select()
+    offline: ClassVar[bool] = False  # the selection is computed offline (not on the device): its work is not charged
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()

@@ -421,7 +421,7 @@ def train_local(
                         result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
             evaluations = cost.evaluations
             selection = strategy.select(ctx)
-            selector_s = cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
+            selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
             result.selector_time_s += selector_s
             result.overhead_time_s += selector_s
             peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)

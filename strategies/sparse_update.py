@@ -132,6 +132,7 @@ class SparseUpdate(SelectionStrategy):
     name = "sparse_update"
     config_cls = SparseUpdateConfig
     respects_memory = True  # shrinks its selection to ctx.memory_budget_bytes (contract tests)
+    offline = True  # the scheme is searched offline, before deployment: the device does not pay for it
 
     def select(self, ctx: SelectionContext) -> Selection:
         cfg, info, cost = self.config, ctx.info, ctx.cost
