@@ -336,3 +336,20 @@ def test_trimmed_lists_stay_within_the_budget_resolution(monkeypatch):
     mask = select_exact(importance, t_dw, t_dx, budget, resolution=100)
     assert_feasible(mask, t_dw, t_dx, budget)
     assert objective(mask, importance) >= exact_low - 1e-9  # at least the optimum for budget * (1 - 1/resolution)
+
+
+def test_grid_solver_is_optimal_for_rounded_up_costs():
+    from fedelastic.selector import select_grid
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        importance, t_dw, t_dx, budget, resolution = random_instance(rng)
+        mask = select_grid(importance, t_dw, t_dx, budget, resolution=resolution)
+        assert_feasible(mask, t_dw, t_dx, budget)
+        best_rounded, best_real = brute_force(importance, t_dw, t_dx, budget, resolution)
+        positive = importance > 0
+        if budget > 0 and backward_cost(positive, t_dw, t_dx) <= budget:
+            assert np.array_equal(mask, positive)
+        else:
+            assert objective(mask, importance) == pytest.approx(best_rounded, rel=RTOL, abs=1e-12)
+        assert objective(mask, importance) <= best_real + 1e-9
