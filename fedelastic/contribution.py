@@ -62,7 +62,7 @@ def analyse(
     path: str | Path | None = None,
 ) -> dict:
     """Measure the gains (see module doc); write them to ``path`` as JSON when given."""
-    from strategies.sparse_update import BIAS_ROLES, bias_layers, weights_in_range
+    from fedelastic.strategies.sparse_update import BIAS_ROLES, bias_layers, weights_in_range
 
     n = info.num_tensors
     start = copy.deepcopy(model.state_dict())

@@ -22,9 +22,9 @@ from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, make_strategy
+from fedelastic.strategies._common import solve, tensor_times
+from fedelastic.strategies.tinytrain import layer_scores
 from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
-from strategies._common import solve, tensor_times
-from strategies.tinytrain import layer_scores
 
 BATCH = 16
 
@@ -444,7 +444,7 @@ def test_sparse_update_contribution_search_is_brute_force_optimal(tmp_path):
     import itertools
     import json
 
-    from strategies.sparse_update import bias_layers, weights_in_range
+    from fedelastic.strategies.sparse_update import bias_layers, weights_in_range
 
     _, info, cost = build(mcu_net, 16, "stm32f746")
     updated = set(bias_layers(info)[:6])
