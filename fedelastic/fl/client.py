@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..scenario import Scenario
@@ -102,6 +102,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
     return Message(content=content, reply_to=msg)
