@@ -37,7 +37,8 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
 320 variables include the 106 BN moving statistics), a deeper ResNet (blocks 3-4-13-3, 298
 tensors, "about 300") and ResNet-101 (418), priced on the built-in ``jetson_tx2`` profile
 (batch 4) with a given importance (seeded log-normal): the median time of
-:func:`fedelastic.selector.select_exact` directly and of every registered strategy's
+:func:`fedelastic.selector.select_exact` directly (and its objective against the former
+1000-unit grid selector and a 100,000-unit one, issue 7) and of every registered strategy's
 ``select()`` (TinyTrain with a seeded per-channel Fisher), and the pricing rate
 (``step_time_s`` + ``peak_memory_bytes`` of random selections per second).
 

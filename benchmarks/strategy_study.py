@@ -2,6 +2,8 @@
 
     python benchmarks/strategy_study.py [--rounds N] [--out-dir benchmarks/results]
     python benchmarks/strategy_study.py --analyse runs/strategy_study/compare-YYYYmmdd-HHMMSS
+    python benchmarks/strategy_study.py --strategies full,elastic_tensor --fleets gpu \
+        --train 'bn_mode="train"' --out-dir benchmarks/results/ablation_bn_train   # an ablation
 
 The scenario is ``benchmarks/strategy_study.toml``: ``mcu_net`` (width 16) pretrained centrally on
 digits 0-4 and adapted by the fleet to all ten digits; fleets ``gpu`` (8 x Jetson TX2) and ``mcu``
