@@ -71,10 +71,12 @@ class TrainConfig:
     lr_schedule: Literal["constant", "cosine"] = field(
         "constant", help="'constant' or 'cosine' (lr to 0 over each local training; the artifact's is cosine)"
     )
-    bn_mode: Literal["frozen", "train"] = field(
-        "frozen",
-        help="'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods'); "
-        "'train': a BatchNorm with a trained tensor uses batch statistics, averaged by FedAvg",
+    bn_mode: Literal["auto", "frozen", "train"] = field(
+        "auto",
+        help="'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods', which "
+        "fine-tune a pretrained model); 'train': a BatchNorm with a trained tensor uses batch statistics, "
+        "averaged by FedAvg; 'auto' (default): 'frozen' when the run starts from pretrained weights "
+        "(model.pretrain or model.weights), 'train' when it trains from the factory's initialisation",
     )
 
     def __post_init__(self):
@@ -85,7 +87,7 @@ class TrainConfig:
         check(self.momentum >= 0, "momentum", "a number >= 0")
         check(self.optimizer in ("sgd", "sgdw"), "optimizer", "one of ['sgd', 'sgdw']")
         check(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "one of ['constant', 'cosine']")
-        check(self.bn_mode in ("frozen", "train"), "bn_mode", "one of ['frozen', 'train']")
+        check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
 
 
 @dataclass(frozen=True)

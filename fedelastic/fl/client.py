@@ -54,7 +54,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         weight_decay=t.weight_decay,
         max_steps=t.max_steps,
         seed=[env.scenario.seed, server_round, pid],
-        bn_mode=t.bn_mode,
+        bn_mode=env.bn_mode,
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
     )

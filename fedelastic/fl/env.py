@@ -116,8 +116,16 @@ class RunEnvironment:
         if device not in self._costs:
             t = self.scenario.train
             optimizer = "momentum" if t.momentum > 0 else "sgd"  # the state the trainer's SGD/SGDW keeps
-            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, t.bn_mode)
+            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, self.bn_mode)
         return self._costs[device]
+
+    @property
+    def bn_mode(self) -> str:
+        """``train.bn_mode`` with ``auto`` resolved: frozen statistics only when starting from trained weights."""
+        sc = self.scenario
+        if sc.train.bn_mode != "auto":
+            return sc.train.bn_mode
+        return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
     def strategy(self) -> SelectionStrategy:
         t = self.scenario.train
