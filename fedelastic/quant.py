@@ -235,6 +235,7 @@ class Emulation:
                 if mod.num_features == q.w_scale.numel():
                     self.folded[layer.name] = (mod, q)
         self.params = {id(p) for p in model.parameters()}
+        self._depth = 0  # an optimizer whose step calls its parent's step fires the hooks twice, nested
 
     # -- gradient and update rules, per parameter: (parameter, kind, per-channel scale or None)
     def _quantised_tensors(self) -> Iterator[tuple[nn.Parameter, str, torch.Tensor | None]]:
@@ -256,6 +257,9 @@ class Emulation:
     def before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._ours(optimizer):
             return
+        self._depth += 1
+        if self._depth > 1:
+            return
         if self.numerics.dtype == "fp16":
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -272,6 +276,9 @@ class Emulation:
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._ours(optimizer):
+            return
+        self._depth -= 1
+        if self._depth > 0:
             return
         device = self.numerics.master_weights == "device"
         if self.numerics.dtype == "fp16":

@@ -147,6 +147,21 @@ def test_qas_scaling_matches_hand_computation():
     assert (s_w**2).max() < 1e-4  # without QAS the weights barely move: the scale mismatch QAS fixes
 
 
+def test_scaling_applies_once_per_step_with_sgdw():
+    """SGDW.step calls SGD.step, which fires the optimizer hooks twice (nested): scale once."""
+    from fedelastic.training import SGDW
+
+    _, q = hand_int8(X, W1, B1)
+    model, info = two_layer()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # patches SGD.step with the hook wrapper, as in a run
+    opt = SGDW(model.parameters(), lr=0.1, momentum=0.0, weight_decay=0.0)
+    with emulate(model, info, Numerics("int8", qas=False)):
+        nn.functional.cross_entropy(model(torch.from_numpy(X)), torch.tensor([0, 1, 1])).backward()
+        g = model[0].weight.grad.numpy().copy()
+        opt.step()
+    np.testing.assert_allclose(model[0].weight.grad.numpy(), q["s_w"][:, None] ** 2 * g, rtol=1e-5, atol=0)
+
+
 def test_qas_folded_norm_beta_and_gamma():
     """A norm after a quantised conv: beta is the folded int32 bias, gamma a float scale (never scaled)."""
     torch.manual_seed(0)
