@@ -4,7 +4,8 @@
 
 The base scenario is the strategy study's (``benchmarks/strategy_study.toml``: ``mcu_net``
 pretrained centrally on digits 0-4 and adapted by the fleet to all ten digits, Dirichlet 0.5,
-2 local epochs, SGD lr 0.05, momentum 0.9) on its MCU fleet, 4 x ``stm32h743`` + 4 x ``stm32f746``
+2 local epochs, SGD lr 0.05, momentum 0.9, ``bn_mode = "auto"``: frozen BatchNorm statistics for this
+pretrained start) on its MCU fleet, 4 x ``stm32h743`` + 4 x ``stm32f746``
 (both ``train_dtype = "int8"``), in two workloads:
 
 * ``study``: the strategy study's own model and batch (``width = 16``, batch 16). Full training
