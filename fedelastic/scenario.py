@@ -12,25 +12,53 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import check, field, from_dict, read_toml, to_dict
+from .data.shifts import Shift
 from .errors import ConfigError
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = field("digits", help="dataset name; 'digits' is embedded")
-    partitioner: Literal["iid", "dirichlet", "shards"] = field("dirichlet", help="how client data is split")
+    dataset: str = field(
+        "digits",
+        help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a Hugging Face name, "
+        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
+    )
+    partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
+        "dirichlet", help="how client data is split (pathological and natural_id: Hugging Face sources)"
+    )
     alpha: float = field(0.5, help="Dirichlet concentration over labels (smaller = more skewed)")
     shards_per_partition: int = field(2, help="shards per client for the 'shards' partitioner")
+    classes_per_partition: int = field(2, help="labels per client for the 'pathological' partitioner")
+    partition_by: str = field("", help="column of natural ids for 'natural_id' (e.g. 'writer_id')")
     min_partition_size: int = field(2, help="fewest samples a client may hold")
-    test_fraction: float = field(0.2, help="fraction held out as the server's test set")
+    test_fraction: float = field(
+        0.2, help="fraction held out as the server's test set (if the source has no test split)"
+    )
+    size: int = field(0, help="samples of synth_digits to generate (0: 60,000)")
+    image_column: str = field("", help="image column (or .npz array) of an external dataset (empty: auto-detect)")
+    label_column: str = field("", help="label column (or .npz array) of an external dataset (empty: auto-detect)")
+    image_size: int = field(0, help="resize external images to this square size (0: keep)")
     classes: tuple[int, ...] = field((), help="keep only these labels (empty: all)")
     transform: Literal["none", "rotate90", "noise", "invert"] = field("none", help="domain shift of the images")
+    shift: Shift = field(default_factory=Shift, help="a parameterised domain shift of the target (see data/shifts.py)")
 
     def __post_init__(self):
         check(self.alpha > 0, "alpha", "a positive number")
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
         check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
         check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
+        check(self.classes_per_partition >= 1, "classes_per_partition", "an integer >= 1")
+        check(self.size >= 0, "size", "an integer >= 0")
+        check(self.image_size >= 0, "image_size", "an integer >= 0")
+        builtin = self.dataset in ("digits", "synth_digits")
+        check(
+            not (builtin and self.partitioner in ("pathological", "natural_id")),
+            "partitioner",
+            "iid, dirichlet or shards for a built-in dataset (pathological and natural_id come from flwr-datasets)",
+        )
+        check(
+            self.partitioner != "natural_id" or bool(self.partition_by), "partition_by", "a column name for natural_id"
+        )
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ def run_scenario(
     logging.getLogger("flwr").setLevel(logging.WARNING)
     env = environment(scenario)
     try:
+        _ = env.data  # load and partition once here, on the driver (external datasets: cached for the actors)
         state = initial_state(env)
         client_app = make_client_app(scenario)
         sim = scenario.simulation
