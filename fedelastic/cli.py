@@ -32,6 +32,10 @@ def report(run_dir: Path) -> None:
 
     rounds, clients = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
     plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
+    if (run_dir / "tasks.parquet").exists():  # a continual run: its accuracy matrix, summaries and figure
+        from .continual import report as continual_report
+
+        continual_report(run_dir)
     table = Table(
         title=f"{run_dir}  (final accuracy {rounds.test_accuracy.iloc[-1]:.3f}, simulated {rounds.sim_time_s.iloc[-1]:.1f} s)"
     )

@@ -79,6 +79,7 @@ class Recorder:
         self.folder.mkdir(parents=True, exist_ok=False)
         self.clients = _Table(self.folder, "clients")
         self.rounds = _Table(self.folder, "rounds")
+        self.tasks = _Table(self.folder, "tasks")  # continual runs: accuracy per evaluation task per round
         self.started = time.time()
         (self.folder / "config.toml").write_text(tomli_w.dumps(config))
         (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
@@ -90,6 +91,9 @@ class Recorder:
 
     def add_clients(self, rows: list[dict]) -> None:
         self.clients.append(rows)
+
+    def add_tasks(self, rows: list[dict]) -> None:
+        self.tasks.append(rows)
 
     def add_round(self, row: dict) -> None:
         self.rounds.append([row])

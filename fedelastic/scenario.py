@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from .config import check, field, from_dict, read_toml, to_dict
 from .data.shifts import Shift
+from .data.stream import StreamConfig
 from .errors import ConfigError
 
 
@@ -131,6 +132,7 @@ class Scenario:
     train: TrainConfig = field(default_factory=TrainConfig, help="local training")
     server: ServerConfig = field(default_factory=ServerConfig, help="server strategy")
     simulation: SimulationConfig = field(default_factory=SimulationConfig, help="runtime")
+    stream: StreamConfig | None = field(None, help="a continual stream: tasks, drift, buffers (see data/stream.py)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
@@ -141,6 +143,11 @@ class Scenario:
             "non-negative counts, > 0 in all",
         )
         check(self.server.clients_per_round <= self.num_clients, "server.clients_per_round", "at most the fleet size")
+        check(
+            self.stream is None or self.stream.federated or self.num_clients == 1,
+            "stream.federated",
+            "true unless the fleet is one device",
+        )
 
     @property
     def num_clients(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -45,7 +47,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         env.info,
         strategy,
         env.cost(env.devices[pid]),
-        env.data.client(pid),
+        env.client_data(pid, server_round),
         epochs=t.local_epochs,
         batch_size=t.batch_size,
         lr=t.lr,
@@ -73,6 +75,9 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+    if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
+        energy = cost.energy_j(result.train_time_s, 0.0, 0.0, result.macs, 0.0)
+        figures = replace(figures, comm_time_s=0.0, energy_j=energy, bytes_up=0.0, bytes_down=0.0)
     trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
     metrics = {
         "num-examples": result.num_examples,

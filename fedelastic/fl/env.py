@@ -27,7 +27,9 @@ from ..data import (
 )
 from ..data import transform as apply_transform
 from ..data.shifts import Shift, apply_shift
+from ..data.stream import Stream
 from ..devices import DeviceProfile, assign_fleet, get_profile
+from ..errors import ConfigError
 from ..modelinfo import ModelInfo, describe
 from ..models import build_model
 from ..scenario import Scenario
@@ -85,6 +87,24 @@ class RunEnvironment:
         else:
             parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
         return FederatedData(train, test, parts)
+
+    @cached_property
+    def stream(self) -> Stream | None:
+        """The continual stream of the run, if the scenario has one."""
+        sc = self.scenario
+        if sc.stream is None:
+            return None
+        try:
+            return Stream(sc.stream, self.data, sc.server.rounds, sc.seed)
+        except ValueError as exc:
+            key, _, expected = str(exc).partition(": ")
+            raise ConfigError(sc.source or "<scenario>", key, expected) from None
+
+    def client_data(self, pid: int, server_round: int) -> ArrayDataset:
+        """What partition ``pid`` trains on in ``server_round``: its partition, or its stream buffer."""
+        if self.stream is not None:
+            return self.stream.client_data(pid, server_round)
+        return self.data.client(pid)
 
     @cached_property
     def num_classes(self) -> int:

@@ -21,6 +21,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from ..continual import evaluate_tasks
+from ..continual import report as continual_report
 from ..results import Recorder
 from ..scenario import Scenario
 from .aggregate import ClientUpdate, aggregate_partial
@@ -245,8 +247,12 @@ class PartialFedAvg(FedAvg):
         """Global test accuracy after every round; writes the round's row."""
         model = self.env.new_model()
         model.load_state_dict(record_to_torch(arrays))
-        test = self.env.data.test
-        accuracy, loss = evaluate_model(model, test.x, test.y)
+        if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+            rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+            self.recorder.add_tasks(rows)
+        else:
+            test = self.env.data.test
+            accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -276,6 +282,8 @@ def server_main(scenario: Scenario, initial_state: dict, recorder: Recorder, pro
         timeout=timeout,
         evaluate_fn=strategy.evaluate,
     )
+    if scenario.stream is not None:
+        continual_report(recorder.folder, scenario.stream.recover_share)
 
 
 def make_server_app(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable) -> ServerApp:
