@@ -163,7 +163,7 @@ def plot_tasks(tasks, starts: list[int], path: Path) -> None:
         if j > 0 and s - 1 in clock.index:
             t = clock.loc[s - 1]
             ax.axvline(t, color="grey", linestyle="--", linewidth=1)
-            ax.text(t, 1.01, f"shift {j}", rotation=0, fontsize=8, ha="center", transform=ax.get_xaxis_transform())
+            ax.text(t, 0.98, f" shift {j}", fontsize=8, ha="left", va="top", transform=ax.get_xaxis_transform())
     ax.set(
         xlabel="simulated time (s)",
         ylabel="test accuracy",

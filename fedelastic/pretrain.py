@@ -50,6 +50,10 @@ def pretrain_key(env) -> str:
         "test_fraction": sc.data.test_fraction,
         "seed": sc.seed,
     }
+    if sc.data.size:  # a generated set of another size is other data (0 keeps older keys unchanged)
+        doc["size"] = sc.data.size
+    if sc.data.dataset not in ("digits", "synth_digits"):  # what shapes an external dataset's training split
+        doc["external"] = [sc.data.classes, sc.data.image_column, sc.data.label_column, sc.data.image_size]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
