@@ -60,6 +60,16 @@ class DataConfig:
         check(
             self.partitioner != "natural_id" or bool(self.partition_by), "partition_by", "a column name for natural_id"
         )
+        check(
+            not self.partition_by or self.partitioner == "natural_id",
+            "partition_by",
+            "empty unless partitioner = 'natural_id'",
+        )
+        check(self.size == 0 or self.dataset == "synth_digits", "size", "0 unless dataset = 'synth_digits'")
+        for key in ("image_column", "label_column", "image_size"):
+            check(
+                not (builtin and getattr(self, key)), key, "unset for a built-in dataset (it applies to external ones)"
+            )
 
 
 @dataclass(frozen=True)

@@ -166,3 +166,17 @@ def test_a_fleet_of_one_sends_nothing_and_pays_no_communication(make_scenario):
 def test_fleet_of_one_needs_one_device(make_scenario):
     with pytest.raises(ConfigError, match="stream.federated"):
         make_scenario(stream={**STREAM, "federated": False})
+
+
+def test_misplaced_data_keys_and_a_hue_shift_of_grey_images_are_errors(make_scenario):
+    with pytest.raises(ConfigError, match="data.size"):
+        make_scenario(data={"size": 100})  # digits: nothing to generate
+    with pytest.raises(ConfigError, match="data.label_column"):
+        make_scenario(data={"label_column": "y"})
+    with pytest.raises(ConfigError, match="data.partition_by"):
+        make_scenario(data={"partition_by": "writer_id"})
+    sc = make_scenario(stream={**STREAM, "domains": [{}, {"hue": 90}]})
+    from fedelastic.fl.env import RunEnvironment
+
+    with pytest.raises(ConfigError, match=r"stream.domains\[1\].hue"):
+        _ = RunEnvironment(sc).stream

@@ -75,6 +75,7 @@ class RunEnvironment:
     def data(self) -> FederatedData:
         """The target task: client partitions of the training split, and the server's test set."""
         sc, d = self.scenario, self.scenario.data
+        self._check_hue(d.shift, "data.shift.hue")
         if self.external is not None:  # classes were kept, and partitions made, by flwr-datasets
             train, test = (self.view(part, (), d.transform, d.shift) for part in self.split)
             return FederatedData(train, test, self.external.partitions)
@@ -88,12 +89,21 @@ class RunEnvironment:
             parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
         return FederatedData(train, test, parts)
 
+    def _check_hue(self, shift: Shift, key: str) -> None:
+        channels = self.split[0].x.shape[1]
+        if shift.hue and channels != 3:
+            raise ConfigError(
+                self.scenario.source or "<scenario>", key, f"no hue shift: the images have {channels} channel(s)"
+            )
+
     @cached_property
     def stream(self) -> Stream | None:
         """The continual stream of the run, if the scenario has one."""
         sc = self.scenario
         if sc.stream is None:
             return None
+        for i, shift in enumerate(sc.stream.domains):
+            self._check_hue(shift, f"stream.domains[{i}].hue")
         try:
             return Stream(sc.stream, self.data, sc.server.rounds, sc.seed)
         except ValueError as exc:
