@@ -97,7 +97,7 @@ def initial_state(env) -> dict:
     state = pretrain(env)
     print(f"pretrained weights cached at {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two runs pretraining at once must not share it
     torch.save(state, tmp)
     os.replace(tmp, path)
     return load_weights(path, model, src=str(path), key="<cached pretrain>")

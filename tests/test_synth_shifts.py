@@ -99,3 +99,14 @@ def test_background_blends_a_texture_by_its_share():
 def test_hue_needs_rgb():
     with pytest.raises(ValueError, match="RGB"):
         apply_shift(np.zeros((1, 1, 4, 4), np.float32), Shift(hue=10))
+
+
+def test_the_default_synth_size_gives_a_10000_client_fleet_a_few_samples_each():
+    labels = np.repeat(np.arange(10), synth.DEFAULT_SAMPLES // 10)  # 60,000 images, as generated
+    from fedelastic.data import partition_iid, partition_shards, train_test_split
+
+    train, _ = train_test_split(labels, 0.2, seed=0)
+    assert len(train) == 48_000
+    for parts in (partition_iid(labels[train], 10_000, seed=0), partition_shards(labels[train], 10_000, 2, seed=0)):
+        assert len(parts) == 10_000 and min(map(len, parts)) >= 4
+        assert sum(map(len, parts)) == 48_000
