@@ -180,3 +180,18 @@ def test_misplaced_data_keys_and_a_hue_shift_of_grey_images_are_errors(make_scen
 
     with pytest.raises(ConfigError, match=r"stream.domains\[1\].hue"):
         _ = RunEnvironment(sc).stream
+
+
+@pytest.mark.ray
+def test_a_stream_on_ray_computes_what_it_computes_in_process(make_scenario):
+    # buffers are replayed from (seed, client, round), so any actor builds the same one
+    stream = {**STREAM, "buffer_policy": "reservoir"}
+    ray = make_scenario(server={"rounds": 3}, stream=stream, simulation={"backend": "ray", "num_cpus_per_client": 1})
+    local = make_scenario(server={"rounds": 3}, stream=stream)
+    a, b = run_scenario(ray, run_id="ray"), run_scenario(local, run_id="local")
+    pd.testing.assert_frame_equal(pd.read_parquet(a / "tasks.parquet"), pd.read_parquet(b / "tasks.parquet"))
+    drop = ["host_wall_s"]
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(a / "clients.parquet").drop(columns=drop),
+        pd.read_parquet(b / "clients.parquet").drop(columns=drop),
+    )
