@@ -41,6 +41,7 @@ class LayerInfo:
     out_channels: int
     tensors: tuple[int, ...]
     groups: int = 1  # conv groups: a grouped (depthwise) conv's output channel needs only its own inputs
+    batch_stats: bool = False  # a BatchNorm (its statistics can be frozen); other norms normalise per sample
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ def first_tensor(x) -> torch.Tensor | None:
 def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> ModelInfo:
     """Run ``model`` once on ``sample`` (batch >= 1) and describe it per sample."""
     import torch
+    from torch import nn
 
     owners = [(name, mod) for name, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False))]
     owner_ids = {id(mod) for _, mod in owners}
@@ -194,7 +196,10 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             numel.append(p.numel())
             channels.append(p.shape[0] if p.dim() > 0 else 1)
         groups = int(getattr(mod, "groups", 1)) if kind == "conv" else 1
-        layers.append(LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups))
+        batch_stats = isinstance(mod, nn.modules.batchnorm._BatchNorm)
+        layers.append(
+            LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups, batch_stats)
+        )
     missing = [n for n, p in model.named_parameters() if n not in set(names)]
     if missing:
         raise ValueError(f"parameters not reached by a forward pass: {missing[:5]}")

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..scenario import Scenario
@@ -28,6 +28,7 @@ METRIC_KEYS = (
     "emulated-comm-time-s",
     "emulated-energy-j",
     "emulated-peak-memory-bytes",
+    "emulated-probe-peak-memory-bytes",
     "emulated-bytes-up",
     "emulated-bytes-down",
     "emulated-macs",
@@ -55,6 +56,9 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         weight_decay=t.weight_decay,
         max_steps=t.max_steps,
         seed=[env.scenario.seed, server_round, pid],
+        bn_mode=t.bn_mode,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
     )
 
 
@@ -92,6 +96,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
         "emulated-peak-memory-bytes": figures.peak_memory_bytes,
+        "emulated-probe-peak-memory-bytes": result.probe_peak_memory_bytes,
         "emulated-bytes-up": figures.bytes_up,
         "emulated-bytes-down": figures.bytes_down,
         "emulated-macs": figures.macs,
@@ -102,6 +107,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
     return Message(content=content, reply_to=msg)

@@ -163,7 +163,9 @@ class RunEnvironment:
 
     def cost(self, device: str) -> CostModel:
         if device not in self._costs:
-            self._costs[device] = CostModel(self.info, self.profile(device), self.scenario.train.batch_size)
+            t = self.scenario.train
+            optimizer = "momentum" if t.momentum > 0 else "sgd"  # the state the trainer's SGD/SGDW keeps
+            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, t.bn_mode)
         return self._costs[device]
 
     def strategy(self) -> SelectionStrategy:
