@@ -1,7 +1,7 @@
 """Strategies on a drifting stream: the continual study of issue 8.
 
     python benchmarks/continual_study.py [--fleets tx2,mcu,mixed] [--strategies full,elastic_tensor,...]
-                                         [--seeds 0,1,2] [--rounds 30] [--out-dir benchmarks/results/continual_study]
+                                         [--seeds 0,1,2] [--rounds 30] [--lr 0.05] [--out-dir DIR]
 
 Runs every (fleet, strategy, seed) of ``benchmarks/continual_study.toml`` in-process (a class
 increment at round 11, a 30-degree rotation from round 21, on SynthDigits from a backbone
@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--strategies", default="")
     ap.add_argument("--seeds", default="")
     ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.0, help="local learning rate (0: the file's)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "continual_study"))
     args = ap.parse_args()
     path = ROOT / "benchmarks" / "continual_study.toml"
@@ -168,6 +169,8 @@ def main() -> None:
         comp["seeds"] = [int(s) for s in args.seeds.split(",")]
     if args.rounds:
         raw["server"]["rounds"] = args.rounds
+    if args.lr:
+        raw["train"]["lr"] = args.lr
     _, variants = expand(raw, str(path))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
