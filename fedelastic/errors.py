@@ -26,3 +26,10 @@ class ConfigError(FedelasticError, ValueError):
 
 class DoesNotFitError(FedelasticError):
     """A selection needs more memory than the device has for training."""
+
+
+class RunFailed(Exception):
+    """A run stopped on something that is not bad input (e.g. the global model turned non-finite).
+
+    The CLI prints it in one line and exits 1; the run's status.json says 'failed'.
+    """

@@ -67,7 +67,9 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
     strategy = env.strategy()
-    if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
+        strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
+    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
     result = train_partition(env, model, strategy, pid, server_round)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
@@ -97,6 +99,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
         }
     )
     return Message(content=content, reply_to=msg)

@@ -18,6 +18,7 @@ from ..costmodel import CostModel
 from ..data import (
     ArrayDataset,
     FederatedData,
+    check_partition_sizes,
     load_dataset,
     partition_dirichlet,
     partition_iid,
@@ -26,6 +27,7 @@ from ..data import (
 )
 from ..data import transform as apply_transform
 from ..devices import DeviceProfile, assign_fleet, get_profile
+from ..errors import ConfigError
 from ..modelinfo import ModelInfo, describe
 from ..models import build_model
 from ..scenario import Scenario
@@ -59,13 +61,26 @@ class RunEnvironment:
         """The target task: client partitions of the training split, and the server's test set."""
         sc, d = self.scenario, self.scenario.data
         train, test = (self.view(part, d.classes, d.transform) for part in self.split)
-        n = sc.num_clients
+        n, src = sc.num_clients, sc.source or "<scenario>"
+        if len(test) == 0:
+            raise ConfigError(src, "data.test_fraction", "a fraction that leaves the server some test samples", d.test_fraction)
+        check_partition_sizes(
+            len(train), n, d.partitioner, min_size=d.min_partition_size,
+            shards_per_partition=d.shards_per_partition, alpha=d.alpha, src=src,
+        )  # fmt: skip
         if d.partitioner == "iid":
             parts = partition_iid(train.y, n, sc.seed)
         elif d.partitioner == "shards":
             parts = partition_shards(train.y, n, d.shards_per_partition, sc.seed)
         else:
-            parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            try:
+                parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            except ValueError:
+                raise ConfigError(
+                    src, "data", f"a split that gives every client data: no dirichlet(alpha={d.alpha:g}) draw gave "
+                    f"{n:,} clients {d.min_partition_size} samples each from {len(train):,} training samples; lower "
+                    'data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset',
+                ) from None
         return FederatedData(train, test, parts)
 
     @cached_property
