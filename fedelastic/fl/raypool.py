@@ -32,6 +32,8 @@ class _Settings:
     timeout_s: float = 3600.0
     stop: threading.Event = field(default_factory=threading.Event)
     replaced: int = 0  # actors replaced during the run (dead or hung)
+    active: int = 0  # client calls in flight
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _SETTINGS = _Settings()
@@ -57,7 +59,32 @@ def _retire(pool, future, *, replace: bool) -> None:
 
 
 def _process_message(self, message, context):
+    with _SETTINGS.lock:
+        _SETTINGS.active += 1
+    try:
+        return _call_client(self, message, context)
+    finally:
+        with _SETTINGS.lock:
+            _SETTINGS.active -= 1
+
+
+def _terminate(original):
+    def terminate(self) -> None:
+        """Stop the client calls first: Ray aborts the process if a thread touches it after shutdown."""
+        _SETTINGS.stop.set()
+        deadline = time.monotonic() + 5.0
+        while _SETTINGS.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        original(self)
+
+    return terminate
+
+
+def _call_client(self, message, context):
     import ray
+
+    if _SETTINGS.stop.is_set() or not ray.is_initialized():
+        raise ClientTimeout("the run ended before this client started")
 
     pid = str(context.node_config["partition-id"])
     tries = _SETTINGS.retries + 1
@@ -67,7 +94,7 @@ def _process_message(self, message, context):
         )
         deadline = time.monotonic() + _SETTINGS.timeout_s
         while not ray.wait([future], timeout=0.2)[0]:
-            if _SETTINGS.stop.is_set():
+            if _SETTINGS.stop.is_set() or not ray.is_initialized():
                 _retire(self.pool, future, replace=False)
                 raise ClientTimeout("the run ended before this client replied")
             if time.monotonic() > deadline:
@@ -99,10 +126,16 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     except ImportError:  # a Flower without this module: nothing to patch
         yield _SETTINGS
         return
-    original = RayBackend.process_message
+    import ray._private.auto_init_hook as auto_init
+
+    original, terminate, auto = RayBackend.process_message, RayBackend.terminate, auto_init.enable_auto_connect
     _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
     RayBackend.process_message = _process_message
+    RayBackend.terminate = _terminate(terminate)
+    # a worker thread still waiting after ray.shutdown() must not start a new local Ray (whose agents outlive us)
+    auto_init.enable_auto_connect = False
     try:
         yield _SETTINGS
     finally:
-        RayBackend.process_message = original
+        RayBackend.process_message, RayBackend.terminate = original, terminate
+        auto_init.enable_auto_connect = auto

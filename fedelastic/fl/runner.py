@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -267,6 +268,18 @@ def _ray_init_args(sim) -> dict:
     return args
 
 
+def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not address or address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
+
+
 def _run_ray(scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event) -> None:
     import ray
     from flwr.serverapp import ServerApp
@@ -284,6 +297,7 @@ def _run_ray(scenario: Scenario, server: Callable[[Grid], None], client_app: Cli
             stop.set()  # the runtime's workers stop waiting on hung clients
 
     if not ray.is_initialized():
+        _probe(sim.ray_address, src)
         try:
             ray.init(**_ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
@@ -366,7 +380,8 @@ def run_scenario(
         text = "".join(traceback.format_exception(cause))
         with suppress(OSError):
             recorder.log_error(f"run failed:\n{text}")
-            recorder.status("failed", error=one_line(f"{type(cause).__name__}: {cause}"))
+            reason = "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}"
+            recorder.status("failed", error=one_line(reason))
         recorder.close()
         if cause is not exc and not isinstance(exc, KeyboardInterrupt):
             raise cause from None
