@@ -40,6 +40,9 @@ def _coerce(value: Any, tp: Any, src: str, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        real = [o for o in options if o is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own error, with its own (deeper) key
+            return _coerce(value, real[0], src, key)
         errors = []
         for option in options:
             if option is type(None):

@@ -184,6 +184,7 @@ class Recorder:
         self.allow_empty_rounds = False
         self._state = "running"
         self._extra: dict = {}
+        self.notes: dict = {}  # figures the runtime adds to every status document (e.g. actors_replaced)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if not resume:
@@ -229,6 +230,7 @@ class Recorder:
                 "heartbeat": time.time(),
                 "elapsed_s": time.time() - self.started,
                 **self.counts(),
+                **self.notes,
                 **self._extra,
             }
             _write_atomic(self.folder / "status.json", json.dumps(doc, indent=2))

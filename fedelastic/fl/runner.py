@@ -114,15 +114,10 @@ class InProcessGrid(Grid):
         return [self._replies.pop(i) for i in message_ids]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Each client in turn; those that have not replied by ``timeout`` (for the whole round) get no reply."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        replies = []
-        for msg in messages:
-            left = None if deadline is None else deadline - time.monotonic()
-            reply = self._call(msg, left) if left is None or left > 0 else None
-            if reply is not None:
-                replies.append(reply)
-        return replies
+        """Each client in turn, each given ``timeout`` seconds (clients run one after another here,
+        not side by side as on Ray); a client that overruns gets no reply, as on Ray."""
+        replies = [self._call(msg, timeout) for msg in messages]
+        return [r for r in replies if r is not None]
 
 
 class GuardedGrid(Grid):
@@ -280,7 +275,9 @@ def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
 
 
-def _run_ray(scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event) -> None:
+def _run_ray(
+    scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
+) -> None:
     import ray
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -303,13 +300,15 @@ def _run_ray(scenario: Scenario, server: Callable[[Grid], None], client_app: Cli
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
             raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
     try:
-        with fast_dispatch(), resilient_actors(retries=sim.client_retries, timeout_s=sim.timeout_s, stop=stop):
+        with fast_dispatch(), resilient_actors(retries=sim.client_retries, timeout_s=sim.timeout_s, stop=stop) as pool:
+            notes["actors_replaced"] = 0
             run_simulation(
                 server_app=app,
                 client_app=client_app,
                 num_supernodes=scenario.num_clients,
                 backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
             )
+            notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
     finally:
         stop.set()
         if ray.is_initialized():
@@ -369,7 +368,7 @@ def run_scenario(
             grid.on_abandon = lambda: env.__dict__.pop("client_model", None)
             server(GuardedGrid(grid, stop))
         else:
-            _run_ray(scenario, server, client_app, stop)
+            _run_ray(scenario, server, client_app, stop, recorder.notes)
         if failure:
             raise failure[0]
         done = max((r["round"] for r in recorder.rounds.rows), default=0)

@@ -306,7 +306,7 @@ def server_main(
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
-    mapping = discover_partitions(grid, nodes, timeout)
+    mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
     strategy.start(
         grid=grid,
