@@ -135,7 +135,7 @@ def read_toml(path: str | Path, what: str) -> dict:
     """Parse a TOML file; a missing file or bad TOML is a :class:`ConfigError` naming the file."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(path, "<file>", f"an existing {what} file") from None
     except IsADirectoryError:
@@ -144,6 +144,10 @@ def read_toml(path: str | Path, what: str) -> dict:
         raise ConfigError(path, "<file>", f"a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
     except OSError as exc:
         raise ConfigError(path, "<file>", f"a readable {what} file ({exc.strerror or exc})") from None
+    except ValueError as exc:  # e.g. a NUL byte in the path
+        raise ConfigError(path, "<file>", f"a valid path ({exc})") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
 

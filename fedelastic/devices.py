@@ -131,7 +131,7 @@ def _quantity(src: str, key: str, raw: Any, dimension: str) -> Quantity:
     value, unit, source = raw["value"], raw["unit"], raw["source"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
         raise ConfigError(src, f"{key}.value", "a finite non-negative number", value)
-    if unit not in UNITS[dimension]:
+    if not isinstance(unit, str) or unit not in UNITS[dimension]:
         raise ConfigError(src, f"{key}.unit", f"a {dimension} unit, one of {list(UNITS[dimension])}", unit)
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(src, f"{key}.source", "a non-empty string naming where the number comes from", source)
