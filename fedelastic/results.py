@@ -28,7 +28,9 @@ PACKAGES = ("fedelastic", "flwr", "ray", "torch", "numpy", "pandas", "seaborn", 
 
 
 def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
+    import fedelastic
+
+    out = {"python": platform.python_version(), "fedelastic_path": str(Path(fedelastic.__file__).resolve().parent)}
     for pkg in PACKAGES:
         try:
             out[pkg] = version(pkg)
@@ -51,19 +53,28 @@ HEARTBEAT_S = 10.0  # status.json's heartbeat period while a run is alive
 FINAL_STATES = ("completed", "completed_with_errors", "failed")
 
 
+_WRAPPERS = ("ClientAppException", "RayTaskError", "RayActorError", "The above exception", "During handling")
+
+
 def one_line(text: str, limit: int = 300) -> str:
     """A clean one-line summary of an error text: no ANSI codes, no traceback.
 
-    Picks the last ``SomeError: message`` line (the innermost cause in Ray's and Python's
-    traceback formats), else the last non-empty line.
+    Picks the last ``SomeError: message`` line with a message that is not one of Flower's or
+    Ray's wrappers (the innermost cause, in Python's and Ray's traceback formats), else the
+    last non-empty line.
     """
-    lines = [ln.strip() for ln in _ANSI.sub("", str(text)).splitlines() if ln.strip()]
+    lines = [ln.strip().rstrip("'>").strip() for ln in _ANSI.sub("", str(text)).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln]
     if not lines:
         return "unknown error"
-    picked = next((ln for ln in reversed(lines) if _EXC_LINE.match(ln)), lines[-1])
-    picked = picked.rstrip("'>").strip()
-    if picked.startswith("flwr.") or picked.startswith("ray."):  # Flower/Ray wrappers: keep the user's class
-        picked = picked.split(".")[-1]
+    picked = lines[-1]
+    for ln in reversed(lines):
+        m = _EXC_LINE.match(ln)
+        if m and (m.group(3) or "").strip(": ") and not any(w in ln for w in _WRAPPERS):
+            picked = ln
+            break
+    if picked.startswith(("flwr.", "ray.")):  # Flower/Ray class paths: keep the class name
+        picked = picked.split(":", 1)[0].split(".")[-1] + (":" + picked.split(":", 1)[1] if ":" in picked else "")
     return picked if len(picked) <= limit else picked[: limit - 3] + "..."
 
 

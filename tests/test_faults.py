@@ -433,6 +433,11 @@ def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recover
     """
     user_models(tmp_path, monkeypatch)
     monkeypatch.setenv("FAULTY_HANG_S", "600")  # far past the timeout: the driver must not wait for it
+    # run from a folder holding another fedelastic: Ray puts the cwd first on its workers' path,
+    # yet they must run the driver's code (issue 14)
+    (tmp_path / "fedelastic").mkdir()
+    (tmp_path / "fedelastic" / "__init__.py").write_text("raise ImportError('a shadow copy of fedelastic was imported')")
+    monkeypatch.chdir(tmp_path)
     marker = tmp_path / "marker"
     path = scenario_file(
         tmp_path, fleet={"raspberry_pi_4": 6}, server={"rounds": 3},

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -105,12 +108,26 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def check_same_code() -> None:
+    """A Ray worker must run the fedelastic the driver runs (the runner exports its folder as FEDELASTIC_ROOT)."""
+    import fedelastic
+
+    expected = os.environ.get("FEDELASTIC_ROOT")
+    here = str(Path(fedelastic.__file__).resolve().parent.parent)
+    if expected and here != expected:
+        raise RuntimeError(
+            f"this worker imported fedelastic from {here}, the driver runs it from {expected}; "
+            "run from a folder that holds no other copy of fedelastic"
+        )
+
+
 def make_client_app(scenario: Scenario) -> ClientApp:
     """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process)."""
     app = ClientApp()
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
+        check_same_code()
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )

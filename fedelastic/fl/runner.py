@@ -250,6 +250,30 @@ def _preflight(scenario: Scenario, env) -> dict:
     return state
 
 
+_HOOK = """
+def put_driver_code_first():
+    import sys
+    sys.path.insert(0, ROOT)
+    try:
+        import fedelastic  # noqa: F401 (imported from ROOT now, it stays the package of this process)
+    finally:
+        sys.path.remove(ROOT)
+"""
+
+
+def _driver_code_first(root: str):
+    """A worker start-up hook that puts the driver's fedelastic first on the worker's path.
+
+    Ray adds the driver's working directory to every worker's path, ahead of PYTHONPATH, so a
+    folder holding another copy of fedelastic would shadow the one the driver runs. The hook
+    imports fedelastic from the driver's folder before anything else can. It is built outside
+    any importable module so that Ray ships it by value (unpickling it imports no fedelastic).
+    """
+    namespace: dict = {"__name__": "fedelastic_ray_setup_hook", "ROOT": root}
+    exec(compile(_HOOK, "<fedelastic ray setup hook>", "exec"), namespace)  # noqa: S102 (fixed source above)
+    return namespace["put_driver_code_first"]
+
+
 def _ray_init_args(sim) -> dict:
     """Ray's init arguments: the workers import exactly the fedelastic this driver runs."""
     import fedelastic
@@ -257,7 +281,8 @@ def _ray_init_args(sim) -> dict:
     root = str(Path(fedelastic.__file__).resolve().parent.parent)
     paths = [root] + [p for p in sys.path if p and p != root]
     env_vars = {"PYTHONPATH": os.pathsep.join(paths), "FEDELASTIC_ROOT": root}
-    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR, "runtime_env": {"env_vars": env_vars}}
+    runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": _driver_code_first(root)}
+    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR, "runtime_env": runtime_env}
     if sim.ray_address:
         args["address"] = sim.ray_address
     return args
