@@ -455,3 +455,115 @@ def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recover
     assert len(failed) == 1 and failed["round"].tolist() == [1] and failed.error.iloc[0].startswith("timeout")
     assert status["errors"] == {failed.error.iloc[0]: 1}
     assert clients[clients["round"] > 1].fits.all()  # later rounds: the full pool again
+
+
+# -- disks, run ids, the report, a failed runtime, compare --resume ------------------------------
+
+
+def test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import fedelastic.results as results
+
+    real = results._Table.append
+    calls = {"rounds": 0}
+
+    def append(self, rows):
+        if self.csv.name == "rounds.csv":
+            calls["rounds"] += 1
+            if calls["rounds"] == 3:  # the disk fills up while round 2 is written
+                raise OSError(errno.ENOSPC, "No space left on device", str(self.parquet))
+        return real(self, rows)
+
+    monkeypatch.setattr(results._Table, "append", append)
+    code, out = run_cli(["run", scenario_file(tmp_path)], capsys)
+    run_dir = only_run_dir(tmp_path)
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1 and "No space left" in errors[0] and "Traceback" not in out
+    assert read_status(run_dir)["status"] == "failed"
+    for name in ("rounds", "clients"):  # the CSV and the Parquet file hold the same rows
+        csv_rows, pq_rows = pd.read_csv(run_dir / f"{name}.csv"), pd.read_parquet(run_dir / f"{name}.parquet")
+        assert csv_rows["round"].tolist() == pq_rows["round"].tolist()
+    assert list(pd.read_csv(run_dir / "rounds.csv")["round"]) == [0, 1]  # every finished round kept
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_table_append_is_all_or_nothing(tmp_path, monkeypatch):
+    from fedelastic.results import _Table
+
+    table = _Table(tmp_path, "t")
+    table.append([{"a": 1, "b": "x"}])
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(OSError):
+        table.append([{"a": 2, "b": "y"}])
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,x"] and len(table.rows) == 1
+    assert not (tmp_path / "t.parquet.tmp").exists()
+
+
+def test_run_ids_are_unique_when_many_start_in_one_second(make_scenario):
+    from fedelastic.fl.runner import new_run_dir
+
+    sc = make_scenario()
+    folders = [new_run_dir(sc) for _ in range(25)]
+    assert len({f.name for f in folders}) == 25 and all(f.is_dir() for f in folders)
+    assert all(f.parent == Path(sc.output_dir) / sc.name for f in folders)
+
+
+def test_report_draws_empty_and_non_finite_runs(tmp_path):
+    from fedelastic.results import plot_accuracy
+
+    rounds = pd.DataFrame({"round": [0, 1], "sim_time_s": [0.0, float("inf")], "test_accuracy": [0.1, 0.2]})
+    clients = pd.DataFrame({"device": ["a", "b"], "device_class": ["mcu", "mcu"], "emulated_train_time_s": [float("nan"), float("inf")]})
+    for i, (r, c) in enumerate([(rounds, clients), (rounds.iloc[:0], pd.DataFrame()), (rounds, clients.iloc[:0])]):
+        plot_accuracy(r, c, tmp_path / f"{i}.png")
+        assert (tmp_path / f"{i}.png").stat().st_size > 0
+
+
+def test_a_stopped_runtime_ends_the_server_wait_at_once():
+    import threading
+
+    from fedelastic.fl.runner import GuardedGrid, RunAborted
+
+    class SilentGrid:  # a runtime that never delivers anything
+        def push_messages(self, messages):
+            return ["m1"]
+
+        def pull_messages(self, ids):
+            return []
+
+        def get_node_ids(self):
+            return []
+
+    stop = threading.Event()
+    grid = GuardedGrid(SilentGrid(), stop)
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(RunAborted):
+        grid.send_and_receive([object()], timeout=3600)  # returns when the runtime stops, not in an hour
+    with pytest.raises(RunAborted):
+        grid.get_node_ids()
+
+
+def test_compare_resume_skips_finished_cells_and_resumes_a_killed_one(tmp_path, capsys):
+    raw = small_scenario_dict(tmp_path, server={"rounds": 2})
+    raw["compare"] = {"strategies": ["full", "last_layer", "static_elastic"]}
+    path = write_toml(tmp_path / "cmp.toml", raw)
+    assert main(["compare", str(path), "--output", str(tmp_path / "cmp")]) == 0
+    out = tmp_path / "cmp"
+    cells = sorted((out / "runs").glob("*/s3"))
+    assert len(cells) == 3
+    whole = {c.parent.name: _table_text(c, "clients") for c in cells}
+    # interrupt: cell 2 was killed after round 1 (status 'running' of a dead process), cell 3 never started
+    killed, missing = cells[1], cells[2]
+    import shutil
+
+    shutil.rmtree(missing)
+    status = json.loads((killed / "status.json").read_text())
+    (killed / "status.json").write_text(json.dumps({**status, "status": "running", "pid": 2**22 + 12345}))
+    finished_before = (cells[0] / "clients.csv").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["compare", str(path), "--resume", str(out)]) == 0
+    log = capsys.readouterr().out
+    assert "finished earlier" in log and "resuming" in log
+    assert (cells[0] / "clients.csv").stat().st_mtime_ns == finished_before  # not run again
+    assert {c.parent.name: _table_text(c, "clients") for c in sorted((out / "runs").glob("*/s3"))} == whole
+    assert len(pd.read_csv(out / "summary.csv")) == 3

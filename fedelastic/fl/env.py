@@ -85,11 +85,11 @@ class RunEnvironment:
 
     @cached_property
     def num_classes(self) -> int:
-        return int(load_dataset(self.scenario.data.dataset).num_classes)
+        return int(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").num_classes)
 
     @cached_property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(load_dataset(self.scenario.data.dataset).x.shape[1:])
+        return tuple(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").x.shape[1:])
 
     @cached_property
     def devices(self) -> list[str]:
