@@ -346,11 +346,14 @@ def run_scenario(
     run_id: str | None = None,
     progress: Callable[[dict], None] | None = None,
     resume: str | Path | None = None,
+    grid: Grid | None = None,
 ) -> Path:
     """Run ``scenario`` to completion, or continue the killed run in folder ``resume``; returns the run folder.
 
     Results reach disk every round, with a checkpoint. The final ``status.json`` says
     ``completed``, ``completed_with_errors`` (with counts and messages) or ``failed``.
+    With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
+    nodes and ``simulation.backend`` is not used.
     """
     checkpoint = None
     if resume is not None:
@@ -388,10 +391,12 @@ def run_scenario(
                 failure.append(exc)
                 raise
 
-        if scenario.simulation.backend == "inprocess":
-            grid = InProcessGrid(client_app, scenario.num_clients)
-            grid.on_abandon = lambda: env.__dict__.pop("client_model", None)
+        if grid is not None:  # a Flower App's own grid (flwr run)
             server(GuardedGrid(grid, stop))
+        elif scenario.simulation.backend == "inprocess":
+            local = InProcessGrid(client_app, scenario.num_clients)
+            local.on_abandon = lambda: env.__dict__.pop("client_model", None)
+            server(GuardedGrid(local, stop))
         else:
             _run_ray(scenario, server, client_app, stop, recorder.notes)
         if failure:
