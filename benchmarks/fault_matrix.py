@@ -27,6 +27,12 @@ KINDS = {  # test function -> kind of case
     "test_kill_9_after_round_2_then_resume_gives_identical_tables": "kill -9 of the driver, then resume",
     "test_checkpoint_is_loaded_with_weights_only": "malicious checkpoint refused",
     "test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers": "Ray: dead + hung client",
+    "test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree": "full disk during a run",
+    "test_table_append_is_all_or_nothing": "full disk during a table write",
+    "test_run_ids_are_unique_when_many_start_in_one_second": "25 runs started in one second",
+    "test_report_draws_empty_and_non_finite_runs": "report of empty / NaN / inf runs",
+    "test_a_stopped_runtime_ends_the_server_wait_at_once": "Flower runtime stops under the server",
+    "test_compare_resume_skips_finished_cells_and_resumes_a_killed_one": "comparison interrupted, then --resume",
 }
 
 
