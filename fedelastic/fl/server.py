@@ -87,11 +87,13 @@ _CLIENT_FIGURES = (
     "train_loss",
     "fraction_params_trained",
     "emulated_train_time_s",
+    "emulated_train_time_band_s",
     "emulated_overhead_time_s",
     "emulated_comm_time_s",
     "emulated_energy_j",
     "emulated_idle_energy_j",
     "emulated_peak_memory_bytes",
+    "emulated_probe_peak_memory_bytes",
     "device_memory_bytes",
     "emulated_bytes_up",
     "emulated_bytes_down",
@@ -179,8 +181,9 @@ class PartialFedAvg(FedAvg):
             log(WARNING, "client %s failed: %s", pid, reason)
         metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
         round_time = max((r["emulated-train-time-s"] + r["emulated-comm-time-s"] for r in metrics), default=0.0)
+        reasons = [str(m.content["info"]["fits-reason"]) if "info" in m.content else "" for m in ok]
         rows = []
-        for r in metrics:
+        for r, reason in zip(metrics, reasons):
             device = self.env.devices[int(r["partition-id"])]
             profile = self.env.profile(device)
             busy = r["emulated-train-time-s"] + r["emulated-comm-time-s"]
@@ -199,16 +202,19 @@ class PartialFedAvg(FedAvg):
                     "train_loss": r["train-loss"],
                     "fraction_params_trained": r["fraction-params-trained"],
                     "emulated_train_time_s": r["emulated-train-time-s"],
+                    "emulated_train_time_band_s": r["emulated-train-time-band-s"],
                     "emulated_overhead_time_s": r["emulated-overhead-time-s"],
                     "emulated_comm_time_s": r["emulated-comm-time-s"],
                     "emulated_energy_j": r["emulated-energy-j"],
                     "emulated_idle_energy_j": idle_j,
                     "emulated_peak_memory_bytes": r["emulated-peak-memory-bytes"],
+                    "emulated_probe_peak_memory_bytes": r["emulated-probe-peak-memory-bytes"],
                     "device_memory_bytes": profile.memory_train_bytes.value,
                     "emulated_bytes_up": r["emulated-bytes-up"],
                     "emulated_bytes_down": r["emulated-bytes-down"],
                     "emulated_macs": r["emulated-macs"],
                     "host_wall_s": r["host-wall-s"],
+                    "fits_reason": reason,
                     "error": "",
                 }
             )
@@ -224,6 +230,7 @@ class PartialFedAvg(FedAvg):
                     "strategy": self.sc.train.strategy,
                     "fits": False,
                     **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
+                    "fits_reason": "",
                     "error": reason,
                 }
             )
