@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {  # test function -> kind of case
     "test_bad_input_is_one_line_naming_file_and_key": "bad input (exit 2, one line)",
     "test_fault_is_recorded_with_honest_status": "fault during a run (in-process)",
+    "test_probe_over_memory_is_split_to_fit_the_device": "fault during a run (in-process)",
     "test_kill_9_after_round_2_then_resume_gives_identical_tables": "kill -9 of the driver, then resume",
     "test_checkpoint_is_loaded_with_weights_only": "malicious checkpoint refused",
     "test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers": "Ray: dead + hung client",

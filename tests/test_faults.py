@@ -370,6 +370,20 @@ def test_fault_is_recorded_with_honest_status(case, tmp_path, monkeypatch, capsy
     assert (run_dir / "accuracy_vs_time.png").exists() or case.status == "failed"
 
 
+def test_probe_over_memory_is_split_to_fit_the_device(tmp_path, capsys):
+    """ElasticTrainer's full-model probe needs more than an nRF52840's 256 KiB at width 32: it runs in
+    pieces that fit (issue 7), the clients train, and each row reports a probe peak within its device."""
+    path = scenario_file(tmp_path, fleet={"nrf52840": 2, "raspberry_pi_4": 1}, model={"options": {"width": 32}},
+                         train={"strategy": "elastic_tensor"})  # fmt: skip
+    code, out = run_cli(["run", path], capsys)
+    run_dir = only_run_dir(tmp_path)
+    clients = pd.read_csv(run_dir / "clients.csv")
+    assert code == 0 and read_status(run_dir)["status"] == "completed", out
+    assert len(clients) == 2 * 3 and clients.fits.all()
+    assert (clients.emulated_probe_peak_memory_bytes <= clients.device_memory_bytes).all()
+    assert (clients.emulated_peak_memory_bytes <= clients.device_memory_bytes).all()
+
+
 # -- kill -9 of the driver, then resume: byte-identical tables ------------------------------------
 
 
