@@ -11,12 +11,12 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
 1. Data: a fixed batch of the embedded digits (8x8 grey), bilinearly upsampled to the model's
    input size and repeated to 3 channels; 10 classes. The model first takes a few full SGD steps
    on other digit batches, so the importance below is that of a model that has started to adapt.
-2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.profiler.measure_layers`,
+2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.measure.measure_layers`,
    per-layer fwd/dx/dw of exactly this model, batch and thread count; then
-   :func:`fedelastic.profiler.fit_roofline` for the roofline numbers the measured table does
+   :func:`fedelastic.fit.fit_roofline` for the roofline numbers the measured table does
    not cover, i.e. the optimizer update). The profile is written beside the results
-   (``host_cpu.toml``, with :func:`fedelastic.profiler.build_profile_dict` and
-   :func:`~fedelastic.profiler.write_profile`, as ``fedelastic profile measure`` writes one).
+   (``host_cpu.toml``, with :func:`fedelastic.profiles.build_profile_dict` and
+   :func:`~fedelastic.profiles.write_profile`, as ``fedelastic profile measure`` writes one).
 3. Importance: :func:`fedelastic.training.importance_probe` (the real probe: full backward, one
    real SGD step with momentum 0.9 and weight decay 5e-4, second backward, state restored).
 4. For rho in {0.3, 0.4, 0.5, 0.7, 1.0}: ``elastic_tensor``'s ``select()`` on a
@@ -68,18 +68,11 @@ sys.path.insert(0, str(ROOT))
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import load_dataset  # noqa: E402
 from fedelastic.devices import Quantity, get_profile  # noqa: E402
+from fedelastic.fit import _start_device, fit_roofline  # noqa: E402
+from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_model  # noqa: E402
-from fedelastic.profiler import (  # noqa: E402
-    _start_device,
-    build_profile_dict,
-    fit_roofline,
-    host_memory_available,
-    measure_layers,
-    measure_peak_flops,
-    measured_by,
-    write_profile,
-)
+from fedelastic.profiles import build_profile_dict, measured_by, write_profile  # noqa: E402
 from fedelastic.selection import SelectionContext, available, make_strategy  # noqa: E402
 from fedelastic.selector import select_exact  # noqa: E402
 from fedelastic.training import _Applied, count_backward_nodes, importance_probe, ordered_params  # noqa: E402
@@ -183,7 +176,7 @@ def part1(args) -> tuple[dict, dict]:
             repeats=args.profile_repeats,
             warmup=2,
             clock=clock,
-            source=f"fedelastic.profiler.measure_layers on this host, batch {bs}, {size}x{size}, "
+            source=f"fedelastic.measure.measure_layers on this host, batch {bs}, {size}x{size}, "
             f"{args.threads} thread(s), {clock} clock, {time.strftime('%Y-%m-%d')}",
         )
         built[key] = (model, info, data)

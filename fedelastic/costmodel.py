@@ -19,7 +19,18 @@ Conventions (documented in the README):
       T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
 
   The deepest tensor's own dx is not charged: autograd computes no gradient below it.
-* Roofline per kernel: ``max(flops / (peak * efficiency), bytes / bandwidth) + launch_overhead``.
+* Roofline per kernel, by kernel class (:data:`fedelastic.devices.KERNEL_CLASSES`: dense GEMM/conv
+  forward, dX and dW; depthwise conv and its two backprops; element-wise and norm ops;
+  reductions; layout copies)::
+
+      t = max(flops / P_c, bytes / B_c) / s + L_c,   s = outputs / (outputs + W_c)
+
+  ``P_c = peak * efficiency_c``, ``B_c`` the class's fitted bandwidth, ``L_c = launch_overhead +
+  overhead_c``: a class's kernels reach ``P_c`` only when large (``s`` saturates in the kernel's
+  output elements; ``W_c = 0`` means always). A v1 profile has one class: ``efficiency``, the whole
+  bandwidth, the launch overhead. Kernel-aware profiles (``[kernels]``) also price the functional
+  ops ModelInfo records (residual adds and their backward gradient sums, attention matmuls and
+  softmax) and a separate bias-add pass per biased conv/linear forward.
   A profile's measured per-layer table, when it has one for this model, replaces the roofline of
   the layers it lists (scaled linearly in batch size). A measured ``fwd`` includes the forward of
   the weightless ops just below the layer, as ``fedelastic profile import-trace`` and
@@ -32,14 +43,43 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .devices import DeviceProfile
-from .modelinfo import ModelInfo
+from .devices import KERNEL_CLASSES, DeviceProfile
+from .modelinfo import FunctionalOp, ModelInfo
 
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
 BN_MODES = ("frozen", "train")
 PROBES = ("importance", "fisher")
 # elementary operations of one cost-model evaluation per tensor (a few vector passes over N tensors)
 _OPS_PER_EVALUATION_PER_TENSOR = 8.0
+_FWD, _DX, _DW, _OPS = range(4)  # kernel slots: t_fwd, t_dx, t_dw (per tensor), t_ops_fwd_layer (per layer)
+
+
+def kernel_parameters(device: DeviceProfile) -> np.ndarray:
+    """Per kernel class (rows in :data:`KERNEL_CLASSES` order): effective FLOP/s, effective B/s,
+    seconds per kernel (launch + class overhead), half-throughput width in output elements.
+
+    A class the profile does not fit takes its fallback class's parameters; a v1 profile (no
+    ``[kernels]``) gives every class ``peak * efficiency``, the whole bandwidth and the launch.
+    """
+    peak, bw, launch = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value, device.launch_overhead_s.value
+    out = np.zeros((len(KERNEL_CLASSES), 4))
+    for i, (name, parent) in enumerate(KERNEL_CLASSES.items()):
+        k = device.kernels.get(name)
+        while k is None and parent is not None:
+            k, parent = device.kernels.get(parent), KERNEL_CLASSES[parent]
+        if k is None:
+            out[i] = (peak * device.efficiency.value, bw, launch, 0.0)
+        else:
+            out[i] = (peak * k.efficiency.value, k.bandwidth.value, launch + k.overhead_s.value, k.width.value)
+    return out
+
+
+def kernel_times(params: np.ndarray, cls: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, outputs: np.ndarray):
+    """Seconds of each kernel: ``max(flops / P, bytes / B) / s + L`` with ``s = out / (out + width)``."""
+    p = params[cls]
+    width = p[:, 3]
+    s = np.where(width > 0, outputs / (outputs + width), 1.0)
+    return np.maximum(flops / p[:, 0], nbytes / p[:, 1]) / np.maximum(s, 1e-12) + p[:, 2]
 
 
 @dataclass(frozen=True)
@@ -112,54 +152,76 @@ class CostModel:
         self.evaluations = 0  # memory and time evaluations so far (the selectors' work is priced from it)
         self._other_batch: dict[int, CostModel] = {}
         b, e = float(batch_size), float(device.bytes_per_element)
-        peak = device.peak_flops.value * device.efficiency.value
         bw = device.mem_bandwidth_bytes_per_s.value
-        launch = device.launch_overhead_s.value
-
-        def kernel(flops, nbytes):
-            return np.maximum(np.asarray(flops, float) / peak, np.asarray(nbytes, float) * e / bw) + launch
-
-        n = info.num_tensors
+        n, nl = info.num_tensors, len(info.layers)
         numel = info.tensor_numel.astype(float)
-        self.t_fwd, self.t_dx, self.t_dw = np.zeros(n), np.zeros(n), np.zeros(n)
         # the optimizer update streams each trained element's weight, gradient and state; one fused
         # (foreach) launch per step covers all tensors, as torch's SGD and Adam do by default
         self.t_opt = numel * (3 + 2 * self.optimizer_state) * e / bw
         self.tensor_macs = np.zeros(n)  # dW MACs per step, for the dynamic energy term
-        layer_fwd = np.zeros(len(info.layers))
-        for li, layer in enumerate(info.layers):
+        # every kernel of one step, priced below by its class: slot (fwd/dx/dw per tensor, forward of
+        # the weightless ops below each layer), index in the slot, class, flops, bytes, output elements
+        rows: list[tuple[int, int, int, float, float, float]] = []
+        cls_id = {c: i for i, c in enumerate(KERNEL_CLASSES)}
+
+        def add(slot: int, idx: int, cls: str, flops: float, elements: float, outputs: float) -> None:
+            rows.append((slot, idx, cls_id[cls], flops, elements * e, outputs))
+
+        first_tensor = info.layer_first_tensor()
+        for layer in info.layers:
             ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
             wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
-            if layer.kind in ("conv", "linear", "attention"):
-                fwd = kernel(2 * macs, ins + outs + wsize)
-                dx = kernel(2 * macs, ins + outs + wsize)
-            else:  # norms and other elementwise owners
-                fwd = kernel(4 * outs, ins + outs)
-                dx = kernel(8 * outs, ins + 2 * outs)
-            layer_fwd[li] = fwd
             first = layer.tensors[0]
-            self.t_fwd[first] = fwd
-            self.t_dx[first] = dx
+            if layer.kind in ("conv", "linear", "attention"):
+                kind = "depthwise" if layer.groups > 1 else "gemm"
+                add(_FWD, first, f"{kind}_fwd", 2 * macs, ins + outs + wsize, outs)
+                add(_DX, first, f"{kind}_dx", 2 * macs, ins + outs + wsize, ins)
+            else:  # norms and other elementwise owners
+                add(_FWD, first, "eltwise", 4 * outs, ins + outs, outs)
+                add(_DX, first, "eltwise", 8 * outs, ins + 2 * outs, ins)
             for k in layer.tensors:
                 role, size = info.tensor_roles[k], float(info.tensor_numel[k])
                 if role == "weight":
-                    self.t_dw[k] = kernel(2 * macs, ins + outs + size)
+                    cls = "depthwise_dw" if layer.groups > 1 else "gemm_dw"
+                    add(_DW, k, cls, 2 * macs, ins + outs + size, size)
                     self.tensor_macs[k] = macs
                 elif role == "norm_weight":
-                    self.t_dw[k] = kernel(2 * outs, 2 * outs)
+                    add(_DW, k, "reduce", 2 * outs, 2 * outs, size)
                 else:  # bias, norm bias, other: a reduction over the output gradient
-                    self.t_dw[k] = kernel(outs, outs + size)
-        # weightless ops: forward always paid; backward charged to the dx of the layer above.
-        # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
-        self.t_ops_fwd_layer = np.zeros(len(info.layers) + 1)
-        first_tensor = info.layer_first_tensor()
+                    add(_DW, k, "reduce", outs, outs + size, size)
+                    if role == "bias" and device.kernels:  # a separate bias-add pass (kernel-aware profiles)
+                        add(_FWD, first, "eltwise", outs, 2 * outs, outs)
+        # weightless ops: forward always paid; backward charged to the dx of the layer above
         for op in info.ops:
-            t = float(kernel(b * op.out_numel, b * (op.in_numel + op.out_numel)))
-            self.t_ops_fwd_layer[min(op.above, len(info.layers))] += t
-            if op.above < len(info.layers):
-                self.t_dx[first_tensor[op.above]] += t
+            out_n, in_n = b * op.out_numel, b * op.in_numel
+            add(_OPS, min(op.above, nl), "eltwise", out_n, in_n + out_n, out_n)
+            if op.above < nl:
+                add(_DX, int(first_tensor[op.above]), "eltwise", out_n, in_n + out_n, in_n)
+        # functional ops (residual adds, attention cores...): priced only by kernel-aware profiles,
+        # so that a v1 profile's fitted roofline keeps the meaning it was fitted with
+        for fn in info.functional if device.kernels else ():
+            self._functional_kernels(fn, b, add, nl, int(first_tensor[fn.above]) if fn.above < nl else -1)
+        (
+            self.kernel_slot,
+            self.kernel_index,
+            self.kernel_class,
+            self.kernel_flops,
+            self.kernel_bytes,
+            self.kernel_outputs,
+        ) = (np.array([r[i] for r in rows], dtype=np.int64 if i < 3 else float).reshape(-1) for i in range(6))
+        self.kernel_params = kernel_parameters(device)
+        times = kernel_times(
+            self.kernel_params, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs
+        )
+        self.kernel_time = times
+        self.t_fwd, self.t_dx, self.t_dw = (self._gather(slot, times, n) for slot in (_FWD, _DX, _DW))
+        # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
+        self.t_ops_fwd_layer = self._gather(_OPS, times, nl + 1)
+        layer_fwd = self.t_fwd[first_tensor] if nl else np.zeros(0)
         self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
-        self.t_bwd_fixed = launch  # paid once by every step that trains anything (+ the loss, if measured)
+        self.t_bwd_fixed = (
+            device.launch_overhead_s.value
+        )  # paid once by every step that trains anything (+ the loss, if measured)
         self.measured = device.measured.get(info.model_name)
         if self.measured is not None:
             self._apply_measured(layer_fwd)
@@ -170,6 +232,30 @@ class CostModel:
         self._fwd_macs = float(layer_macs.sum())
         self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
         self._prepare_memory()
+
+    def _gather(self, slot: int, times: np.ndarray, size: int) -> np.ndarray:
+        out = np.zeros(size)
+        on = self.kernel_slot == slot
+        np.add.at(out, self.kernel_index[on], times[on])
+        return out
+
+    @staticmethod
+    def _functional_kernels(fn: FunctionalOp, b: float, add, nl: int, dx_tensor: int) -> None:
+        """Kernels of a functional op: forward below layer ``fn.above``, backward in its dx."""
+        out_n, in_n = b * fn.out_numel, b * fn.in_numel
+        above = min(fn.above, nl)
+        if fn.kind == "matmul":
+            macs = b * fn.macs
+            add(_OPS, above, "gemm_fwd", 2 * macs, in_n + out_n, out_n)
+            if dx_tensor >= 0:  # both operands' gradients: two products of the forward's size
+                add(_DX, dx_tensor, "gemm_dx", 4 * macs, 2 * (in_n + out_n), in_n)
+            return
+        cls = "reduce" if fn.kind == "softmax" else "layout" if fn.kind == "layout" else "eltwise"
+        binary = fn.name.split("#")[0].strip("_").lstrip("ri") in ("add", "sub", "mul", "truediv", "div")
+        moved = (2 * in_n + out_n) if binary else (in_n + out_n)
+        add(_OPS, above, cls, 4 * out_n if cls == "reduce" else out_n, moved, out_n)
+        if dx_tensor >= 0:  # a residual add's backward is the gradient sum where its branches meet
+            add(_DX, dx_tensor, cls, out_n, 3 * out_n if binary else 2 * out_n, in_n)
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
         table, info = self.measured, self.info
@@ -196,6 +282,28 @@ class CostModel:
             self.t_ops_fwd_layer[-1] = self.t_ops_fwd
             # backward no layer owns (the loss gradient): paid once by every step that trains anything
             self.t_bwd_fixed += table.unattributed_bwd_s * scale
+
+    # ---- uncertainty ------------------------------------------------------------------------
+    def roofline_share(self) -> float:
+        """Share of the full step's time priced by the roofline (not by a measured table)."""
+        full = self.full_step_time_s()
+        if self.measured is None or full <= 0:
+            return 1.0
+        covered = 0.0
+        for li, layer in enumerate(self.info.layers):
+            if layer.name in self.measured.layers:
+                ks = list(layer.tensors)
+                covered += self.t_fwd[ks[0]] + self.t_ops_fwd_layer[li] + self.t_dx[ks[0]] + self.t_dw[ks].sum()
+        return float(min(max(1.0 - covered / full, 0.0), 1.0))
+
+    def time_band_s(self, seconds: float) -> float:
+        """One-sigma error band (seconds) of an emulated time of ``seconds``.
+
+        The profile's ``[uncertainty] step`` (a relative error, from the kernel fit's leave-one-model-out
+        residuals) times the share of the step the roofline prices; 0 when the profile gives none.
+        """
+        rel = self.device.uncertainty.value if self.device.uncertainty is not None else 0.0
+        return float(seconds * rel * self.roofline_share())
 
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:

@@ -258,3 +258,12 @@ def test_optimizer_state_follows_the_momentum(make_scenario):
     assert plain.cost("jetson_nano").optimizer_state == 0
     heavy = RunEnvironment(make_scenario(train={"momentum": 0.9, "optimizer": "sgdw", "bn_mode": "train"}))
     assert heavy.cost("jetson_nano").optimizer_state == 1 and heavy.cost("jetson_nano").bn_mode == "train"
+
+
+def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario):
+    from fedelastic.fl.env import RunEnvironment
+
+    assert RunEnvironment(make_scenario()).bn_mode == "train"  # from the factory's initialisation
+    pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
+    assert pretrained.bn_mode == "frozen" and pretrained.cost("jetson_nano").bn_mode == "frozen"
+    assert RunEnvironment(make_scenario(train={"bn_mode": "frozen"})).bn_mode == "frozen"

@@ -45,6 +45,7 @@ def test_run_folder_contents(make_scenario):
     assert len(clients) == 2 * 4 and set(clients["round"]) == {1, 2}
     for col in (
         "emulated_train_time_s",
+        "emulated_train_time_band_s",
         "emulated_energy_j",
         "emulated_peak_memory_bytes",
         "emulated_bytes_up",
@@ -54,6 +55,7 @@ def test_run_folder_contents(make_scenario):
         "fraction_params_trained",
     ):
         assert clients[col].notna().all(), col
+    assert (clients.emulated_train_time_band_s >= 0).all()
     rounds = pd.read_csv(run_dir / "rounds.csv")
     assert list(rounds["round"]) == [0, 1, 2]
     # synchronous clock: a round lasts as long as its slowest client's train + comm time

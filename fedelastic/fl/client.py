@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ METRIC_KEYS = (
     "train-loss",
     "fraction-params-trained",
     "emulated-train-time-s",
+    "emulated-train-time-band-s",
     "emulated-overhead-time-s",
     "emulated-comm-time-s",
     "emulated-energy-j",
@@ -56,7 +59,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         weight_decay=t.weight_decay,
         max_steps=t.max_steps,
         seed=[env.scenario.seed, server_round, pid],
-        bn_mode=t.bn_mode,
+        bn_mode=env.bn_mode,
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
     )
@@ -73,7 +76,9 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
     strategy = env.strategy()
-    if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
+        strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
+    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
     result = train_partition(env, model, strategy, pid, server_round)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
@@ -92,6 +97,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "train-loss": result.train_loss,
         "fraction-params-trained": trained_params,
         "emulated-train-time-s": figures.train_time_s,
+        "emulated-train-time-band-s": cost.time_band_s(figures.train_time_s),
         "emulated-overhead-time-s": result.overhead_time_s,
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
@@ -107,10 +113,24 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
     return Message(content=content, reply_to=msg)
+
+
+def check_same_code() -> None:
+    """A Ray worker must run the fedelastic the driver runs (the runner exports its folder as FEDELASTIC_ROOT)."""
+    import fedelastic
+
+    expected = os.environ.get("FEDELASTIC_ROOT")
+    here = str(Path(fedelastic.__file__).resolve().parent.parent)
+    if expected and here != expected:
+        raise RuntimeError(
+            f"this worker imported fedelastic from {here}, the driver runs it from {expected}; "
+            "run from a folder that holds no other copy of fedelastic"
+        )
 
 
 def make_client_app(scenario: Scenario) -> ClientApp:
@@ -119,6 +139,7 @@ def make_client_app(scenario: Scenario) -> ClientApp:
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
+        check_same_code()
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )

@@ -18,6 +18,7 @@ from ..costmodel import CostModel
 from ..data import (
     ArrayDataset,
     FederatedData,
+    check_partition_sizes,
     hf,
     load_dataset,
     partition_dirichlet,
@@ -80,13 +81,26 @@ class RunEnvironment:
             train, test = (self.view(part, (), d.transform, d.shift) for part in self.split)
             return FederatedData(train, test, self.external.partitions)
         train, test = (self.view(part, d.classes, d.transform, d.shift) for part in self.split)
-        n = sc.num_clients
+        n, src = sc.num_clients, sc.source or "<scenario>"
+        if len(test) == 0:
+            raise ConfigError(src, "data.test_fraction", "a fraction that leaves the server some test samples", d.test_fraction)
+        check_partition_sizes(
+            len(train), n, d.partitioner, min_size=d.min_partition_size,
+            shards_per_partition=d.shards_per_partition, alpha=d.alpha, src=src,
+        )  # fmt: skip
         if d.partitioner == "iid":
             parts = partition_iid(train.y, n, sc.seed)
         elif d.partitioner == "shards":
             parts = partition_shards(train.y, n, d.shards_per_partition, sc.seed)
         else:
-            parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            try:
+                parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            except ValueError:
+                raise ConfigError(
+                    src, "data", f"a split that gives every client data: no dirichlet(alpha={d.alpha:g}) draw gave "
+                    f"{n:,} clients {d.min_partition_size} samples each from {len(train):,} training samples; lower "
+                    'data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset',
+                ) from None
         return FederatedData(train, test, parts)
 
     def _check_hue(self, shift: Shift, key: str) -> None:
@@ -165,8 +179,16 @@ class RunEnvironment:
         if device not in self._costs:
             t = self.scenario.train
             optimizer = "momentum" if t.momentum > 0 else "sgd"  # the state the trainer's SGD/SGDW keeps
-            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, t.bn_mode)
+            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, self.bn_mode)
         return self._costs[device]
+
+    @property
+    def bn_mode(self) -> str:
+        """``train.bn_mode`` with ``auto`` resolved: frozen statistics only when starting from trained weights."""
+        sc = self.scenario
+        if sc.train.bn_mode != "auto":
+            return sc.train.bn_mode
+        return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
     def strategy(self) -> SelectionStrategy:
         t = self.scenario.train

@@ -7,11 +7,16 @@ a factory called as ``factory(num_classes=..., in_channels=..., input_size=...)`
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from ..errors import ConfigError
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 # name -> "module:function", imported lazily so big definitions cost nothing until used
 BUILTIN: dict[str, str] = {
@@ -31,10 +36,12 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
     if ":" not in target:
         raise ConfigError(context, key, f"a built-in model {sorted(BUILTIN)} or 'package.module:callable'", name)
     module_name, _, attr = target.partition(":")
+    if not _DOTTED.fullmatch(module_name) or not attr.isidentifier():
+        raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({exc})", name) from None
+    except Exception as exc:  # noqa: BLE001 (an import runs user code: any error means 'not importable')
+        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, "a callable returning an nn.Module", name)
     return factory
@@ -42,7 +49,64 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
 
 def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Module:
     """Build a model by name; the factory receives ``kwargs``."""
-    model = resolve_factory(name, context=context)(**kwargs)
+    factory = resolve_factory(name, context=context)
+    try:
+        model = factory(**kwargs)
+    except TypeError as exc:  # an unknown or missing option
+        raise ConfigError(context, "model.options", f"options the factory {name!r} accepts ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 (user code)
+        raise ConfigError(context, "model.name", f"a factory that builds a model ({type(exc).__name__}: {exc})", name) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
     return model
+
+
+def build_with_input(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    input_size: int | None = None,
+    in_channels: int | None = None,
+    **options: Any,
+):
+    """Build a registry model (or ``module:callable``) and a matching input shape.
+
+    Only the keyword arguments the factory accepts are passed (``input_size`` is passed as
+    ``image_size`` to factories that call it that). Defaults come from the factory.
+
+    Returns
+    -------
+    (torch.nn.Module, tuple of int)
+        The model and the shape of one sample, ``(channels, size, size)``.
+    """
+    factory = resolve_factory(name, context="<command line>", key="--model")
+    params = inspect.signature(factory).parameters
+    kwargs: dict[str, Any] = dict(options)
+    if num_classes is not None and "num_classes" in params:
+        kwargs["num_classes"] = num_classes
+    size_key = "input_size" if "input_size" in params else "image_size" if "image_size" in params else None
+    if input_size is not None and size_key:
+        kwargs[size_key] = input_size
+    if in_channels is not None and "in_channels" in params:
+        kwargs["in_channels"] = in_channels
+    model = factory(**kwargs)
+
+    def default(key: str, fallback: int) -> int:
+        p = params.get(key)
+        return int(p.default) if p is not None and isinstance(p.default, int) else fallback
+
+    size = input_size if input_size is not None else int(getattr(model, "input_size", 0) or 0)
+    if not size:
+        size = default(size_key, 32) if size_key else 32
+    channels = in_channels if in_channels is not None else default("in_channels", 3)
+    return model, (channels, size, size)
+
+
+def describe_model(name: str, *, num_classes: int | None = None, input_size: int | None = None, **options: Any):
+    """ModelInfo of a registry model (``model_name`` = ``name``, as RunEnvironment sets it)."""
+    import torch
+
+    from ..modelinfo import describe
+
+    model, shape = build_with_input(name, num_classes=num_classes, input_size=input_size, **options)
+    return describe(model, torch.zeros(1, *shape), model_name=name)
