@@ -30,8 +30,9 @@ def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(src, key, "an existing weights file", str(path)) from None
-    except Exception as exc:
-        raise ConfigError(src, key, f"a torch state_dict loadable with weights_only=True ({exc})", str(path)) from None
+    except Exception as exc:  # torch's refusal runs to many lines: its first says why
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(src, key, f"a torch state_dict loadable with weights_only=True ({why})", str(path)) from None
     expected = model.state_dict()
     if not isinstance(state, dict) or set(state) != set(expected):
         got = set(state) if isinstance(state, dict) else type(state).__name__
@@ -50,6 +51,10 @@ def pretrain_key(env) -> str:
         "test_fraction": sc.data.test_fraction,
         "seed": sc.seed,
     }
+    if sc.data.size:  # a generated set of another size is other data (0 keeps older keys unchanged)
+        doc["size"] = sc.data.size
+    if sc.data.dataset not in ("digits", "synth_digits"):  # what shapes an external dataset's training split
+        doc["external"] = [sc.data.classes, sc.data.image_column, sc.data.label_column, sc.data.image_size]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -93,7 +98,7 @@ def initial_state(env) -> dict:
     state = pretrain(env)
     print(f"pretrained weights cached at {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two runs pretraining at once must not share it
     torch.save(state, tmp)
     os.replace(tmp, path)
     return load_weights(path, model, src=str(path), key="<cached pretrain>")

@@ -12,25 +12,76 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import check, field, from_dict, read_toml, to_dict
+from .data.shifts import Shift
+from .data.stream import StreamConfig
 from .errors import ConfigError
+
+
+def _labels(classes: tuple[int, ...]) -> bool:
+    return all(c >= 0 for c in classes) and len(set(classes)) == len(classes)
+
+
+def is_plain_name(value: str) -> bool:
+    """One plain folder name: results built from it stay inside output_dir."""
+    if not value or value != value.strip() or value in (".", "..") or value.startswith(("-", ".")):
+        return False
+    return not any(c in value for c in "/\\\0:")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = field("digits", help="dataset name; 'digits' is embedded")
-    partitioner: Literal["iid", "dirichlet", "shards"] = field("dirichlet", help="how client data is split")
+    dataset: str = field(
+        "digits",
+        help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a Hugging Face name, "
+        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
+    )
+    partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
+        "dirichlet", help="how client data is split (pathological and natural_id: Hugging Face sources)"
+    )
     alpha: float = field(0.5, help="Dirichlet concentration over labels (smaller = more skewed)")
     shards_per_partition: int = field(2, help="shards per client for the 'shards' partitioner")
+    classes_per_partition: int = field(2, help="labels per client for the 'pathological' partitioner")
+    partition_by: str = field("", help="column of natural ids for 'natural_id' (e.g. 'writer_id')")
     min_partition_size: int = field(2, help="fewest samples a client may hold")
-    test_fraction: float = field(0.2, help="fraction held out as the server's test set")
+    test_fraction: float = field(
+        0.2, help="fraction held out as the server's test set (if the source has no test split)"
+    )
+    size: int = field(0, help="samples of synth_digits to generate (0: 60,000)")
+    image_column: str = field("", help="image column (or .npz array) of an external dataset (empty: auto-detect)")
+    label_column: str = field("", help="label column (or .npz array) of an external dataset (empty: auto-detect)")
+    image_size: int = field(0, help="resize external images to this square size (0: keep)")
     classes: tuple[int, ...] = field((), help="keep only these labels (empty: all)")
     transform: Literal["none", "rotate90", "noise", "invert"] = field("none", help="domain shift of the images")
+    shift: Shift = field(default_factory=Shift, help="a parameterised domain shift of the target (see data/shifts.py)")
 
     def __post_init__(self):
         check(self.alpha > 0, "alpha", "a positive number")
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
         check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
         check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
+        check(_labels(self.classes), "classes", "distinct non-negative labels")
+        check(self.classes_per_partition >= 1, "classes_per_partition", "an integer >= 1")
+        check(self.size >= 0, "size", "an integer >= 0")
+        check(self.image_size >= 0, "image_size", "an integer >= 0")
+        builtin = self.dataset in ("digits", "synth_digits")
+        check(
+            not (builtin and self.partitioner in ("pathological", "natural_id")),
+            "partitioner",
+            "iid, dirichlet or shards for a built-in dataset (pathological and natural_id come from flwr-datasets)",
+        )
+        check(
+            self.partitioner != "natural_id" or bool(self.partition_by), "partition_by", "a column name for natural_id"
+        )
+        check(
+            not self.partition_by or self.partitioner == "natural_id",
+            "partition_by",
+            "empty unless partitioner = 'natural_id'",
+        )
+        check(self.size == 0 or self.dataset == "synth_digits", "size", "0 unless dataset = 'synth_digits'")
+        for key in ("image_column", "label_column", "image_size"):
+            check(
+                not (builtin and getattr(self, key)), key, "unset for a built-in dataset (it applies to external ones)"
+            )
 
 
 @dataclass(frozen=True)
@@ -44,6 +95,8 @@ class PretrainConfig:
     def __post_init__(self):
         check(self.epochs >= 1, "epochs", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
+        check(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        check(_labels(self.classes), "classes", "distinct non-negative labels")
 
 
 @dataclass(frozen=True)
@@ -93,7 +146,8 @@ class TrainConfig:
         check(self.max_steps >= 0, "max_steps", "an integer >= 0")
         check(self.batch_size >= 1, "batch_size", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
-        check(self.momentum >= 0, "momentum", "a number >= 0")
+        check(0 <= self.momentum < 1, "momentum", "a number in [0, 1)")
+        check(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         check(self.optimizer in ("sgd", "sgdw"), "optimizer", "one of ['sgd', 'sgdw']")
         check(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "one of ['constant', 'cosine']")
         check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
@@ -116,6 +170,16 @@ class SimulationConfig:
     ray_address: str = field("", help="address of an existing Ray cluster (empty: start a local one)")
     timeout_s: float = field(3600.0, help="how long the server waits for a round's replies")
     torch_threads: int = field(1, help="torch threads in each client")
+    client_retries: int = field(1, help="retries of a client whose process died (Ray), on a fresh worker")
+    max_failure_rate: float = field(0.0, help="fraction of client results that may fail before the exit code says so")
+    allow_empty_rounds: bool = field(False, help="a round in which no client trained is not an error")
+
+    def __post_init__(self):
+        check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
+        check(self.timeout_s > 0, "timeout_s", "a positive number of seconds")
+        check(1 <= self.torch_threads <= 1024, "torch_threads", "an integer in [1, 1024]")
+        check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
+        check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -130,16 +194,26 @@ class Scenario:
     train: TrainConfig = field(default_factory=TrainConfig, help="local training")
     server: ServerConfig = field(default_factory=ServerConfig, help="server strategy")
     simulation: SimulationConfig = field(default_factory=SimulationConfig, help="runtime")
+    stream: StreamConfig | None = field(None, help="a continual stream: tasks, drift, buffers (see data/stream.py)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
+        check(is_plain_name(self.name), "name", "a plain folder name (no '/', '\\', ':', leading '.' or '-')")
+        check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)")
+        check(bool(self.output_dir.strip()), "output_dir", "a folder path")
         check(len(self.fleet) > 0, "fleet", "at least one device")
+        check(all(n <= 1_000_000 for n in self.fleet.values()), "fleet", "at most 1,000,000 clients per device")
         check(
             all(n >= 0 for n in self.fleet.values()) and self.num_clients > 0,
             "fleet",
             "non-negative counts, > 0 in all",
         )
         check(self.server.clients_per_round <= self.num_clients, "server.clients_per_round", "at most the fleet size")
+        check(
+            self.stream is None or self.stream.federated or self.num_clients == 1,
+            "stream.federated",
+            "true unless the fleet is one device",
+        )
 
     @property
     def num_clients(self) -> int:
@@ -159,7 +233,10 @@ def validate(scenario: Scenario) -> Scenario:
     make_strategy(scenario.train.strategy, scenario.train.options, src=src)
     resolve_factory(scenario.model.name, context=src)
     base = Path(scenario.source).parent if scenario.source else Path(".")
-    dirs = tuple(str(base / d) for d in scenario.device_dirs)
+    dirs = tuple(str((base / d).resolve()) for d in scenario.device_dirs)  # absolute: Ray workers, resume
+    for i, d in enumerate(dirs):
+        if not Path(d).is_dir():
+            raise ConfigError(src, f"device_dirs[{i}]", "an existing folder of device profiles", d)
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
     return replace(scenario, device_dirs=dirs)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -48,7 +52,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         env.info,
         strategy,
         env.cost(env.devices[pid]),
-        env.data.client(pid),
+        env.client_data(pid, server_round),
         epochs=t.local_epochs,
         batch_size=t.batch_size,
         lr=t.lr,
@@ -74,12 +78,17 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
     strategy = env.strategy()
-    if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
+        strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
+    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
     result = train_partition(env, model, strategy, pid, server_round)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+    if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
+        energy = cost.energy_j(result.train_time_s, 0.0, 0.0, result.macs, 0.0)
+        figures = replace(figures, comm_time_s=0.0, energy_j=energy, bytes_up=0.0, bytes_down=0.0)
     trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
     metrics = {
         "num-examples": result.num_examples,
@@ -106,10 +115,24 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
     return Message(content=content, reply_to=msg)
+
+
+def check_same_code() -> None:
+    """A Ray worker must run the fedelastic the driver runs (the runner exports its folder as FEDELASTIC_ROOT)."""
+    import fedelastic
+
+    expected = os.environ.get("FEDELASTIC_ROOT")
+    here = str(Path(fedelastic.__file__).resolve().parent.parent)
+    if expected and here != expected:
+        raise RuntimeError(
+            f"this worker imported fedelastic from {here}, the driver runs it from {expected}; "
+            "run from a folder that holds no other copy of fedelastic"
+        )
 
 
 def make_client_app(scenario: Scenario) -> ClientApp:
@@ -118,6 +141,7 @@ def make_client_app(scenario: Scenario) -> ClientApp:
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
+        check_same_code()
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )

@@ -21,6 +21,9 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from ..continual import evaluate_tasks
+from ..continual import report as continual_report
+from ..errors import RunFailed
 from ..results import Recorder
 from ..scenario import Scenario
 from .aggregate import ClientUpdate, aggregate_partial
@@ -65,6 +68,17 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     if len(mapping) != len(nodes):
         raise RuntimeError(f"{len(mapping)} of {len(nodes)} nodes answered the partition query")
     return mapping
+
+
+def nonfinite_update(reply: Message) -> str:
+    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure)."""
+    loss = float(reply.content["metrics"]["train-loss"])
+    for name, value in record_to_numpy(reply.content["arrays"]).items():
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return f"non-finite update: tensor {name!r} holds NaN/inf (train loss {loss:g}); update rejected"
+    if reply.content["metrics"]["fits"] and int(reply.content["metrics"]["steps"]) and not np.isfinite(loss):
+        return f"non-finite update: train loss is {loss:g}; update rejected"
+    return ""
 
 
 # numeric columns of a client row (NaN in the row of a client that failed)
@@ -141,19 +155,32 @@ class PartialFedAvg(FedAvg):
         self._arrays, self._round_start = arrays, time.perf_counter()
         config["server-round"] = server_round
         record = RecordDict({"arrays": arrays, "config": config})
+        self._sampled = self.sample(server_round)
         return [
             Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
-            for p in self.sample(server_round)
+            for p in self._sampled
         ]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
-        ok = [m for m in replies if not m.has_error()]
-        failed = [m for m in replies if m.has_error()]
-        for m in failed:
-            log(WARNING, "client on node %s failed: %s", m.metadata.src_node_id, m.error.reason)
+        failures = {self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()}
+        ok = []
+        for m in replies:
+            if m.has_error():
+                continue
+            bad = nonfinite_update(m)  # a NaN/inf update is rejected and recorded with its client
+            if bad:
+                failures[int(m.content["metrics"]["partition-id"])] = bad
+            else:
+                ok.append(m)
+        replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
+        for p in getattr(self, "_sampled", []):  # no reply within the round's timeout: a row, not a gap
+            if p not in replied:
+                failures[p] = f"timeout: no reply within simulation.timeout_s = {self.sc.simulation.timeout_s:g} s"
+        for pid, reason in failures.items():
+            log(WARNING, "client %s failed: %s", pid, reason)
         metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
         round_time = max((r["emulated-train-time-s"] + r["emulated-comm-time-s"] for r in metrics), default=0.0)
         reasons = [str(m.content["info"]["fits-reason"]) if "info" in m.content else "" for m in ok]
@@ -194,8 +221,7 @@ class PartialFedAvg(FedAvg):
                 }
             )
         failed_rows = []
-        for m in failed:  # a failed client is a row too: nothing is silently dropped
-            pid = self.partition_of_node.get(m.metadata.src_node_id, -1)
+        for pid, reason in sorted(failures.items()):  # a failed client is a row too: nothing is silently dropped
             device = self.env.devices[pid] if pid >= 0 else ""
             failed_rows.append(
                 {
@@ -207,7 +233,7 @@ class PartialFedAvg(FedAvg):
                     "fits": False,
                     **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
                     "fits_reason": "",
-                    "error": m.error.reason,
+                    "error": reason,
                 }
             )
         self.recorder.add_clients(rows + failed_rows)
@@ -223,13 +249,19 @@ class PartialFedAvg(FedAvg):
             if r["fits"]
         ]
         new_state = aggregate_partial(current, updates)
+        for name, value in new_state.items():
+            if not np.isfinite(value).all():
+                raise RunFailed(
+                    f"round {server_round}: the global model became non-finite (tensor {name!r}); "
+                    "lower train.lr or check the model and its starting weights"
+                )
         self.sim_time_s += round_time
         energy = sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)
         self.total_energy_j += energy
         fitted = [r for r in rows if r["fits"]]
         self._round = {
-            "clients": len(replies),
-            "clients_failed": len(failed),
+            "clients": len(replied | set(failures)),
+            "clients_failed": len(failures),
             "clients_unavailable": self._unavailable,
             "clients_not_fitting": len(rows) - len(fitted),
             "round_time_s": round_time,
@@ -252,8 +284,12 @@ class PartialFedAvg(FedAvg):
         """Global test accuracy after every round; writes the round's row."""
         model = self.env.new_model()
         model.load_state_dict(record_to_torch(arrays))
-        test = self.env.data.test
-        accuracy, loss = evaluate_model(model, test.x, test.y)
+        if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+            rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+            self.recorder.add_tasks(rows)
+        else:
+            test = self.env.data.test
+            accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -269,20 +305,31 @@ class PartialFedAvg(FedAvg):
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
 
-def server_main(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable, grid: Grid) -> None:
-    """The ServerApp's body: register nodes, map partitions, run the rounds."""
+def server_main(
+    scenario: Scenario,
+    initial_state: dict,
+    recorder: Recorder,
+    progress: Callable,
+    grid: Grid,
+    *,
+    strategy_cls: Callable[..., PartialFedAvg] | None = None,
+    start_round: int = 0,
+) -> None:
+    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on)."""
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
-    mapping = discover_partitions(grid, nodes, timeout)
-    strategy = PartialFedAvg(env, mapping, recorder, progress)
+    mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
+    strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-        num_rounds=scenario.server.rounds,
+        num_rounds=scenario.server.rounds - start_round,
         timeout=timeout,
         evaluate_fn=strategy.evaluate,
     )
+    if scenario.stream is not None:
+        continual_report(recorder.folder, scenario.stream.recover_share)
 
 
 def make_server_app(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable) -> ServerApp:

@@ -1,7 +1,11 @@
 """Datasets and partitioners.
 
-The default dataset is scikit-learn's digits (1,797 8x8 images, shipped inside scikit-learn, so
-no download). Partitioners are pure numpy and deterministic from a seed.
+Built in, with no download: scikit-learn's ``digits`` (1,797 8x8 images, shipped inside
+scikit-learn) and ``synth_digits`` (:mod:`.synth`: 60,000 generated 32x32 RGB digits with
+clutter, the cluttered domain to digits' clean one). Their partitioners here are pure numpy and
+deterministic from a seed; Hugging Face datasets and local copies go through :mod:`.hf` and
+flwr-datasets' partitioners. Domain shifts are in :mod:`.shifts`, continual streams in
+:mod:`.stream`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,38 @@ def train_test_split(n_labels: np.ndarray, test_fraction: float, seed: int) -> t
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def check_partition_sizes(
+    num_samples: int,
+    num_clients: int,
+    partitioner: str,
+    *,
+    min_size: int,
+    shards_per_partition: int = 1,
+    alpha: float = 0.5,
+    src: str = "<scenario>",
+) -> None:
+    """Refuse, before anything starts, a split that would leave a client with too little data.
+
+    The message names the scenario keys that fix it.
+    """
+    if partitioner == "shards":
+        need, what = num_clients * shards_per_partition, f"{shards_per_partition} non-empty shards each"
+        fixes = "lower data.shards_per_partition, use fewer clients, or a larger dataset"
+    else:
+        need, what = num_clients * min_size, f"{min_size} samples each"
+        fixes = (
+            'lower data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset'
+            if partitioner == "dirichlet"
+            else "lower data.min_partition_size, use fewer clients, or a larger dataset"
+        )
+    how = f"dirichlet(alpha={alpha:g})" if partitioner == "dirichlet" else partitioner
+    if num_samples < need:
+        raise ConfigError(
+            src, "data", f"a split that gives every client data: {num_samples:,} training samples cannot give "
+            f"{num_clients:,} clients {what} under {how}; {fixes}",
+        )  # fmt: skip
+
+
 def partition_iid(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
     order = np.random.default_rng([seed, 2]).permutation(len(labels))
     return [np.sort(p) for p in np.array_split(order, num_partitions)]
@@ -129,8 +165,13 @@ class FederatedData:
         return self.train.subset(self.partitions[partition_id])
 
 
-def load_dataset(name: str, *, src: str = "<scenario>") -> ArrayDataset:
-    """A dataset by name; ``digits`` (embedded in scikit-learn) is the one built in."""
+def load_dataset(name: str, *, src: str = "<scenario>", size: int = 0) -> ArrayDataset:
+    """A built-in dataset by name: ``digits`` (scikit-learn) or ``synth_digits`` (``size`` samples, 0: 60,000)."""
     if name == "digits":
         return load_digits_dataset()
-    raise ConfigError(src, "data.dataset", "'digits'", name)
+    if name == "synth_digits":
+        from . import synth
+
+        x, y = synth.load(size or synth.DEFAULT_SAMPLES)
+        return ArrayDataset(x.astype(np.float32) / np.float32(255.0), y)
+    raise ConfigError(src, "data.dataset", "'digits' or 'synth_digits' (or use the Hugging Face loader)", name)
