@@ -52,10 +52,12 @@ def report(run_dir: Path) -> None:
     )
     for col in (
         "device",
-        "clients",
+        "client-rounds",
         "fits",
+        "trained nothing",
+        "failed",
         "train time/round",
-        "energy/round",
+        "energy/round (busy, no idle)",
         "peak memory",
         "device memory",
         "trained params",
@@ -64,8 +66,10 @@ def report(run_dir: Path) -> None:
     for device, g in clients.groupby("device") if len(clients) else ():
         table.add_row(
             escape(str(device)),
-            str(g.partition_id.nunique()),
+            str(len(g)),
             f"{g.fits.mean():.0%}",
+            str(int((g.fits.astype(bool) & (g.steps == 0)).sum())),
+            str(int((g.get("error", pd.Series("", index=g.index)).fillna("") != "").sum())),
             f"{g.emulated_train_time_s.mean():.3g} s"
             + (
                 f" ± {g.emulated_train_time_band_s.mean():.2g}"
@@ -157,6 +161,7 @@ def cmd_run(args) -> int:
         console.print(
             f"{head:>12}  accuracy {row['test_accuracy']:.3f}  simulated {row['sim_time_s']:9.2f} s  "
             f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
+            f"trained nothing {row.get('clients_no_steps', 0)}  "
             f"host {row['host_wall_s']:.2f} s",
             markup=False,
             highlight=False,

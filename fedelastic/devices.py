@@ -13,6 +13,7 @@ then uses ``compute.efficiency``, the whole ``mem_bandwidth`` and no extra overh
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -364,11 +365,21 @@ def builtin_profile_dir() -> Path:
         return Path(__file__).resolve().parent.parent / "device_profiles"
 
 
+_SHADOWED_REPORTED: set[tuple[str, str]] = set()
+
+
 def profile_paths(extra_dirs: tuple[str | Path, ...] = ()) -> dict[str, Path]:
-    """Map device name to file, over the built-in folder then ``extra_dirs`` (later ones override)."""
+    """Map device name to file, over the built-in folder then ``extra_dirs`` (later ones override).
+
+    A profile that replaces one of the same name (a built-in, say) is reported once per process.
+    """
     paths: dict[str, Path] = {}
     for folder in (builtin_profile_dir(), *map(Path, extra_dirs)):
         for file in sorted(folder.glob("*.toml")):
+            old = paths.get(file.stem)
+            if old is not None and old.resolve() != file.resolve() and (file.stem, str(file)) not in _SHADOWED_REPORTED:
+                _SHADOWED_REPORTED.add((file.stem, str(file)))
+                warnings.warn(f"device profile {file.stem!r}: {file} replaces {old}", UserWarning, stacklevel=2)
             paths[file.stem] = file
     return paths
 

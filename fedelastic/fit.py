@@ -125,6 +125,9 @@ class FitResult:
         Relative error of the sum of all fitted entries.
     models : tuple of str
         The models of the tables fitted to.
+    warnings : tuple of str
+        Why the fitted values deserve doubt: a value stopped at its physical bound, or a fit the
+        data do not determine (ill-conditioned); empty when neither.
     """
 
     peak_eff: float
@@ -135,6 +138,7 @@ class FitResult:
     p90_rel_err: float
     total_rel_err: float
     models: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
 
     def efficiency(self, peak: float) -> float:
         """Efficiency for a given peak, clipped to (0, 1]."""
@@ -234,6 +238,18 @@ def fit_roofline(
     res = best
     peak_eff, bw, launch = unpack(res.x)
     preds = predict(res.x)
+    names = ["peak x efficiency"] + (["mem_bandwidth"] if fit_bandwidth else []) + ["launch_overhead"]
+    doubts = [
+        f"{name} stopped at its {'upper' if active > 0 else 'lower'} bound ({np.exp(x):.4g} SI)"
+        for name, active, x in zip(names, res.active_mask, res.x)
+        if active and not (name == "peak x efficiency" and active > 0 and max_peak_eff)  # efficiency 1 is plausible
+    ]
+    cond = _condition(res.jac)
+    if cond > CONDITION_LIMIT:
+        doubts.append(
+            f"poorly conditioned fit (condition number {cond:.3g}): the measured layers barely constrain "
+            "some parameter, e.g. mem_bandwidth when no layer is bandwidth-bound"
+        )
     rel = np.concatenate([np.abs(p[ok] / m[ok] - 1) for p, (_, _, m, ok) in zip(preds, data)])
     pred_total = sum(p[ok].sum() for p, (_, _, m, ok) in zip(preds, data))
     return FitResult(
@@ -245,7 +261,20 @@ def fit_roofline(
         p90_rel_err=float(np.percentile(rel, 90)),
         total_rel_err=float(pred_total / total - 1),
         models=tuple(info.model_name for info, *_ in data),
+        warnings=tuple(doubts),
     )
+
+
+CONDITION_LIMIT = 1e6  # of the log-parameter Jacobian: beyond it, some fitted value is not pinned by the data
+
+
+def _condition(jac) -> float:
+    """Condition number of a Jacobian (inf when a column is zero: that parameter does not change the fit)."""
+    jac = np.asarray(jac, dtype=float)
+    if not np.all(np.linalg.norm(jac, axis=0) > 0):
+        return float("inf")
+    sv = np.linalg.svd(jac, compute_uv=False)
+    return float(sv[0] / sv[-1]) if sv[-1] > 0 else float("inf")
 
 
 def datasheet_bandwidth(device: DeviceProfile) -> float | None:

@@ -395,6 +395,28 @@ def measure_peak_flops(size: int = 1024, repeats: int = 10, warmup: int = 2, clo
     return 2.0 * size**3 / t, f"torch.mm {size}x{size} fp32, median of {repeats}"
 
 
+def measure_copy_bandwidth(
+    sizes_mib: tuple[int, ...] = (1, 8, 64), repeats: int = 10, warmup: int = 2, clock: str = "wall"
+) -> tuple[float, str]:
+    """The best memory copy bandwidth of this machine (B/s: bytes read plus written) and how it was measured.
+
+    Timed like :func:`measure_peak_flops` (``Tensor.copy_`` of fp32 buffers, median of
+    ``repeats``); the best over buffer sizes, caches included, so it bounds what any layer can
+    stream: a fitted ``mem_bandwidth`` above it is not physical.
+    """
+    import torch
+
+    best, at = 0.0, sizes_mib[0]
+    for mib in sizes_mib:
+        src = torch.randn(mib * 2**18)  # fp32: 2**18 elements per MiB
+        dst = torch.empty_like(src)
+        t = _median_time(lambda d=dst, s=src: d.copy_(s), repeats, warmup, get_clock(clock))
+        bandwidth = 2.0 * src.numel() * 4 / t
+        if bandwidth > best:
+            best, at = bandwidth, mib
+    return best, f"Tensor.copy_ fp32, best of {', '.join(map(str, sizes_mib))} MiB (at {at} MiB), median of {repeats}"
+
+
 def host_memory_available() -> tuple[float, str]:
     """Bytes of memory available to a new process now, and where the number comes from.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .devices import DeviceProfile, MeasuredTable, parse_profile
 from .fit import FitResult, _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile
-from .measure import host_memory_available, measure_layers, measure_peak_flops
+from .measure import host_memory_available, measure_copy_bandwidth, measure_layers, measure_peak_flops
 from .models import build_with_input, describe_model
 from .profiles import (
     apply_fit,
@@ -81,8 +81,13 @@ def measure_profile(
     memory = host_memory_available()
     base_raw = tomllib.loads(Path(get_profile(str(like)).path).read_text()) if like else None
     start = _start_device(peak[0])
+    say("memory copy bandwidth")
+    copy_bw = measure_copy_bandwidth(repeats=repeats, warmup=warmup, clock=clock)
     say("fitting the roofline")
-    fit = fit_roofline([(info, table)], start, max_peak_eff=peak[0])
+    # bounded by physics: no faster than the measured torch.mm peak, no more bandwidth than the best copy
+    fit = fit_roofline([(info, table)], start, max_peak_eff=peak[0], max_bandwidth=copy_bw[0])
+    for doubt in fit.warnings:
+        say(f"warning: roofline fit: {doubt} (bounds: torch.mm {peak[0] / 1e9:.4g} GFLOP/s, copy {copy_bw[0] / 1e9:.4g} GB/s)")
     raw = build_profile_dict(
         name,
         tables={model_name: table},
@@ -95,8 +100,19 @@ def measure_profile(
         notes=f"Measured on {model_name} at batch {batch_size}, input {tuple(shape)}.",
     )
     say("fitting the kernel classes")
-    fit_kernels_into(raw, [(info, table)], str(out), f"fitted: {by}", max_bandwidth=None)
+    fit_kernels_into(raw, [(info, table)], str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
     return write_profile(raw, out), fit, table
+
+
+def _origin(source: str, width: int = 80) -> str:
+    """A table's source, shortened for a fit's source text: whole words, never a cut date.
+
+    The import's own ", imported by ... on DATE" tail is dropped (the fit states its own date).
+    """
+    text = source.split(" (")[0].split(", imported by fedelastic")[0]
+    if len(text) <= width:
+        return text
+    return text[:width].rsplit(" ", 1)[0].rstrip(",;") + " ..."
 
 
 def import_trace_into(
@@ -156,7 +172,9 @@ def import_trace_into(
             say(f"describing {name}")
             pairs.append((describe_model(name, **kw), mt))
         result = fit_to_profile(pairs, device)
-        origin = "; ".join(f"{info.model_name}: {mt.source.split(' (')[0][:80]}" for info, mt in pairs)
+        for doubt in result.warnings:
+            say(f"warning: roofline fit: {doubt}")
+        origin = "; ".join(f"{info.model_name}: {_origin(mt.source)}" for info, mt in pairs)
         src = f"fitted to the measured tables ({origin}) by fedelastic profile import-trace --fit on {day}"
         apply_fit(raw, result, src)
         fit_kernels_into(raw, pairs, str(profile), src, max_bandwidth=datasheet_bandwidth(device))

@@ -278,7 +278,9 @@ class Recorder:
 
     def add_round(self, row: dict) -> None:
         self.rounds.append([row])
-        trained = row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0)
+        trained = (
+            row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
+        )
         if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
             self.empty_rounds.append(int(row["round"]))
         self.status("running")

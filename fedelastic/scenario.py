@@ -101,7 +101,7 @@ class PretrainConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = field("small_cnn", help="built-in model name or 'package.module:callable'")
+    name: str = field("small_cnn", help="built-in model name, 'package.module:callable' or 'path/to/file.py:callable'")
     options: dict[str, Any] = field(default_factory=dict, help="extra keyword arguments for the factory")
     weights: str = field("", help="a weights file to start from (loaded with weights_only=True)")
     pretrain: PretrainConfig | None = field(None, help="pretrain centrally on a source task first (cached)")
@@ -226,12 +226,15 @@ class Scenario:
 def validate(scenario: Scenario) -> Scenario:
     """Check the names a scenario refers to: strategy and options, model, devices."""
     from .devices import get_profile
-    from .models import resolve_factory
+    from .models import model_file, resolve_factory
     from .selection import make_strategy
 
     src = scenario.source or "<scenario>"
     make_strategy(scenario.train.strategy, scenario.train.options, src=src)
     resolve_factory(scenario.model.name, context=src)
+    if ".py:" in scenario.model.name:  # a model file: absolute, so that Ray workers and a resume find it
+        path, _, attr = scenario.model.name.rpartition(":")
+        scenario = replace(scenario, model=replace(scenario.model, name=f"{model_file(path, src)}:{attr}"))
     base = Path(scenario.source).parent if scenario.source else Path(".")
     dirs = tuple(str((base / d).resolve()) for d in scenario.device_dirs)  # absolute: Ray workers, resume
     for i, d in enumerate(dirs):

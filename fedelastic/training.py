@@ -61,7 +61,7 @@ class LocalResult:
     probe_peak_memory_bytes: float = 0.0  # largest probe run (or needed, when it did not fit)
     selections: int = 0
     host_wall_s: float = 0.0
-    reason: str = ""  # why fits is False
+    reason: str = ""  # why fits is False, or why a fitting client ran no step
 
 
 class SGDW(torch.optim.SGD):
@@ -457,6 +457,11 @@ def train_local(
         result.steps += 1
     result.train_time_s += result.overhead_time_s
     result.train_loss = float(np.mean(losses)) if losses else float("nan")
+    if not result.steps and plan:  # it fits, yet no step ran: say why (the server counts it apart)
+        result.reason = (
+            f"strategy {type(strategy).__name__} selected no tensor to train on this device "
+            "(its budget leaves no room beyond the forward pass, e.g. rho at or below the forward share)"
+        )
     result.ratios = union
     for p in params:
         p.requires_grad_(True)

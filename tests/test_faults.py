@@ -158,6 +158,38 @@ def _factory(name, options=None):
     return setup
 
 
+ATTENTION_MODEL = """
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, num_classes, in_channels, input_size):
+        super().__init__()
+        self.embed = nn.Linear(in_channels * input_size * input_size, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        h = self.embed(x.flatten(1)).unsqueeze(1)
+        return self.head(self.attn(h, h, h)[0].squeeze(1))
+
+
+def net(num_classes, in_channels, input_size):
+    return Attn(num_classes, in_channels, input_size)
+"""
+
+
+def _file_model(text: str, name: str = "attn_model.py:net"):
+    """A model factory given as 'file.py:callable', the file beside the scenario (not on the path)."""
+
+    def setup(tmp, mp):
+        if text:
+            (tmp / name.partition(":")[0]).write_text(text)
+        return ["run", scenario_file(tmp, model={"name": name, "options": {}})]
+
+    return setup
+
+
 def _non_utf8(tmp, mp):
     path = tmp / "scn.toml"
     path.write_bytes(b'name = "caf\xe9"\n')
@@ -236,6 +268,9 @@ BAD = [
     Bad("factory-relative", _factory("..evil:f"), "model.name"),
     Bad("factory-empty-module", _factory(":f"), "model.name"),
     Bad("plugin-module-unknown", _factory("no_such_plugin.models:net"), "model.name"),
+    Bad("model-multihead-attention-at-start", _file_model(ATTENTION_MODEL), "model.name"),
+    Bad("model-file-missing", _file_model("", "no_such_file.py:net"), "model.name"),
+    Bad("infeasible-error-at-start", _scn(train={"strategy": "elastic_tensor", "options": {"rho": 0.05, "infeasible": "error"}}), "train.options.rho"),
     Bad("scenario-missing", lambda tmp, mp: ["run", tmp / "nope.toml"], "<file>"),
     Bad("scenario-is-directory", lambda tmp, mp: ["run", tmp], "<file>"),
     Bad("scenario-non-utf8", _non_utf8, "<file>"),

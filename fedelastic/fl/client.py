@@ -116,7 +116,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
             "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
-            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
+            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
         }
     )
     return Message(content=content, reply_to=msg)

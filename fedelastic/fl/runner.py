@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
@@ -224,6 +224,18 @@ def new_run_dir(scenario: Scenario, run_id: str | None = None) -> Path:
     raise FedelasticError(f"{base}: could not find a free run id for {stamp}")
 
 
+def _require_budget(cost, config, strategy: str, src: str) -> None:
+    """ConfigError (naming the scenario) when ``config.rho`` leaves no backward time on ``cost``'s device."""
+    if cost.backward_budget_s(config.rho) <= 0:
+        share = cost.forward_time_s / cost.full_step_time_s()
+        raise ConfigError(
+            src, "train.options.rho",
+            f"more than the forward share {share:.3f} of a step on device {cost.device.name!r} "
+            f"(strategy {strategy} with infeasible = \"error\": no backward time is left to train anything)",
+            config.rho,
+        )  # fmt: skip
+
+
 def _preflight(scenario: Scenario, env) -> dict:
     """Everything that can be checked before a runtime starts: sizes, data, model, profiles, weights."""
     src = scenario.source or "<scenario>"
@@ -232,7 +244,19 @@ def _preflight(scenario: Scenario, env) -> dict:
     for key, classes in (("data.classes", scenario.data.classes), ("model.pretrain.classes", pre.classes if pre else ())):
         if set(classes) - labels:
             raise ConfigError(src, key, f"labels of dataset {scenario.data.dataset!r} ({min(labels)}..{max(labels)})", list(classes))
-    _ = env.data, env.info  # partitions (their size checks name the keys to change); the model, built once
+    _ = env.data  # partitions (their size checks name the keys to change)
+    try:
+        _ = env.info  # the model, built and traced once: an unsupported layer stops here, not per client
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (a user model's forward pass: any error is the model's)
+        reason = one_line(f"{type(exc).__name__}: {exc}")
+        raise ConfigError(src, "model.name", f"a model fedelastic can trace ({reason})", scenario.model.name) from None
+    strategy = env.strategy()  # its options, checked once
+    config = getattr(strategy, "config", None)
+    if getattr(config, "infeasible", None) == "error" and hasattr(config, "rho"):
+        for device in scenario.fleet:  # 'infeasible = "error"' stops the run before any client starts
+            _require_budget(env.cost(device), config, scenario.train.strategy, src)
     layers = {layer.name for layer in env.info.layers}
     for device in scenario.fleet:
         env.cost(device)
@@ -370,7 +394,28 @@ def run_scenario(
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
     progress = progress or (lambda row: None)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    with _flwr_quiet():
+        return _run(scenario, run_dir, recorder, checkpoint, progress, grid)
+
+
+@contextmanager
+def _flwr_quiet():
+    """Flower's per-round INFO lines off for the duration of this run only.
+
+    The ``flwr`` logger's level is restored afterwards, so a notebook's logging is left as it was
+    (a level the user set at WARNING or above is not touched at all).
+    """
+    logger = logging.getLogger("flwr")
+    before = logger.level
+    if before < logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, progress: Callable, grid: Grid | None) -> Path:
     env = environment(scenario)
     stop = threading.Event()
     failure: list[BaseException] = []

@@ -108,6 +108,7 @@ _ROUND_KEYS = (
     "clients_failed",
     "clients_unavailable",
     "clients_not_fitting",
+    "clients_no_steps",
     "round_time_s",
     "mean_train_loss",
     "round_energy_j",
@@ -130,6 +131,7 @@ class PartialFedAvg(FedAvg):
         self._round: dict = dict.fromkeys(_ROUND_KEYS, 0)  # round 0: the initial model
         self._round_start = time.perf_counter()
         self._unavailable = 0
+        self._warned_no_steps = False
         self._availability = [
             a.value if (a := env.profile(device).availability) is not None else 1.0 for device in env.devices
         ]
@@ -259,13 +261,25 @@ class PartialFedAvg(FedAvg):
         energy = sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)
         self.total_energy_j += energy
         fitted = [r for r in rows if r["fits"]]
+        idle = [r for r in fitted if r["steps"] == 0]  # fits, yet trained nothing: counted apart, warned once
+        if idle and not self._warned_no_steps:
+            self._warned_no_steps = True
+            first = idle[0]
+            why = first["fits_reason"] or "no trainable step fits its budget"
+            log(
+                WARNING,
+                "%d client(s) in round %d trained nothing (0 steps), e.g. partition %d on %s: %s; "
+                "they count as 'trained nothing', not as trained (warned once per run)",
+                len(idle), server_round, first["partition_id"], first["device"], why,
+            )  # fmt: skip
         self._round = {
             "clients": len(replied | set(failures)),
             "clients_failed": len(failures),
             "clients_unavailable": self._unavailable,
             "clients_not_fitting": len(rows) - len(fitted),
+            "clients_no_steps": len(idle),
             "round_time_s": round_time,
-            "mean_train_loss": float(np.nanmean([r["train_loss"] for r in fitted])) if fitted else float("nan"),
+            "mean_train_loss": float(np.nanmean(losses)) if (losses := [r["train_loss"] for r in fitted if r["steps"]]) else float("nan"),
             "round_energy_j": energy,
             "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
         }

@@ -1,15 +1,22 @@
 """Model definitions shipped with fedelastic, and loading of a user's own factory.
 
-A model name is either a built-in name (see :data:`BUILTIN`) or ``"package.module:callable"``,
-a factory called as ``factory(num_classes=..., in_channels=..., input_size=...)``.
+A model name is a built-in name (see :data:`BUILTIN`), ``"package.module:callable"`` (the module
+must be importable: the current directory is not on Python's path unless you run with
+``PYTHONPATH=.`` or install your package), or ``"path/to/file.py:callable"`` (a relative path is
+taken from the scenario file's folder, then the current directory). The factory is called as
+``factory(num_classes=..., in_channels=..., input_size=...)``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -34,8 +41,12 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
     """Return the factory for a built-in name or a ``module:callable`` path."""
     target = BUILTIN.get(name, name)
     if ":" not in target:
-        raise ConfigError(context, key, f"a built-in model {sorted(BUILTIN)} or 'package.module:callable'", name)
-    module_name, _, attr = target.partition(":")
+        raise ConfigError(
+            context, key, f"a built-in model {sorted(BUILTIN)}, 'package.module:callable' or 'file.py:callable'", name
+        )
+    module_name, _, attr = target.rpartition(":")
+    if module_name.endswith(".py"):
+        return _file_factory(module_name, attr, name, context, key)
     if not _DOTTED.fullmatch(module_name) or not attr.isidentifier():
         raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
     try:
@@ -44,6 +55,41 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
         raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, "a callable returning an nn.Module", name)
+    return factory
+
+
+def model_file(path: str, context: str = "<scenario>") -> Path:
+    """The file of a ``file.py:callable`` model: absolute, or next to the scenario file, or from the current directory."""
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        beside = Path(context).parent / p
+        p = beside if Path(context).is_file() and beside.is_file() else p
+    return p.resolve()
+
+
+def _file_factory(path: str, attr: str, name: str, context: str, key: str) -> Callable[..., nn.Module]:
+    """Load ``attr`` from the Python file ``path`` (loaded once per process, under a name of its own)."""
+    file = model_file(path, context)
+    if not file.is_file():
+        raise ConfigError(context, key, f"an existing Python file for 'file.py:callable' (no file {file})", name)
+    module_name = "fedelastic_user_model_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    try:
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+        factory = getattr(module, attr) if attr.isidentifier() else None
+    except Exception as exc:  # noqa: BLE001 (the file runs user code: any error means 'not loadable')
+        raise ConfigError(context, key, f"a loadable factory 'file.py:callable' ({type(exc).__name__}: {exc})", name) from None
+    if not callable(factory):
+        raise ConfigError(context, key, f"a callable {attr!r} in {file} returning an nn.Module", name)
     return factory
 
 
