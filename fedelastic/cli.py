@@ -57,12 +57,12 @@ def report(run_dir: Path) -> None:
         "trained nothing",
         "failed",
         "train time/round",
-        "energy/round (busy, no idle)",
+        "energy/round (no idle)",
         "peak memory",
         "device memory",
         "trained params",
     ):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for device, g in clients.groupby("device") if len(clients) else ():
         table.add_row(
             escape(str(device)),
