@@ -238,16 +238,71 @@ def cmd_devices(args) -> None:
         console.print(f"{args.target}: valid profile '{p.name}' (schema v1)")
 
 
+def _options_table(title: str, rows: list[tuple[str, ...]], columns=("option", "type", "default", "help")) -> Table:
+    """A table of options: name, type, default(, help), folded, never cut."""
+    table = Table(title=escape(title), title_justify="left")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*(escape(x) for x in row))
+    return table
+
+
 def cmd_strategies(args) -> None:
     import dataclasses
+    import inspect
 
+    from .errors import ConfigError as _ConfigError
     from .selection import REGISTRY, available
 
-    for name in available():
-        cls = REGISTRY[name]
-        opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
-        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
-        console.print(escape(f"{name:16} {doc}  [{opts}]"))
+    if args.name is None:
+        for name in available():
+            cls = REGISTRY[name]
+            opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
+            doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
+            console.print(escape(f"{name:16} {doc}  [{opts}]"))
+        if available():
+            console.print("details of one strategy: fedelastic strategies NAME", markup=False)
+        return
+    if args.name not in available():
+        raise _ConfigError("<command line>", "strategies NAME", f"a registered strategy, one of {available()}", args.name)
+    cls = REGISTRY[args.name]
+    rows = []
+    for f in dataclasses.fields(cls.config_cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
+        )  # fmt: skip
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append((f.name, str(kind), repr(default), str(f.metadata.get("help", ""))))
+    doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0]
+    console.print(escape(f"{args.name}: {doc}"), highlight=False)
+    console.print(_options_table(f"options (train.options.*) of {args.name}", rows))
+
+
+def cmd_models(args) -> None:
+    import inspect
+
+    from .models import BUILTIN, resolve_factory
+
+    for name in BUILTIN:
+        factory = resolve_factory(name, context="<command line>")
+        doc = inspect.cleandoc(factory.__doc__ or "").split("\n")[0]
+        rows = []
+        for p in inspect.signature(factory).parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            default = "(set by the scenario)" if p.name in ("num_classes", "in_channels", "input_size") else (
+                repr(p.default) if p.default is not p.empty else "(required)"
+            )  # fmt: skip
+            kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+            rows.append((p.name, "" if p.annotation is p.empty else str(kind), default))
+        console.print(_options_table(f"{name}: {doc}", rows, ("model.options", "type", "default")))
+    console.print(
+        "model.options are passed to the factory; your own model: model.name = 'package.module:callable' "
+        "(importable: PYTHONPATH=. or an installed package) or 'path/to/file.py:callable'",
+        markup=False,
+        highlight=False,
+    )
 
 
 def cmd_pretrain(args) -> None:
@@ -360,8 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("target", nargs="?", help="device name (show) or profile file (validate)")
     dev.add_argument("--dir", action="append", default=[], help="extra profile folder")
     dev.set_defaults(fn=cmd_devices)
-    st = sub.add_parser("strategies", help="list the registered selection strategies")
+    st = sub.add_parser("strategies", help="list the registered selection strategies, or show one's options")
+    st.add_argument("name", nargs="?", help="a strategy: show its options with their help")
     st.set_defaults(fn=cmd_strategies)
+    mod = sub.add_parser("models", help="list the built-in models with their options")
+    mod.set_defaults(fn=cmd_models)
     pre = sub.add_parser("pretrain", help="pretrain (and cache) a scenario's starting weights")
     pre.add_argument("scenario")
     pre.set_defaults(fn=cmd_pretrain)

@@ -378,7 +378,7 @@ class CostModel:
     def memory(
         self, ratios: np.ndarray, input_sparse: np.ndarray | None = None, batch_size: int | None = None
     ) -> MemoryBreakdown:
-        """Peak training memory, per ALGORITHMS.md section 4.
+        """Peak training memory (the README's "Cost model" section; the rules follow).
 
         Weights are all resident. A weight gradient saves its layer's input: all of it for a dense
         layer trained on some output channels, and the trained share for a grouped (depthwise)

@@ -306,7 +306,11 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
     curve = rounds[np.isfinite(rounds.get("sim_time_s", pd.Series(dtype=float)).astype(float))] if len(rounds) else rounds
     if len(curve):
         sns.lineplot(data=curve, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
-    axes[0].set(xlabel="simulated time (s)", ylabel="global test accuracy", title="accuracy vs simulated time")
+    acc = curve["test_accuracy"].astype(float) if len(curve) else pd.Series(dtype=float)
+    acc = acc[np.isfinite(acc)]
+    span = f" (range {acc.min():.4f} to {acc.max():.4f})" if len(acc) else ""
+    axes[0].set(xlabel="simulated time (s)", ylabel="global test accuracy", title=f"accuracy vs simulated time{span}")
+    axes[0].set_ylim(0.0, 1.02)  # from 0: a flat line near chance must not look like a collapse
     times = clients.get("emulated_train_time_s", pd.Series(dtype=float)).astype(float) if len(clients) else None
     ok = clients[np.isfinite(times) & (times > 0)] if times is not None else clients
     if len(ok):

@@ -23,7 +23,7 @@ The scheme is fixed before training, from the model, the device's memory budget 
    not a measurement: ``r * depth_i`` (``depth_i``: position among the weight layers from the
    input, over their number), after the paper's finding that later layers contribute more.
 
-Memory is the cost model's (ALGORITHMS.md section 4, :meth:`CostModel.memory` with
+Memory is the cost model's (:meth:`CostModel.memory`, described in the README's "Cost model", with
 ``input_sparse``): a weight trained on a share of its input channels saves that share of its
 input; a bias saves only the ops' masks; nothing is saved below the deepest trained layer.
 """

@@ -128,3 +128,40 @@ def test_model_factory_from_a_file_path(tmp_path, monkeypatch):
     monkeypatch.chdir("/")  # relative to the scenario file's folder, not the current directory
     model = build_model("mine.py:net", context=str(scenario), num_classes=3, in_channels=1, input_size=4)
     assert model[1].weight.shape == (3, 16)
+
+
+def test_accuracy_axis_starts_at_zero_and_names_the_range(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from fedelastic.results import plot_accuracy
+
+    seen = {}
+    real = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, **kw):
+        seen["ylim"], seen["title"] = fig.axes[0].get_ylim(), fig.axes[0].get_title()
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    rounds = pd.DataFrame({"round": [0, 1, 2], "sim_time_s": [0.0, 1.0, 2.0], "test_accuracy": [0.1003, 0.1030, 0.1010]})
+    plot_accuracy(rounds, pd.DataFrame(), tmp_path / "a.png")
+    assert seen["ylim"][0] == 0.0 and seen["ylim"][1] >= 1.0
+    assert "0.1003 to 0.1030" in seen["title"]
+
+
+def test_cli_strategies_name_and_models(capsys, monkeypatch):
+    from fedelastic.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["strategies", "elastic_tensor"]) == 0
+    out = capsys.readouterr().out
+    for option in ("rho", "solver", "resolution", "infeasible", "interval", "interval_unit"):
+        assert f"│ {option} " in out, out
+    assert "must exceed" in out  # rho's help text
+    main(["models"])
+    out = capsys.readouterr().out
+    for name in ("small_cnn", "mcu_net", "resnet_small", "resnet50", "mobilenetv2", "vit_b16", "vit_tiny"):
+        assert f"{name}:" in out
+    assert "patch_size" in out and "width" in out
+    assert main(["strategies", "no_such"]) == 2
+    assert capsys.readouterr().err.count("error: ") == 1
