@@ -74,7 +74,7 @@ def summarise(R: np.ndarray, starts: list[int], sim_time_s: np.ndarray, recover_
 
 def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[list[dict], float, float]:
     """Rows of the accuracy matrix for ``server_round``, and (accuracy, loss) averaged over seen tasks."""
-    from .fl.server import evaluate_model  # noqa: PLC0415 (avoids importing Flower at module load)
+    from .training import evaluate_model  # noqa: PLC0415 (training imports torch: loaded when needed)
 
     stream = env.stream
     current = max((j for j, s in enumerate(stream.segments) if s.start <= max(server_round, 1)), default=0)

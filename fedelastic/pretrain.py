@@ -60,7 +60,7 @@ def pretrain_key(env) -> str:
 
 def pretrain(env) -> dict:
     """Train centrally on the source task; returns the state dict."""
-    from .fl.server import evaluate_model  # noqa: PLC0415 (avoids importing Flower at module load)
+    from .training import evaluate_model  # noqa: PLC0415 (training imports torch: loaded when needed)
 
     sc, cfg = env.scenario, env.scenario.model.pretrain
     source = env.view(env.split[0], cfg.classes, cfg.transform)  # the training split only

@@ -485,3 +485,16 @@ def train_local(
                     result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].numpy().copy()
     result.host_wall_s = time.perf_counter() - start
     return result
+
+
+def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``x, y``."""
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            xb, yb = torch.from_numpy(x[start : start + batch_size]), torch.from_numpy(y[start : start + batch_size])
+            out = model(xb)
+            loss += torch.nn.functional.cross_entropy(out, yb, reduction="sum").item()
+            correct += int((out.argmax(1) == yb).sum())
+    return correct / len(y), loss / len(y)

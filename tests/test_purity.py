@@ -14,3 +14,21 @@ def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
+    # layering (issue 12 §7): evaluation lives with training, partitioning with the data
+    code = (
+        "import sys\n"
+        "import fedelastic.pretrain, fedelastic.training, fedelastic.data, fedelastic.continual\n"
+        "from fedelastic.training import evaluate_model\n"
+        "from fedelastic.data import partition\n"
+        "import numpy as np, torch\n"
+        "m = torch.nn.Linear(2, 2); m.weight.data = torch.eye(2); m.bias.data.zero_()\n"
+        "x = np.array([[1, 0], [0, 1], [1, 0]], np.float32); y = np.array([0, 1, 1])\n"
+        "assert evaluate_model(m, x, y)[0] == 2 / 3  # by hand: rows 0, 1 right, row 2 wrong\n"
+        "assert sorted(map(len, partition(np.arange(10) % 2, 2, 'iid', 0))) == [5, 5]\n"
+        "print(sorted(m for m in ('flwr', 'ray') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -165,6 +165,37 @@ class FederatedData:
         return self.train.subset(self.partitions[partition_id])
 
 
+def partition(
+    labels: np.ndarray,
+    num_partitions: int,
+    partitioner: str,
+    seed: int,
+    *,
+    alpha: float = 0.5,
+    shards_per_partition: int = 2,
+    min_size: int = 1,
+    src: str = "<scenario>",
+) -> list[np.ndarray]:
+    """Split ``labels``' indices into ``num_partitions`` client partitions by ``partitioner``
+    (``iid``, ``shards`` or ``dirichlet``); sizes are checked first, with errors naming the keys."""
+    check_partition_sizes(
+        len(labels), num_partitions, partitioner, min_size=min_size,
+        shards_per_partition=shards_per_partition, alpha=alpha, src=src,
+    )  # fmt: skip
+    if partitioner == "iid":
+        return partition_iid(labels, num_partitions, seed)
+    if partitioner == "shards":
+        return partition_shards(labels, num_partitions, shards_per_partition, seed)
+    try:
+        return partition_dirichlet(labels, num_partitions, alpha, seed, min_size=min_size)
+    except ValueError:
+        raise ConfigError(
+            src, "data", f"a split that gives every client data: no dirichlet(alpha={alpha:g}) draw gave "
+            f"{num_partitions:,} clients {min_size} samples each from {len(labels):,} training samples; lower "
+            'data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset',
+        ) from None
+
+
 def load_dataset(name: str, *, src: str = "<scenario>", size: int = 0) -> ArrayDataset:
     """A built-in dataset by name: ``digits`` (scikit-learn) or ``synth_digits`` (``size`` samples, 0: 60,000)."""
     if name == "digits":

@@ -18,12 +18,9 @@ from ..costmodel import CostModel
 from ..data import (
     ArrayDataset,
     FederatedData,
-    check_partition_sizes,
     hf,
     load_dataset,
-    partition_dirichlet,
-    partition_iid,
-    partition_shards,
+    partition,
     train_test_split,
 )
 from ..data import transform as apply_transform
@@ -84,23 +81,10 @@ class RunEnvironment:
         n, src = sc.num_clients, sc.source or "<scenario>"
         if len(test) == 0:
             raise ConfigError(src, "data.test_fraction", "a fraction that leaves the server some test samples", d.test_fraction)
-        check_partition_sizes(
-            len(train), n, d.partitioner, min_size=d.min_partition_size,
-            shards_per_partition=d.shards_per_partition, alpha=d.alpha, src=src,
+        parts = partition(
+            train.y, n, d.partitioner, sc.seed, alpha=d.alpha,
+            shards_per_partition=d.shards_per_partition, min_size=d.min_partition_size, src=src,
         )  # fmt: skip
-        if d.partitioner == "iid":
-            parts = partition_iid(train.y, n, sc.seed)
-        elif d.partitioner == "shards":
-            parts = partition_shards(train.y, n, d.shards_per_partition, sc.seed)
-        else:
-            try:
-                parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
-            except ValueError:
-                raise ConfigError(
-                    src, "data", f"a split that gives every client data: no dirichlet(alpha={d.alpha:g}) draw gave "
-                    f"{n:,} clients {d.min_partition_size} samples each from {len(train):,} training samples; lower "
-                    'data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset',
-                ) from None
         return FederatedData(train, test, parts)
 
     def _check_hue(self, shift: Shift, key: str) -> None:

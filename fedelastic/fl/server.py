@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from logging import WARNING
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
@@ -26,23 +25,11 @@ from ..continual import report as continual_report
 from ..errors import RunFailed
 from ..results import Recorder
 from ..scenario import Scenario
+from ..training import evaluate_model
 from .aggregate import ClientUpdate, aggregate_partial
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
 from .env import RunEnvironment, environment
-
-
-def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``x, y``."""
-    model.eval()
-    correct, loss = 0, 0.0
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            xb, yb = torch.from_numpy(x[start : start + batch_size]), torch.from_numpy(y[start : start + batch_size])
-            out = model(xb)
-            loss += torch.nn.functional.cross_entropy(out, yb, reduction="sum").item()
-            correct += int((out.argmax(1) == yb).sum())
-    return correct / len(y), loss / len(y)
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout_s: float) -> list[int]:
