@@ -144,6 +144,23 @@ def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     return cls
 
 
+def plugins() -> dict[str, type[SelectionStrategy]]:
+    """Strategies registered by the user's own code (a notebook, a script), not shipped with fedelastic.
+
+    The client app carries them to Ray workers (by reference when their module is importable
+    there, by value when it is not, e.g. ``__main__``), where :func:`adopt` registers them.
+    """
+    own = ("fedelastic", "strategies")
+    return {name: cls for name, cls in REGISTRY.items() if cls.__module__.split(".")[0] not in own}
+
+
+def adopt(classes: dict[str, type[SelectionStrategy]]) -> None:
+    """Register strategies carried from the driver, unless this process already has that name."""
+    for name, cls in classes.items():
+        if name not in REGISTRY:
+            register(cls)
+
+
 _loaded = False
 
 

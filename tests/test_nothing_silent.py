@@ -165,3 +165,44 @@ def test_cli_strategies_name_and_models(capsys, monkeypatch):
     assert "patch_size" in out and "width" in out
     assert main(["strategies", "no_such"]) == 2
     assert capsys.readouterr().err.count("error: ") == 1
+
+
+@pytest.mark.ray
+def test_plugins_registered_in_the_driver_reach_the_ray_workers(make_scenario):
+    # issue 12 §3: a strategy registered here (a class local to this test: Ray must ship it by
+    # value) and a model name added here exist only in this process; Ray's workers must know both
+    import json
+
+    from fedelastic import register_strategy
+    from fedelastic.models import BUILTIN
+    from fedelastic.selection import REGISTRY
+    from strategies.last_layer import LastLayer
+
+    class MyLastLayer(LastLayer):
+        name = "my_last_layer"
+
+    register_strategy(MyLastLayer)
+    BUILTIN["my_cnn"] = "fedelastic.models.small:small_cnn"
+    try:
+        sc = make_scenario(
+            model={"name": "my_cnn", "options": {"width": 8}},
+            train={"strategy": "my_last_layer", "max_steps": 2}, server={"rounds": 1},
+            simulation={"backend": "ray", "num_cpus_per_client": 1},
+        )  # fmt: skip
+        run_dir = run_scenario(sc)
+        clients = pd.read_csv(run_dir / "clients.csv")
+        assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+        assert len(clients) == 4 and (clients.error.fillna("") == "").all()
+        assert clients.fits.any() and (clients[clients.fits].steps == 2).all()
+        assert set(clients.strategy) == {"my_last_layer"}
+        local = run_scenario(replace_backend(sc))  # the same run in-process: identical updates
+        assert pd.read_csv(local / "rounds.csv").test_accuracy.tolist() == pd.read_csv(run_dir / "rounds.csv").test_accuracy.tolist()
+    finally:
+        REGISTRY.pop("my_last_layer", None)
+        BUILTIN.pop("my_cnn", None)
+
+
+def replace_backend(sc):
+    from dataclasses import replace
+
+    return replace(sc, simulation=replace(sc.simulation, backend="inprocess"))

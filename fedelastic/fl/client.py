@@ -136,18 +136,31 @@ def check_same_code() -> None:
 
 
 def make_client_app(scenario: Scenario) -> ClientApp:
-    """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process)."""
+    """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process).
+
+    It carries the strategies and model names the driver's code registered (a notebook's, say),
+    so that Ray workers, which run none of that code, know them too.
+    """
+    from .. import models, selection
+
+    strategies, names = selection.plugins(), models.user_entries()
     app = ClientApp()
+
+    def adopt_plugins() -> None:  # module functions: Ray ships them by reference, the dicts by value
+        selection.adopt(strategies)
+        models.adopt(names)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
         check_same_code()
+        adopt_plugins()
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
+        adopt_plugins()
         return client_train(scenario, msg, context)
 
     return app

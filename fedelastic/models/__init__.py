@@ -37,6 +37,20 @@ BUILTIN: dict[str, str] = {
 }
 
 
+_SHIPPED = dict(BUILTIN)
+
+
+def user_entries() -> dict[str, str]:
+    """Names the user's code added to :data:`BUILTIN` (``BUILTIN["mine"] = "pkg.mod:factory"``)."""
+    return {k: v for k, v in BUILTIN.items() if _SHIPPED.get(k) != v}
+
+
+def adopt(entries: dict[str, str]) -> None:
+    """Add model names carried from the driver (see :func:`user_entries`), unless already known here."""
+    for name, target in entries.items():
+        BUILTIN.setdefault(name, target)
+
+
 def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model.name") -> Callable[..., nn.Module]:
     """Return the factory for a built-in name or a ``module:callable`` path."""
     target = BUILTIN.get(name, name)
