@@ -117,9 +117,11 @@ class RunEnvironment:
             self._costs[device] = CostModel(self.info, self.profile(device), self.scenario.train.batch_size)
         return self._costs[device]
 
-    def strategy(self) -> SelectionStrategy:
+    def strategy(self, rho: float | None = None) -> SelectionStrategy:
+        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option."""
         t = self.scenario.train
-        return make_strategy(t.strategy, t.options, src=self.scenario.source or "<scenario>")
+        options = t.options if rho is None else {**t.options, "rho": rho}
+        return make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
 
 
 _CACHE: dict[str, RunEnvironment] = {}
