@@ -182,3 +182,21 @@ def test_network_factors_and_trace(tmp_path):
     pd.DataFrame({"client_id": [1], "uplink_bit_per_s": ["fast"], "downlink_bit_per_s": [1]}).to_csv(path, index=False)
     with pytest.raises(ConfigError, match="uplink_bit_per_s"):
         load_network_trace(path, 1)
+
+
+def test_async_handles_simultaneous_arrivals_before_dispatching():
+    log = []
+
+    def launch(ids, t, version):
+        log.extend((t, p, version) for p in ids)
+        return [Trip(p, t, 0.0, 2.0, 0.0, version=version) for p in ids]
+
+    def pick(t, busy, free):
+        return [p for p in range(3) if p not in busy][:free], math.inf
+
+    run_async(
+        concurrency=2, buffer_size=2, aggregations=2, pick=pick, launch=launch,
+        aggregate=lambda *a: None, discard=lambda *a: None,
+    )  # fmt: skip
+    # 0 and 1 both arrive at 2 s: the aggregation comes first, so both new trips train on version 1
+    assert log == [(0.0, 0, 0), (0.0, 1, 0), (2.0, 0, 1), (2.0, 1, 1)]

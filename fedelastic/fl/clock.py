@@ -77,7 +77,8 @@ def sync_round(
     the first ``keep_first`` of them. The round ends when the server has heard from every trip,
     at the deadline, or at the ``keep_first``-th counted arrival, whichever comes first.
     """
-    cutoff = start_s + deadline_s if deadline_s is not None else math.inf
+    # a trip planned to end exactly at the deadline is in time (its times are summed in another order)
+    cutoff = (start_s + deadline_s) * (1 + 1e-12) if deadline_s is not None else math.inf
     arrived = sorted(
         (t for t in trips if t.completes and t.carries_update), key=lambda t: (t.arrival_s, t.partition_id)
     )
@@ -99,7 +100,9 @@ def sync_round(
     if keep_first is not None and len(counted) == keep_first:
         end = counted[-1].arrival_s
     else:
-        end = min(cutoff, max((t.end_s for t in trips), default=start_s))
+        end = max((t.end_s for t in trips), default=start_s)
+        if deadline_s is not None and end > cutoff:
+            end = start_s + deadline_s
     return max(end, start_s), status
 
 
@@ -132,7 +135,8 @@ def run_async(
     time another could come online (``inf`` if never); ``launch(ids, t, version)`` runs them and
     returns their trips; ``aggregate(version, t, buffer)`` makes model ``version`` from a full
     buffer; ``discard(trip, t, status)`` takes every trip whose update is not used (``offline``,
-    ``no_update``, or ``cancelled``: still in flight when the run ends).
+    ``no_update``, or ``cancelled``: still in flight when the run ends). Events at the same
+    instant are all handled before new clients are dispatched.
     """
     t, version, seq = 0.0, 0, 0
     events: list[tuple[float, int, int, Trip | None]] = []  # (time, partition id or -1 for a wake-up, seq, trip)
@@ -175,8 +179,8 @@ def run_async(
                     version += 1
                     aggregate(version, t, buffer)
                     buffer = []
-        if version < aggregations:
-            fill(t)
+        if version < aggregations and not (events and events[0][0] == t):
+            fill(t)  # after every event at this instant: clients dispatched now get the newest model
     for _, _, _, trip in sorted(events):
         if trip is not None:
             discard(trip, t, CANCELLED)

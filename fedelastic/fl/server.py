@@ -238,7 +238,12 @@ class PartialFedAvg(FedAvg):
         self.sim_time_s = 0.0
         self.total_energy_j = 0.0
         self._arrays: ArrayRecord | None = None
-        self._round: dict = {**dict.fromkeys(_ROUND_KEYS, 0), "policy": self.policy}  # round 0: the initial model
+        self._round: dict = {  # round 0: the initial model
+            **dict.fromkeys(_ROUND_KEYS, 0),
+            "policy": self.policy,
+            "deadline_s": float("nan"),
+            "mean_staleness": float("nan"),
+        }
         self._round_start = time.perf_counter()
         self._unavailable = 0
         self._deadline: float | None = None
