@@ -20,9 +20,7 @@ RTOL = 1e-9  # relative slack for float comparisons of costs and objectives
 
 def all_masks(n: int) -> np.ndarray:
     """Every 0/1 mask over ``n`` tensors, as a (2**n, n) bool array."""
-    return np.array(
-        list(itertools.product([False, True], repeat=n)), dtype=bool
-    ).reshape(-1, n)
+    return np.array(list(itertools.product([False, True], repeat=n)), dtype=bool).reshape(-1, n)
 
 
 def deepest(mask: np.ndarray) -> int:
@@ -30,9 +28,7 @@ def deepest(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def brute_force(
-    importance, t_dw, t_dx, budget, resolution, eligible=None
-) -> tuple[float, float]:
+def brute_force(importance, t_dw, t_dx, budget, resolution, eligible=None) -> tuple[float, float]:
     """Best objective (rounded-up integer costs, real costs), written independently of the DP."""
     if budget <= 0:
         return 0.0, 0.0  # by convention a non-positive budget selects nothing
@@ -138,18 +134,14 @@ def test_exact_matches_brute_force():
     for _ in range(1000):  # about 670 reach the brute-force comparison
         importance, t_dw, t_dx, budget, resolution = random_instance(rng)
         eligible = rng.random(len(importance)) < 0.8 if rng.random() < 0.3 else None
-        mask = select_exact(
-            importance, t_dw, t_dx, budget, resolution=resolution, eligible=eligible
-        )
+        mask = select_exact(importance, t_dw, t_dx, budget, resolution=resolution, eligible=eligible)
         assert mask.dtype == bool and mask.shape == importance.shape
         assert_feasible(mask, t_dw, t_dx, budget)
         assert not np.any(mask & (importance <= 0))
         if eligible is not None:
             assert not np.any(mask & ~eligible)
         value = objective(mask, importance)
-        best_rounded, best_real = brute_force(
-            importance, t_dw, t_dx, budget, resolution, eligible
-        )
+        best_rounded, best_real = brute_force(importance, t_dw, t_dx, budget, resolution, eligible)
         positive = importance > 0 if eligible is None else (importance > 0) & eligible
         if budget > 0 and backward_cost(positive, t_dw, t_dx) <= budget:
             # everything worth taking fits the real budget: returned as is, no rounding loss
@@ -175,9 +167,7 @@ def test_exact_edge_cases():
     mask = select_exact(np.array([1.0, -2.0, 3.0]), np.ones(3), np.ones(3), np.inf)
     assert mask.tolist() == [True, False, True]
     # a single tensor that costs exactly the budget is selected despite float rounding
-    mask = select_exact(
-        np.array([0.0, 1.0]), np.array([0.0, 0.3]), np.array([0.0, 0.0]), 0.3
-    )
+    mask = select_exact(np.array([0.0, 1.0]), np.array([0.0, 0.3]), np.array([0.0, 0.0]), 0.3)
     assert mask.tolist() == [False, True]
 
 
