@@ -213,3 +213,37 @@ def test_deadline_policies_on_ray_match_in_process(make_scenario):
     for x, y in zip(ray, local):
         pd.testing.assert_frame_equal(x, y)
     assert (ray[0].status == "counted").any()
+
+
+def test_bad_fleet_dynamics_keys_name_the_key(make_scenario, tmp_path):
+    with pytest.raises(ConfigError, match="availability.trace"):
+        make_scenario(availability={"model": "trace"})
+    with pytest.raises(ConfigError, match="missing.csv"):
+        make_scenario(network={"model": "trace", "trace": str(tmp_path / "missing.csv")})
+    with pytest.raises(ConfigError, match="availability.diurnal_amplitude"):
+        make_scenario(availability={"model": "diurnal", "diurnal_amplitude": 1.5})
+    with pytest.raises(ConfigError, match="server.overcommit"):
+        make_scenario(server={"policy": "overcommit", "overcommit": 0.5})
+    with pytest.raises(ConfigError, match="server.policy"):
+        make_scenario(server={"policy": "fastest"})
+
+
+def test_timeline_draws_every_phase_and_hatches_what_did_not_count(make_scenario):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedelastic.results import plot_timeline
+
+    clients, rounds = _run(
+        make_scenario, "gantt", server={"rounds": 3, "policy": "deadline_drop", "deadline_quantile": 0.5}
+    )
+    fig, ax = plt.subplots()
+    plot_timeline(rounds, clients, ax, first_rounds=2)
+    shown = clients[clients["round"] <= 2]
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    assert len(bars) == 3 * len(shown)  # download, training, upload of every trip
+    hatched = [p for p in bars if p.get_hatch()]
+    assert len(hatched) == 3 * (~shown.counted).sum() > 0
+    plt.close(fig)
