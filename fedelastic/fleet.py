@@ -248,6 +248,49 @@ def load_availability_trace(path: str | Path, num_clients: int, period_s: float 
     return TraceAvailability(windows, period)
 
 
+def fedscale_windows(traces: dict) -> list[tuple[object, float, float]]:
+    """Online windows ``(client_id, start_s, end_s)`` from FedScale's client availability traces.
+
+    FedScale keeps, per client, lists ``active`` and ``inactive`` (window ``i`` is
+    ``[active[i], inactive[i]]``) repeating every ``finish_time`` seconds. Clients' periods differ;
+    ours is one period for all, so each client's windows are repeated with its own period up to
+    the longest ``finish_time`` and cut there (that becomes the trace's period).
+    """
+    horizon = max(float(t["finish_time"]) for t in traces.values())
+    rows = []
+    for cid, t in traces.items():
+        period = float(t["finish_time"])
+        if period <= 0 or len(t["active"]) != len(t["inactive"]):
+            raise ValueError(f"FedScale trace of client {cid!r}: needs finish_time > 0 and as many active as inactive")
+        base = 0.0
+        while base < horizon:
+            for start, end in zip(t["active"], t["inactive"]):
+                lo, hi = base + float(start), min(base + float(end), horizon)
+                if hi > lo:
+                    rows.append((cid, lo, hi))
+            base += period
+    return rows
+
+
+def import_fedscale_availability(pickle_path: str | Path, out_path: str | Path) -> float:
+    """Convert a FedScale availability pickle (``{client_id: {active, inactive, finish_time}}``) to our CSV/Parquet.
+
+    Returns the period (the longest ``finish_time``): give it as ``[availability] period_s``, since
+    the last window in the file may end before it. Unpickling runs code from the file: use it
+    only on files you trust.
+    """
+    import pickle
+
+    import pandas as pd
+
+    with open(pickle_path, "rb") as fh:
+        traces = pickle.load(fh)  # noqa: S301 - a file the user chose to import
+    frame = pd.DataFrame(fedscale_windows(traces), columns=list(TRACE_AVAILABILITY_COLUMNS))
+    out_path = Path(out_path)
+    frame.to_parquet(out_path, index=False) if out_path.suffix == ".parquet" else frame.to_csv(out_path, index=False)
+    return max(float(t["finish_time"]) for t in traces.values())
+
+
 # ---- network ---------------------------------------------------------------------------------
 
 

@@ -200,3 +200,21 @@ def test_async_handles_simultaneous_arrivals_before_dispatching():
     )  # fmt: skip
     # 0 and 1 both arrive at 2 s: the aggregation comes first, so both new trips train on version 1
     assert log == [(0.0, 0, 0), (0.0, 1, 0), (2.0, 0, 1), (2.0, 1, 1)]
+
+
+def test_fedscale_availability_import(tmp_path):
+    import pickle
+
+    from fedelastic.fleet import import_fedscale_availability
+
+    traces = {
+        7: {"active": [0, 30], "inactive": [10, 35], "finish_time": 40},
+        3: {"active": [5], "inactive": [25], "finish_time": 100},
+    }
+    (tmp_path / "fs.pkl").write_bytes(pickle.dumps(traces))
+    period = import_fedscale_availability(tmp_path / "fs.pkl", tmp_path / "av.csv")
+    assert period == 100.0 and len(pd.read_csv(tmp_path / "av.csv")) == 6  # 5 windows of client 7, 1 of client 3
+    av = load_availability_trace(tmp_path / "av.csv", 2, period)  # partition 0 <- client 3, 1 <- client 7
+    # client 7 repeats every 40 s within the 100 s period: windows 0-10, 30-35, 40-50, 70-75, 80-90
+    assert av.windows[1] == [(0.0, 10.0), (30.0, 35.0), (40.0, 50.0), (70.0, 75.0), (80.0, 90.0)]
+    assert av.offline_at(0, 10.0) == 25.0 and av.next_online(0, 30.0) == 105.0
