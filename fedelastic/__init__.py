@@ -1,3 +1,29 @@
-"""fedelastic: simulate federated and continual on-device training on emulated edge fleets."""
+"""fedelastic: simulate federated and continual on-device training on emulated edge fleets.
+
+The Python API (imported lazily, so ``import fedelastic`` stays light)::
+
+    from fedelastic import Scenario, run, compare, register_strategy
+"""
 
 __version__ = "0.1.0"
+
+_API = {
+    "run": ("fedelastic.api", "run"),
+    "compare": ("fedelastic.api", "compare"),
+    "load": ("fedelastic.api", "load"),
+    "RunResult": ("fedelastic.api", "RunResult"),
+    "ComparisonResult": ("fedelastic.api", "ComparisonResult"),
+    "Scenario": ("fedelastic.scenario", "Scenario"),
+    "register_strategy": ("fedelastic.selection", "register"),
+    "SelectionStrategy": ("fedelastic.selection", "SelectionStrategy"),
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        module, attr = _API[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'fedelastic' has no attribute {name!r}")

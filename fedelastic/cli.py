@@ -93,13 +93,15 @@ def cmd_compare(args) -> None:
     from .compare import mean_table, run_comparison
 
     out = run_comparison(args.scenario, output=args.output, backend=args.backend, rounds=args.rounds)
-    table = Table(title=f"comparison (means over seeds): {out}")
-    frame = mean_table(out)
+    frame, legend = mean_table(out)
+    table = Table(title=f"comparison: {out}")
     for col in frame.columns:
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for row in frame.itertuples(index=False):
-        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*map(str, row))
     console.print(table)
+    for line in legend:
+        console.print(line, markup=False)
     console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png")
 
 

@@ -64,10 +64,15 @@ def pretrain(env) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
     x, y = torch.from_numpy(source.x), torch.from_numpy(source.y)
     model.train()
-    for idx in batches(len(source), cfg.batch_size, cfg.epochs, rng):
+    per_epoch = -(-len(source) // cfg.batch_size)
+    print(f"pretraining {sc.model.name} on {len(source)} source samples for {cfg.epochs} epochs", flush=True)
+    for step, idx in enumerate(batches(len(source), cfg.batch_size, cfg.epochs, rng)):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
         opt.step()
+        if (step + 1) % per_epoch == 0 and ((step + 1) // per_epoch) % max(1, cfg.epochs // 10) == 0:
+            print(f"  epoch {(step + 1) // per_epoch}/{cfg.epochs}: loss {loss.item():.3f}", flush=True)
     accuracy, _ = evaluate_model(model, source.x, source.y)
     print(f"pretrained {sc.model.name} on {len(source)} source samples: train accuracy {accuracy:.3f}")
     return model.state_dict()
@@ -83,8 +88,10 @@ def initial_state(env) -> dict:
         return model.state_dict()
     path = cache_dir() / "pretrained" / f"{sc.model.name.replace(':', '_')}-{pretrain_key(env)}.pt"
     if path.exists():
+        print(f"pretrained weights from the cache: {path}", flush=True)
         return load_weights(path, model, src=str(path), key="<cached pretrain>")
     state = pretrain(env)
+    print(f"pretrained weights cached at {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)

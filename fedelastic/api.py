@@ -1,0 +1,167 @@
+"""The Python API: run scenarios and comparisons from a notebook and get DataFrames back.
+
+    import fedelastic as fe
+
+    result = fe.run("simulations/quickstart.toml", server__rounds=3, train__lr=0.01)
+    result.rounds          # one row per round (pandas)
+    result.clients         # one row per client per round
+    result.plot()          # accuracy against simulated time
+
+Overrides name a scenario key with its dotted path: ``train__lr=0.01`` as a keyword, or
+``overrides={"train.lr": 0.01}``; ``parse_overrides(["train.lr=0.01"])`` reads the command-line
+form, with values typed as TOML. An override goes through the same validation as a file, so a
+wrong key or type is a :class:`~fedelastic.errors.ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .config import read_toml, to_dict
+from .errors import ConfigError
+from .scenario import Scenario, parse_scenario
+
+
+def parse_overrides(items: Iterable[str], src: str = "<overrides>") -> dict[str, Any]:
+    """``["train.lr=0.01", "name='x'"]`` -> ``{"train.lr": 0.01, "name": "x"}``; values are TOML.
+
+    A value that is not valid TOML (``train.strategy=full``) is kept as a string.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(src, item, "key=value (e.g. train.lr=0.01)")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def apply_overrides(raw: dict, overrides: Mapping[str, Any], src: str = "<overrides>") -> dict:
+    """A copy of the scenario dict ``raw`` with each dotted key set."""
+    raw = copy.deepcopy(raw)
+    for dotted, value in overrides.items():
+        *path, last = dotted.split(".")
+        table = raw
+        for i, part in enumerate(path):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(src, ".".join(path[: i + 1]), "a table to set a key in", table)
+        table[last] = value
+    return raw
+
+
+def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str]:
+    if isinstance(scenario, Scenario):
+        raw = to_dict(scenario)
+        src = raw.pop("source", "") or "<scenario>"
+        return raw, src
+    if isinstance(scenario, Mapping):
+        return dict(scenario), "<scenario>"
+    return read_toml(scenario, "scenario"), str(scenario)
+
+
+def load(scenario: Scenario | str | Path | Mapping, overrides: Mapping[str, Any] | None = None, **kw: Any) -> Scenario:
+    """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied."""
+    raw, src = _scenario_dict(scenario)
+    dotted = {**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}}
+    return parse_scenario(apply_overrides(raw, dotted, src), src)
+
+
+@dataclass
+class RunResult:
+    """A finished run, read back from its folder (so a partial or earlier run works the same)."""
+
+    run_dir: Path
+
+    @cached_property
+    def rounds(self) -> pd.DataFrame:
+        return pd.read_parquet(self.run_dir / "rounds.parquet")
+
+    @cached_property
+    def clients(self) -> pd.DataFrame:
+        return pd.read_parquet(self.run_dir / "clients.parquet")
+
+    @property
+    def status(self) -> dict:
+        return json.loads((self.run_dir / "status.json").read_text())
+
+    def plot(self, path: str | Path | None = None) -> Path:
+        """Draw accuracy against simulated time and per-device train time; returns the PNG's path."""
+        from .results import plot_accuracy
+
+        out = Path(path) if path else self.run_dir / "accuracy_vs_time.png"
+        plot_accuracy(self.rounds, self.clients, out)
+        return out
+
+
+def run(
+    scenario: Scenario | str | Path | Mapping,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    progress=None,
+    **kw: Any,
+) -> RunResult:
+    """Run a scenario (object, TOML path or dict) and return its results.
+
+    ``progress(row)`` is called with each round's row as it reaches disk.
+    """
+    from .fl.runner import run_scenario
+
+    sc = load(scenario, overrides, **kw)
+    return RunResult(run_scenario(sc, run_id=run_id, progress=progress))
+
+
+@dataclass
+class ComparisonResult:
+    """A finished comparison: its tables as DataFrames."""
+
+    folder: Path
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def _read(self, name: str) -> pd.DataFrame:
+        if name not in self._cache:
+            self._cache[name] = pd.read_csv(self.folder / f"{name}.csv")
+        return self._cache[name]
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """One row per run."""
+        return self._read("summary")
+
+    @property
+    def by_strategy(self) -> pd.DataFrame:
+        """Per fleet and strategy: mean and 95% interval over seeds."""
+        return self._read("summary_by_strategy")
+
+    @property
+    def runs(self) -> pd.DataFrame:
+        """One row per run and round."""
+        return self._read("runs")
+
+
+def compare(
+    path: str | Path,
+    *,
+    output: str | Path | None = None,
+    backend: str | None = None,
+    rounds: int | None = None,
+) -> ComparisonResult:
+    """Run a comparison file (a scenario with a ``[compare]`` table)."""
+    from .compare import run_comparison
+
+    return ComparisonResult(
+        run_comparison(path, output=Path(output) if output else None, backend=backend, rounds=rounds)
+    )
