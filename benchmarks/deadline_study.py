@@ -15,7 +15,10 @@ except where a policy says otherwise. Policies (``[server] policy``):
 * ``deadline_elastic/<strategy>``: the same deadline; each client gets its own rho for
   ``elastic_tensor`` (importance probe; interval 1000, so one probe per round) or ``random_budget``
   (no probe);
-* the three deadline policies again at the tighter 0.5 quantile (labels ending ``@q0.5``);
+* ``deadline_elastic+steps/<strategy>``: the same, with ``min_rho = 0.5``: a client whose rho
+  would fall below 0.5 runs fewer steps at rho >= 0.5 instead (elastic selection only shortens
+  the backward pass, so rho cannot usefully approach the forward share of a step, about 1/3);
+* the deadline policies again at the tighter 0.5 quantile (labels ending ``@q0.5``);
 * ``overcommit``: 1.3 x 8 = 11 sampled, the first 8 arrivals kept;
 * ``async``: FedBuff, 8 in flight, aggregation every 4 arrivals (2 x the rounds, so that as many
   updates can count as in the synchronous runs), staleness weight 1/sqrt(1+s).
@@ -51,6 +54,7 @@ FLEET = {"stm32h743": 4, "raspberry_pi_4": 4, "jetson_nano": 4, "phone_midrange"
 PER_ROUND = 8
 QUANTILE = 0.75
 TIGHT = 0.5
+MIN_RHO = 0.5
 REFERENCE = "deadline_elastic/elastic_tensor"
 
 
@@ -85,6 +89,14 @@ def policies(rounds: int) -> dict[str, tuple[dict, dict]]:
         )
         out[f"deadline_elastic/random_budget{suffix}"] = (
             {"policy": "deadline_elastic", **deadline},
+            {"strategy": "random_budget"},
+        )
+        out[f"deadline_elastic+steps/elastic_tensor{suffix}"] = (
+            {"policy": "deadline_elastic", "min_rho": MIN_RHO, **deadline},
+            {"strategy": "elastic_tensor", "options": {"interval": 1000}},
+        )
+        out[f"deadline_elastic+steps/random_budget{suffix}"] = (
+            {"policy": "deadline_elastic", "min_rho": MIN_RHO, **deadline},
             {"strategy": "random_budget"},
         )
     out["overcommit"] = ({"policy": "overcommit", "overcommit": 1.3}, {})

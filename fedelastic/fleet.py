@@ -42,6 +42,25 @@ def deadline_rho(deadline_s: float, comm_s: float, steps: int, full_step_s: floa
     return min(1.0, (deadline_s - comm_s - probe_s) / (steps * full_step_s))
 
 
+def deadline_rho_steps(
+    deadline_s: float, comm_s: float, steps: int, full_step_s: float, probe_s: float, min_rho: float
+) -> tuple[float, int]:
+    """Rho and steps when rho may not fall below ``min_rho``: fewer steps at ``min_rho`` or more instead.
+
+    Elastic selection shortens only the backward pass, so a step never costs less than its forward
+    share; past that point the only way to meet a deadline is fewer steps. Returns ``(rho, steps)``;
+    ``steps = 0`` when not one step at ``min_rho`` fits.
+    """
+    rho = deadline_rho(deadline_s, comm_s, steps, full_step_s, probe_s)
+    if rho >= min_rho or steps <= 0:
+        return rho, steps
+    budget = deadline_s - comm_s - probe_s
+    fit = min(steps, math.floor(budget / (min_rho * full_step_s) + 1e-9))
+    if fit <= 0:
+        return rho, 0
+    return min(1.0, budget / (fit * full_step_s)), fit
+
+
 def deadline_steps(deadline_s: float, comm_s: float, full_step_s: float, steps: int) -> int:
     """How many full-training steps (at most ``steps``) fit before ``deadline_s``."""
     fit = math.floor((deadline_s - comm_s) / full_step_s + 1e-9)

@@ -93,6 +93,11 @@ class ServerConfig:
     deadline_quantile: float = field(
         0.0, help="deadline as this quantile of the sampled clients' full-training round times (0: none)"
     )
+    min_rho: float = field(
+        0.0,
+        help="policy 'deadline_elastic': a client whose rho would fall below this runs fewer steps at this rho "
+        "or more instead (FedNova-normalised); 0: never (rho alone, down to 'too slow')",
+    )
     overcommit: float = field(1.3, help="policy 'overcommit': sample this many times clients_per_round")
     concurrency: int = field(0, help="policy 'async': clients training at once (0: clients_per_round, or all)")
     buffer_size: int = field(0, help="policy 'async': arrivals per aggregation (0: half the concurrency, >= 1)")
@@ -116,6 +121,8 @@ class ServerConfig:
         elif self.policy != "overcommit":
             check(not has_deadline, "deadline", f"no deadline with policy {self.policy!r} (use a deadline_* policy)")
         check(self.overcommit >= 1, "overcommit", "a factor >= 1")
+        check(0 <= self.min_rho <= 1, "min_rho", "a number in [0, 1]")
+        check(self.min_rho == 0 or self.policy == "deadline_elastic", "min_rho", "0 unless policy = 'deadline_elastic'")
         check(self.concurrency >= 0, "concurrency", "an integer >= 0")
         check(self.buffer_size >= 0, "buffer_size", "an integer >= 0")
 

@@ -13,6 +13,7 @@ from fedelastic.fleet import (
     TraceAvailability,
     deadline_from_quantile,
     deadline_rho,
+    deadline_rho_steps,
     deadline_steps,
     link_factors,
     load_availability_trace,
@@ -116,6 +117,10 @@ def test_rho_and_steps_from_the_deadline():
     assert deadline_rho(8.0, 2.0, 4, 1.5, probe_s=2.0) == pytest.approx(2 / 3)
     assert deadline_rho(20.0, 2.0, 4, 1.5) == 1.0  # never more than full training
     assert deadline_rho(3.0, 2.0, 4, 1.5, probe_s=2.0) < 0  # not even the probe fits
+    # rho may not go below 0.8: 4 s of budget / (0.8 * 1.5 s) -> 3 steps, at rho 4 / (3 * 1.5)
+    assert deadline_rho_steps(8.0, 2.0, 4, 1.5, 2.0, min_rho=0.8) == (pytest.approx(4 / 4.5), 3)
+    assert deadline_rho_steps(8.0, 2.0, 4, 1.5, 2.0, min_rho=0.5) == (pytest.approx(2 / 3), 4)
+    assert deadline_rho_steps(4.5, 2.0, 4, 1.5, 2.0, min_rho=0.5)[1] == 0  # 0.5 s left < one step at 0.75 s
     assert deadline_steps(7.0, 2.0, 1.5, 4) == 3  # floor(5 / 1.5)
     assert deadline_steps(8.0, 2.0, 1.5, 4) == 4
     assert deadline_steps(1.0, 2.0, 1.5, 4) == 0

@@ -90,6 +90,19 @@ def test_deadline_elastic_gives_each_client_its_rho(make_scenario):
     assert (clients.status != "late").all()
 
 
+def test_deadline_elastic_with_a_rho_floor_cuts_steps_instead(make_scenario):
+    server_cfg = {"rounds": 2, "policy": "deadline_elastic", "deadline_quantile": 0.2, "min_rho": 0.9}
+    clients, rounds = _run(make_scenario, "floor", train=ELASTIC, server=server_cfg)
+    ran = clients[clients.status == "counted"]
+    assert (ran.rho >= 0.9 - 1e-12).all()
+    cut = ran[ran.step_cap >= 0]
+    assert len(cut) and (cut.steps == cut.step_cap).all() and (cut.step_cap < 6).all()
+    deadline = ran["round"].map(rounds.set_index("round").deadline_s)
+    assert (ran.arrival_s <= ran.dispatch_s + deadline + 1e-12).all()
+    with pytest.raises(ConfigError, match="server.min_rho"):
+        make_scenario(server={"policy": "deadline_drop", "deadline": 1.0, "min_rho": 0.5})
+
+
 def test_deadline_elastic_needs_a_rho_strategy(make_scenario):
     with pytest.raises(ConfigError, match="train.strategy"):
         make_scenario(server={"policy": "deadline_elastic", "deadline": 1.0})

@@ -32,6 +32,7 @@ from ..fleet import (
     comm_times_s,
     deadline_from_quantile,
     deadline_rho,
+    deadline_rho_steps,
     deadline_steps,
     full_round_time_s,
     link_factors,
@@ -135,11 +136,13 @@ class Fleet:
         per = cost.probe_time_s(2, 2) if strategy.probe == "importance" else cost.probe_time_s(1)
         return selections * per
 
-    def rho(self, pid: int, deadline_s: float) -> float:
-        cost = self.cost(pid)
-        return deadline_rho(
-            deadline_s, self.full_comm_s(pid), self.steps[pid], cost.full_step_time_s(), self.probe_s(pid)
-        )
+    def rho(self, pid: int, deadline_s: float, min_rho: float = 0.0) -> tuple[float, int]:
+        """The client's rho and steps under ``deadline_s`` (steps are cut only below ``min_rho``)."""
+        full_step = self.cost(pid).full_step_time_s()
+        comm, steps, probe = self.full_comm_s(pid), self.steps[pid], self.probe_s(pid)
+        if min_rho > 0:
+            return deadline_rho_steps(deadline_s, comm, steps, full_step, probe, min_rho)
+        return deadline_rho(deadline_s, comm, steps, full_step, probe), steps
 
     def step_cap(self, pid: int, deadline_s: float) -> int:
         return deadline_steps(deadline_s, self.full_comm_s(pid), self.cost(pid).full_step_time_s(), self.steps[pid])
@@ -298,7 +301,10 @@ class PartialFedAvg(FedAvg):
             rho, cap = float("nan"), -1
             if self.policy == "deadline_elastic":
                 assert self._deadline is not None
-                rho = cfg["rho"] = self.fleet.rho(p, self._deadline)
+                rho, steps = self.fleet.rho(p, self._deadline, server.min_rho)
+                cfg["rho"] = rho
+                if steps < self.fleet.steps[p]:
+                    cap = cfg["max-steps"] = steps
             elif self.policy == "deadline_fewer_steps":
                 assert self._deadline is not None
                 cap = cfg["max-steps"] = self.fleet.step_cap(p, self._deadline)
@@ -450,7 +456,7 @@ class PartialFedAvg(FedAvg):
         current = record_to_numpy(self._arrays)
         counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
         updates = [self._update(m) for m, _ in counted]
-        if self.policy == "deadline_fewer_steps":
+        if self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0:
             updates = fednova_rescale(
                 current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
             )
