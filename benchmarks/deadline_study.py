@@ -29,7 +29,9 @@ total and wasted, and the share of dispatched client trips whose update counted.
 means over seeds, and for every other policy the paired difference to ``deadline_elastic/
 elastic_tensor`` in time to target with a 95% t interval over seeds (only seeds where both reach
 the target). Outputs in ``--out-dir``: ``deadline_study.csv`` (per policy), ``deadline_study_runs.csv``
-(per run), ``deadline_study_rounds.csv`` (accuracy per aggregation), ``deadline_study.png``.
+(per run), ``deadline_study_rounds.csv`` (accuracy per aggregation), ``deadline_study.png`` and
+``deadline_study_timeline.png`` (Gantt timelines of seed 0's wait_all, elastic and async runs;
+``--timeline RUNS.csv`` redraws it from the run folders a runs CSV names).
 """
 
 from __future__ import annotations
@@ -195,6 +197,27 @@ def plot(curves: pd.DataFrame, runs: pd.DataFrame, target: float, path: Path) ->
     plt.close(fig)
 
 
+def plot_timelines(runs: pd.DataFrame, path: Path, labels=("wait_all", REFERENCE, "async")) -> None:
+    """Gantt timelines of the first aggregations of the first seed's runs of ``labels``, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedelastic.results import plot_timeline
+
+    first = runs[runs.seed == runs.seed.min()].set_index("policy")
+    labels = [label for label in labels if label in first.index]
+    fig, axes = plt.subplots(1, len(labels), figsize=(6.5 * len(labels), 5), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        run = Path(first.loc[label, "run_dir"])
+        plot_timeline(pd.read_parquet(run / "rounds.parquet"), pd.read_parquet(run / "clients.parquet"), ax)
+        ax.set_title(f"{label}: first 3 aggregations")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -205,7 +228,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="run only these policy labels")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
+    ap.add_argument("--timeline", type=Path, default=None, help="only redraw the timelines from a runs CSV")
     args = ap.parse_args()
+    if args.timeline:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        plot_timelines(pd.read_csv(args.timeline), args.out_dir / "deadline_study_timeline.png")
+        return
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.runs_dir / f"deadline_study-{stamp}"
     rows, curves = [], []
@@ -231,6 +259,7 @@ def main() -> None:
     runs.to_csv(args.out_dir / "deadline_study_runs.csv", index=False)
     curves_df.to_csv(args.out_dir / "deadline_study_rounds.csv", index=False)
     plot(curves_df, runs, args.targets[0], args.out_dir / "deadline_study.png")
+    plot_timelines(runs, args.out_dir / "deadline_study_timeline.png")
     secondary = [c for c in runs.columns if c.startswith("time_to_target_") and c != "time_to_target_s"]
     cols = [
         "time_to_target_s", "reached", *secondary, "final_accuracy", "best_accuracy", "energy_j", "wasted_energy_j",
