@@ -152,6 +152,27 @@ class AvailabilityConfig:
 
 
 @dataclass(frozen=True)
+class BatteryConfig:
+    capacity_j: float = field(0.0, help="battery energy per client in joules (0: no battery model)")
+    min_fraction: float = field(0.2, help="a client refuses to train below this fraction of its capacity")
+    recharge_w: float = field(5.0, help="charging power while plugged in, in watts")
+    charge_from_s: float = field(0.0, help="start of the daily charging window, seconds into the day")
+    charge_until_s: float = field(28800.0, help="end of the daily charging window, seconds into the day")
+    day_s: float = field(86400.0, help="length of a day in simulated seconds")
+
+    def __post_init__(self):
+        check(self.capacity_j >= 0, "capacity_j", "a number of joules >= 0")
+        check(0 <= self.min_fraction <= 1, "min_fraction", "a fraction in [0, 1]")
+        check(self.recharge_w >= 0, "recharge_w", "a number of watts >= 0")
+        check(self.day_s > 0, "day_s", "a positive number of seconds")
+        check(
+            0 <= self.charge_from_s <= self.charge_until_s <= self.day_s,
+            "charge_until_s",
+            "0 <= charge_from_s <= charge_until_s <= day_s",
+        )
+
+
+@dataclass(frozen=True)
 class NetworkConfig:
     model: Literal["nominal", "lognormal", "trace"] = field(
         "nominal",
@@ -188,6 +209,7 @@ class Scenario:
     simulation: SimulationConfig = field(default_factory=SimulationConfig, help="runtime")
     availability: AvailabilityConfig = field(default_factory=AvailabilityConfig, help="when clients are online")
     network: NetworkConfig = field(default_factory=NetworkConfig, help="per-client link rates")
+    battery: BatteryConfig = field(default_factory=BatteryConfig, help="per-client battery (optional)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):

@@ -223,3 +223,23 @@ def test_fedscale_availability_import(tmp_path):
     # client 7 repeats every 40 s within the 100 s period: windows 0-10, 30-35, 40-50, 70-75, 80-90
     assert av.windows[1] == [(0.0, 10.0), (30.0, 35.0), (40.0, 50.0), (70.0, 75.0), (80.0, 90.0)]
     assert av.offline_at(0, 10.0) == 25.0 and av.next_online(0, 30.0) == 105.0
+
+
+def test_battery_drains_refuses_and_recharges_on_schedule():
+    from fedelastic.fleet import Batteries
+
+    # 100 J, refuses below 30%, charges at 2 W from 60 s to 80 s of every 100 s day
+    b = Batteries(
+        2, capacity_j=100.0, min_fraction=0.3, recharge_w=2.0, charge_from_s=60.0, charge_until_s=80.0, day_s=100.0
+    )
+    b.drain(0, 10.0, 75.0)
+    assert b.fraction(0, 10.0) == 0.25 and not b.can_train(0, 50.0)  # nothing charged before 60 s
+    assert b.fraction(0, 65.0) == pytest.approx(0.35)  # 5 s plugged in at 2 W
+    assert b.can_train(0, 65.0) and b.fraction(0, 170.0) == pytest.approx(0.25 + 0.4 + 0.2)  # 20 s + 10 s
+    assert b.fraction(0, 1000.0) == 1.0 and b.fraction(1, 5.0) == 1.0  # never above capacity; others untouched
+    b.drain(0, 1010.0, 90.0)  # 10 J left: 20 J (10 s plugged) short of 30%
+    assert b.ready_at(0, 1010.0) == 1070.0 and b.ready_at(0, 2000.0) == 2000.0 and b.ready_at(1, 7.0) == 7.0
+    b.drain(0, 1010.0, 10.0)  # empty: 30 J = 15 s plugged, 20 s of them on day 10, so 15 s into day 10's window
+    assert b.ready_at(0, 1010.0) == 1075.0
+    b.drain(1, 1075.0, 100.0)  # 30 J more than the 5 s left in day 10's window: 10 s into day 11's
+    assert b.ready_at(1, 1075.0) == 1170.0

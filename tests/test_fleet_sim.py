@@ -260,3 +260,38 @@ def test_timeline_draws_every_phase_and_hatches_what_did_not_count(make_scenario
     hatched = [p for p in bars if p.get_hatch()]
     assert len(hatched) == 3 * (~shown.counted).sum() > 0
     plt.close(fig)
+
+
+def test_batteries_drain_and_low_clients_refuse(make_scenario):
+    # no recharging: a client's charge at its next dispatch is its last one minus what that trip cost
+    battery = {"capacity_j": 1.0, "min_fraction": 0.4, "recharge_w": 0.0}
+    clients, rounds = _run(make_scenario, "battery", battery=battery, server={"rounds": 3})
+    assert (clients.battery_fraction >= 0.4).all()
+    for _, g in clients.sort_values("round").groupby("partition_id"):
+        spent = (g.emulated_energy_j + g.emulated_idle_energy_j).to_numpy()
+        level = g.battery_fraction.to_numpy()
+        assert level[0] == 1.0
+        assert level[1:] == pytest.approx(level[:-1] - spent[:-1])
+        if g["round"].max() < 3:  # it stopped training because its charge fell below 40%
+            assert level[-1] - spent[-1] < 0.4
+        else:
+            assert (level - spent >= 0).all()
+    stopped = clients.groupby("partition_id")["round"].max() < 3
+    assert stopped.any() and rounds.clients_unavailable.iloc[-1] == stopped.sum()
+    with pytest.raises(RuntimeError, match="no client is online and charged"):
+        _run(make_scenario, "flat", battery=battery, server={"rounds": 8})
+
+
+def test_recharging_brings_clients_back_on_schedule(make_scenario):
+    battery = {
+        "capacity_j": 0.5,
+        "min_fraction": 0.9,
+        "recharge_w": 1.0,
+        "charge_from_s": 5.0,
+        "charge_until_s": 6.0,
+        "day_s": 10.0,
+    }
+    clients, rounds = _run(make_scenario, "recharge", battery=battery, server={"rounds": 3})
+    # after round 1 nobody is at 90%: the clock waits for the charging window that opens at 5 s
+    assert rounds.round_start_s.iloc[2] > 5.0 and rounds.round_start_s.iloc[2] < 6.0
+    assert (clients.battery_fraction >= 0.9 - 1e-12).all()

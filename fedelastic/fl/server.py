@@ -28,6 +28,7 @@ from flwr.supercore import log
 from ..costmodel import CostModel
 from ..fleet import (
     Availability,
+    Batteries,
     SessionAvailability,
     comm_times_s,
     deadline_from_quantile,
@@ -109,6 +110,12 @@ class Fleet:
             factor = link_factors(net.model, n, sc.seed, net.sigma)
             self.up_bps = np.array([p.uplink_bit_per_s.value for p in profiles]) * factor
             self.down_bps = np.array([p.downlink_bit_per_s.value for p in profiles]) * factor
+        b = sc.battery
+        self.batteries = (
+            Batteries(n, b.capacity_j, b.min_fraction, b.recharge_w, b.charge_from_s, b.charge_until_s, b.day_s)
+            if b.capacity_j > 0
+            else None
+        )
         t = sc.train
         self.steps = [local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps) for p in range(n)]
 
@@ -149,6 +156,27 @@ class Fleet:
 
     def online(self, pid: int, t: float) -> bool:
         return self.windows is None or self.windows.online(pid, t)
+
+    def charged(self, pid: int, t: float) -> bool:
+        """Whether the client's battery (if it has one) lets it train at ``t``."""
+        return self.batteries is None or self.batteries.can_train(pid, t)
+
+    def battery_fraction(self, pid: int, t: float) -> float:
+        return float("nan") if self.batteries is None else self.batteries.fraction(pid, t)
+
+    def ready_at(self, pid: int, t: float) -> float:
+        """The earliest time from ``t`` at which ``pid`` is online and charged (``inf``: never)."""
+        for _ in range(1000):
+            online_t = self.next_online(pid, t)
+            charged_t = online_t if self.batteries is None else self.batteries.ready_at(pid, online_t)
+            if math.isinf(charged_t) or (charged_t == online_t and self.online(pid, charged_t)):
+                return charged_t
+            t = charged_t
+        return math.inf
+
+    def drain(self, pid: int, t: float, energy_j: float) -> None:
+        if self.batteries is not None:
+            self.batteries.drain(pid, t, energy_j)
 
     def offline_at(self, pid: int, t: float) -> float:
         return math.inf if self.windows is None else self.windows.offline_at(pid, t)
@@ -199,6 +227,7 @@ _CLOCK_FIGURES = (
     "wasted_energy_j",
     "uplink_bit_per_s",
     "downlink_bit_per_s",
+    "battery_fraction",
 )
 
 _ROUND_KEYS = (
@@ -258,22 +287,23 @@ class PartialFedAvg(FedAvg):
 
         With the 'profile' availability model a device whose profile declares
         ``availability.probability = p`` is reachable in a round with probability p (a seeded draw
-        per round and partition); with online windows, the devices online at the round's start
-        (the clock first moves to the next time one comes online if none is).
+        per round and partition); with online windows, the devices online at the round's start.
+        With batteries, only devices charged above their floor. If no device is online and
+        charged, the clock first moves to the next time one is.
         """
         n = self.sc.num_clients
         rng = np.random.default_rng([self.sc.seed, server_round, 0x5A])
+        t = self.sim_time_s
+        if not any(self.fleet.online(p, t) and self.fleet.charged(p, t) for p in range(n)):
+            t = min(self.fleet.ready_at(p, t) for p in range(n))
+            if math.isinf(t):
+                raise RuntimeError(f"no client is online and charged at {self.sim_time_s:.1f} s or later")
+            self.sim_time_s = t
         if self.fleet.windows is None:
             draws = rng.random(n)
-            available = [p for p in range(n) if draws[p] < self.fleet.probability[p]]
+            available = [p for p in range(n) if draws[p] < self.fleet.probability[p] and self.fleet.charged(p, t)]
         else:
-            t = self.sim_time_s
-            if not any(self.fleet.online(p, t) for p in range(n)):
-                t = min(self.fleet.next_online(p, t) for p in range(n))
-                if math.isinf(t):
-                    raise RuntimeError(f"no client is online at {self.sim_time_s:.1f} s or later")
-                self.sim_time_s = t
-            available = [p for p in range(n) if self.fleet.online(p, t)]
+            available = [p for p in range(n) if self.fleet.online(p, t) and self.fleet.charged(p, t)]
         self._unavailable = n - len(available)
         k = self.sc.server.clients_per_round or n
         if self.policy == "overcommit":
@@ -376,6 +406,7 @@ class PartialFedAvg(FedAvg):
             "wasted_energy_j": 0.0 if counted else energy,
             "uplink_bit_per_s": self.fleet.up_bps[pid],
             "downlink_bit_per_s": self.fleet.down_bps[pid],
+            "battery_fraction": self.fleet.battery_fraction(pid, trip.dispatch_s),
             "error": "",
         }
 
@@ -451,6 +482,7 @@ class PartialFedAvg(FedAvg):
             waited = end - trip.arrival_s if trip.completes and trip.arrival_s <= end else 0.0
             idle = cost.device.power_idle_w.value * waited
             rows.append(self._row(server_round, r, trip, state, energy, idle, 0))
+            self.fleet.drain(trip.partition_id, end, energy + idle)
         self.recorder.add_clients(rows + [self._failed_row(server_round, m) for m in failed])
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
@@ -482,13 +514,14 @@ class PartialFedAvg(FedAvg):
 
         def pick(t: float, busy: frozenset[int], free: int) -> tuple[list[int], float]:
             idle = [p for p in range(n) if p not in busy]
+            ready = [p for p in idle if self.fleet.online(p, t) and self.fleet.charged(p, t)]
+            later = min((self.fleet.ready_at(p, t) for p in idle if p not in ready), default=math.inf)
             if self.fleet.windows is None:  # the profile's probability, drawn per dispatch; re-drawn a minute later
                 draws = rng.random(len(idle))
-                ready = [p for p, d in zip(idle, draws) if d < self.fleet.probability[p]]
-                later = t + 60.0 if len(ready) < len(idle) else math.inf
-            else:
-                ready = [p for p in idle if self.fleet.online(p, t)]
-                later = min((self.fleet.next_online(p, t) for p in idle if p not in ready), default=math.inf)
+                drawn = {p for p, d in zip(idle, draws) if d < self.fleet.probability[p]}
+                if any(p not in drawn for p in ready):
+                    later = min(later, t + 60.0)
+                ready = [p for p in ready if p in drawn]
             self._unavailable = n - len(busy) - len(ready)
             if len(ready) > free:
                 ready = sorted(rng.choice(ready, size=free, replace=False).tolist())
@@ -529,6 +562,7 @@ class PartialFedAvg(FedAvg):
             r, _ = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
             pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version))
+            self.fleet.drain(trip.partition_id, t, energy)
 
         def aggregate(v: int, t: float, buffer: list[Arrival]) -> None:
             nonlocal version, last_t
@@ -537,6 +571,7 @@ class PartialFedAvg(FedAvg):
                 r, m = replies.pop(a.trip)
                 energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
                 rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness))
+                self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
                 updates.append(self._update(m))
                 bases.append(states[a.trip.version])
                 discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
