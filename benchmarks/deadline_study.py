@@ -1,6 +1,7 @@
 """Deadline-driven elastic budgets against the other ways of handling stragglers (issue 9).
 
     python benchmarks/deadline_study.py [--seeds 0 1 2] [--rounds 20] [--targets 0.9 0.8] [--out-dir benchmarks/results]
+    python benchmarks/deadline_study.py --local-epochs 6 --tag _compute --only wait_all deadline_drop ...
 
 A mixed fleet of 16 clients (4 x STM32H743 MCU, 4 x Raspberry Pi 4, 4 x Jetson Nano, 4 x mid-range
 phone) adapts ``small_cnn`` (width 16, pretrained centrally on digits 0-4, cached) to all ten digits
@@ -60,7 +61,7 @@ MIN_RHO = 0.5
 REFERENCE = "deadline_elastic/elastic_tensor"
 
 
-def base(seed: int, rounds: int, out: Path) -> dict:
+def base(seed: int, rounds: int, out: Path, local_epochs: int = 2) -> dict:
     return {
         "name": "deadline_study",
         "seed": seed,
@@ -72,7 +73,7 @@ def base(seed: int, rounds: int, out: Path) -> dict:
             "options": {"width": 16},
             "pretrain": {"classes": [0, 1, 2, 3, 4], "epochs": 30},
         },
-        "train": {"strategy": "full", "local_epochs": 2, "batch_size": 16, "lr": 0.05},
+        "train": {"strategy": "full", "local_epochs": local_epochs, "batch_size": 16, "lr": 0.05},
         "server": {"rounds": rounds, "clients_per_round": PER_ROUND},
         "simulation": {"backend": "inprocess"},
     }
@@ -109,8 +110,10 @@ def policies(rounds: int) -> dict[str, tuple[dict, dict]]:
     return out
 
 
-def one_run(label: str, seed: int, rounds: int, out: Path, targets: list[float]) -> tuple[dict, pd.DataFrame]:
-    raw = base(seed, rounds, out)
+def one_run(
+    label: str, seed: int, rounds: int, out: Path, targets: list[float], local_epochs: int = 2
+) -> tuple[dict, pd.DataFrame]:
+    raw = base(seed, rounds, out, local_epochs)
     server, train = policies(rounds)[label]
     raw["server"] = {**raw["server"], **server}
     raw["train"] = {**raw["train"], **train}
@@ -229,10 +232,12 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     ap.add_argument("--timeline", type=Path, default=None, help="only redraw the timelines from a runs CSV")
+    ap.add_argument("--local-epochs", type=int, default=2, help="local epochs (more: a more compute-bound fleet)")
+    ap.add_argument("--tag", default="", help="suffix of the output files (deadline_study<tag>.csv, ...)")
     args = ap.parse_args()
     if args.timeline:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        plot_timelines(pd.read_csv(args.timeline), args.out_dir / "deadline_study_timeline.png")
+        plot_timelines(pd.read_csv(args.timeline), args.out_dir / f"deadline_study{args.tag}_timeline.png")
         return
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.runs_dir / f"deadline_study-{stamp}"
@@ -240,7 +245,7 @@ def main() -> None:
     labels = args.only or list(policies(args.rounds))
     for seed in args.seeds:
         for label in labels:
-            row, curve = one_run(label, seed, args.rounds, out, args.targets)
+            row, curve = one_run(label, seed, args.rounds, out, args.targets, args.local_epochs)
             rows.append(row)
             curves.append(curve)
             print(
@@ -255,11 +260,11 @@ def main() -> None:
     table = runs.groupby("policy", sort=False)[metrics].mean()
     table["reached"] = runs.groupby("policy", sort=False).time_to_target_s.apply(lambda s: int(s.notna().sum()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    table.to_csv(args.out_dir / "deadline_study.csv")
-    runs.to_csv(args.out_dir / "deadline_study_runs.csv", index=False)
-    curves_df.to_csv(args.out_dir / "deadline_study_rounds.csv", index=False)
-    plot(curves_df, runs, args.targets[0], args.out_dir / "deadline_study.png")
-    plot_timelines(runs, args.out_dir / "deadline_study_timeline.png")
+    table.to_csv(args.out_dir / f"deadline_study{args.tag}.csv")
+    runs.to_csv(args.out_dir / f"deadline_study{args.tag}_runs.csv", index=False)
+    curves_df.to_csv(args.out_dir / f"deadline_study{args.tag}_rounds.csv", index=False)
+    plot(curves_df, runs, args.targets[0], args.out_dir / f"deadline_study{args.tag}.png")
+    plot_timelines(runs, args.out_dir / f"deadline_study{args.tag}_timeline.png")
     secondary = [c for c in runs.columns if c.startswith("time_to_target_") and c != "time_to_target_s"]
     cols = [
         "time_to_target_s", "reached", *secondary, "final_accuracy", "best_accuracy", "energy_j", "wasted_energy_j",
