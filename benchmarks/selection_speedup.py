@@ -290,7 +290,7 @@ BUDGETED = ("elastic_tensor", "elastic_layer", "random_budget", "static_elastic"
 
 def time_selectors(info, device, args) -> dict:
     """Median select() times of the selector and every strategy, and the pricing rate, on ``info``."""
-    from strategies._common import tensor_times
+    from fedelastic.strategies._common import tensor_times
 
     cost = CostModel(info, device, 4)
     rng = np.random.default_rng(0)

@@ -61,6 +61,15 @@ def report(run_dir: Path) -> None:
     console.print(f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png")
 
 
+def cmd_report(args) -> None:
+    if args.html:
+        from .report import write_html
+
+        console.print(f"report: {write_html(args.run_dir)}")
+    if not args.html or (args.run_dir / "rounds.parquet").exists():
+        report(args.run_dir)
+
+
 def cmd_run(args) -> None:
     from .fl.runner import run_scenario
     from .scenario import load_scenario
@@ -258,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(fn=cmd_compare)
     rep = sub.add_parser("report", help="summarise a run folder")
     rep.add_argument("run_dir", type=Path)
-    rep.set_defaults(fn=lambda a: report(a.run_dir))
+    rep.add_argument("--html", action="store_true", help="write RUN_DIR/report.html (a run or a comparison folder)")
+    rep.set_defaults(fn=cmd_report)
     dev = sub.add_parser("devices", help="list, show or validate device profiles")
     dev.add_argument("action", choices=["list", "show", "validate"])
     dev.add_argument("target", nargs="?", help="device name (show) or profile file (validate)")

@@ -255,8 +255,11 @@ def load_profile(path: str | Path) -> DeviceProfile:
 
 
 def builtin_profile_dir() -> Path:
-    """The folder of the profiles shipped with fedelastic."""
-    return Path(str(resources.files("device_profiles")))
+    """The folder of the profiles shipped with fedelastic (installed as ``fedelastic.device_profiles``)."""
+    try:
+        return Path(str(resources.files("fedelastic.device_profiles")))
+    except ModuleNotFoundError:  # not installed: a source tree or a Flower app bundle
+        return Path(__file__).resolve().parent.parent / "device_profiles"
 
 
 def profile_paths(extra_dirs: tuple[str | Path, ...] = ()) -> dict[str, Path]:

@@ -5,7 +5,7 @@ it sees a :class:`SelectionContext` (the model description, the device's cost mo
 probe results the trainer gathered for it) and returns a :class:`Selection`. It knows nothing of
 torch, Flower or Ray.
 
-Strategies live one per module in the top-level ``strategies`` package and register with
+Strategies live one per module in the ``strategies/`` folder (installed as ``fedelastic.strategies``) and register with
 :func:`register`; third parties can register through the ``fedelastic.strategies`` entry point
 group. A duplicate name is an error.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -109,9 +110,16 @@ class SelectionStrategy:
 REGISTRY: dict[str, type[SelectionStrategy]] = {}
 
 
+def _same_definition(a: type, b: type) -> bool:
+    """The same class statement, run again: a module reloaded, or imported under a second name
+    (``strategies.full`` in a source tree and the installed ``fedelastic.strategies.full``)."""
+    files = [getattr(sys.modules.get(c.__module__), "__file__", None) for c in (a, b)]
+    return a is b or (a.__qualname__ == b.__qualname__ and files[0] is not None and files[0] == files[1])
+
+
 def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     """Class decorator: register a strategy under ``cls.name``."""
-    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+    if cls.name in REGISTRY and not _same_definition(REGISTRY[cls.name], cls):
         raise ValueError(f"strategy name {cls.name!r} is already registered by {REGISTRY[cls.name].__module__}")
     if cls.probe is not None and cls.probe not in PROBES:
         raise ValueError(f"strategy {cls.name!r}: probe must be one of {PROBES}")
@@ -128,7 +136,12 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    importlib.import_module("strategies")
+    try:
+        importlib.import_module("fedelastic.strategies")  # where the strategies/ folder installs
+    except ModuleNotFoundError as exc:
+        if exc.name != "fedelastic.strategies":
+            raise
+        importlib.import_module("strategies")  # not installed: a source tree or a Flower app bundle
     for ep in entry_points(group="fedelastic.strategies"):
         ep.load()
     _loaded = True

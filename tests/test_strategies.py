@@ -21,9 +21,9 @@ from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection import Selection, SelectionContext, make_strategy
+from fedelastic.strategies._common import solve, tensor_times
+from fedelastic.strategies.tinytrain import layer_scores
 from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
-from strategies._common import solve, tensor_times
-from strategies.tinytrain import layer_scores
 
 BATCH = 16
 

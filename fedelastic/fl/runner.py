@@ -88,9 +88,17 @@ def new_run_dir(scenario: Scenario, run_id: str | None = None) -> Path:
 
 
 def run_scenario(
-    scenario: Scenario, *, run_id: str | None = None, progress: Callable[[dict], None] | None = None
+    scenario: Scenario,
+    *,
+    run_id: str | None = None,
+    progress: Callable[[dict], None] | None = None,
+    grid: Grid | None = None,
 ) -> Path:
-    """Run ``scenario`` to completion; returns the run folder. Results reach disk every round."""
+    """Run ``scenario`` to completion; returns the run folder. Results reach disk every round.
+
+    With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
+    nodes and ``simulation.backend`` is not used.
+    """
     run_dir = new_run_dir(scenario, run_id)
     recorder = Recorder(run_dir, to_dict(scenario))
     progress = progress or (lambda row: None)
@@ -100,8 +108,9 @@ def run_scenario(
         state = initial_state(env)
         client_app = make_client_app(scenario)
         sim = scenario.simulation
-        if sim.backend == "inprocess":
-            server_main(scenario, state, recorder, progress, InProcessGrid(client_app, scenario.num_clients))
+        if grid is not None or sim.backend == "inprocess":
+            grid = grid or InProcessGrid(client_app, scenario.num_clients)
+            server_main(scenario, state, recorder, progress, grid)
         else:
             from flwr.simulation import run_simulation
 

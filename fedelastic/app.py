@@ -1,0 +1,118 @@
+"""fedelastic as a Flower App: ``flwr run .`` runs a scenario on a Flower federation.
+
+``pyproject.toml`` names :data:`server_app` and :data:`client_app`. Both read the scenario from
+the run config (``[tool.flwr.app.config]``, changed with ``flwr run --run-config``):
+
+* ``scenario``: the scenario file; a relative path is taken from the app's folder (the folder
+  of ``pyproject.toml``, which Flower ships to the federation inside the app bundle);
+* every other key is a dotted scenario key (``server.rounds``, ``train.lr``) whose value
+  replaces the file's, validated like the file itself; an empty string keeps the file's value.
+
+The ServerApp owns the run's Recorder: the run folder is written as ``fedelastic run`` writes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from .api import load
+from .errors import ConfigError
+from .scenario import Scenario
+
+# The folder this package sits in: the app's folder when Flower loads the app from its bundle
+# (Flower puts that folder first on sys.path in the ServerApp process and every ClientApp actor).
+APP_DIR = Path(__file__).resolve().parent.parent
+SRC = "<run config>"
+
+
+def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> Scenario:
+    """The scenario a run config names, with its other keys applied as dotted overrides."""
+    config = dict(run_config)
+    path = config.pop("scenario", "")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(SRC, "scenario", "the path of a scenario file", path)
+    file = Path(path) if Path(path).is_absolute() else app_dir / path
+    return load(file, {key: value for key, value in config.items() if value != ""})
+
+
+def _log_round(row: dict) -> None:
+    log(
+        INFO,
+        "[fedelastic] round %d: test accuracy %.4f, simulated time %.1f s, energy %.1f J",
+        row["round"],
+        row["test_accuracy"],
+        row["sim_time_s"],
+        row["total_energy_j"],
+    )
+
+
+def check_federation_size(grid: Grid, scenario: Scenario, settle_s: float = 2.0) -> None:
+    """Fail fast when a simulated federation has fewer SuperNodes than the scenario has clients.
+
+    A simulation registers all its nodes at once, so once some are there and the count has
+    settled, a shortfall is final (otherwise the server would wait ``simulation.timeout_s``).
+    Deployed federations, whose nodes join over time, are not checked.
+    """
+    from flwr.superlink.grid import InMemoryGrid
+
+    if not isinstance(grid, InMemoryGrid):
+        return
+    deadline = time.monotonic() + scenario.simulation.timeout_s
+    while not list(grid.get_node_ids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(settle_s)
+    have = len(list(grid.get_node_ids()))
+    if have < scenario.num_clients:
+        raise ValueError(
+            f"scenario {scenario.name!r} has {scenario.num_clients} clients but the federation has {have} "
+            f"SuperNodes: run with --federation-config 'num-supernodes={scenario.num_clients}'"
+        )
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _server_main(grid: Grid, context: Context) -> None:
+    from .fl.runner import run_scenario
+
+    scenario = scenario_from_run_config(context.run_config)
+    check_federation_size(grid, scenario)
+    run_dir = run_scenario(scenario, progress=_log_round, grid=grid)
+    log(INFO, "[fedelastic] results in %s", run_dir.resolve())
+
+
+_CLIENTS: dict[str, ClientApp] = {}
+
+
+def _client(context: Context) -> ClientApp:
+    """The scenario's ClientApp, built once per process and run config."""
+    key = repr(sorted(context.run_config.items()))
+    if key not in _CLIENTS:
+        from .fl.client import make_client_app
+
+        _CLIENTS.clear()
+        _CLIENTS[key] = make_client_app(scenario_from_run_config(context.run_config))
+    return _CLIENTS[key]
+
+
+client_app = ClientApp()
+
+
+@client_app.query()
+def _query(msg: Message, context: Context) -> Message:
+    return _client(context)(msg, context)
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    return _client(context)(msg, context)

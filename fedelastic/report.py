@@ -1,0 +1,315 @@
+"""One self-contained HTML page for a run folder or a comparison folder.
+
+The figures are PNGs inlined as data URIs and the page has no script and no external resource,
+so it opens from disk, in a mail attachment or in a CI artifact alike. It reads only what the
+run wrote (``rounds.parquet``, ``clients.parquet``, ``status.json``, ``config.toml``; for a
+comparison ``summary_by_strategy.csv`` and ``runs.csv``), so a partial run gets a page too.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+figure { margin: 1em 0; } figure img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
+table { border-collapse: collapse; font-size: 0.85em; } td, th { padding: 0.25em 0.6em; text-align: right; }
+th { background: #f2f2f2; } tr:nth-child(even) td { background: #fafafa; }
+.bad { color: #b00; } pre { background: #f6f6f6; padding: 1em; overflow-x: auto; }
+"""
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(png: str, alt: str, caption: str) -> str:
+    return (
+        f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# ---- a run -------------------------------------------------------------------------------------
+
+
+def accuracy_figure(rounds: pd.DataFrame) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(rounds.sim_time_s, rounds.test_accuracy, marker="o")
+    for r in rounds.itertuples():
+        ax.annotate(
+            str(r.round), (r.sim_time_s, r.test_accuracy), fontsize=7, xytext=(3, -9), textcoords="offset points"
+        )
+    ax.set(xlabel="simulated time (s)", ylabel="global test accuracy", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    return _figure(_png(fig), "accuracy against simulated time", "Global test accuracy after each round (numbered).")
+
+
+def energy_by_class(clients: pd.DataFrame) -> pd.DataFrame:
+    """Per device class: clients, and active and idle energy summed over the run (J)."""
+    g = clients.groupby("device_class")
+    return pd.DataFrame(
+        {
+            "clients": g.partition_id.nunique(),
+            "active_j": g.emulated_energy_j.sum(min_count=1),
+            "idle_j": g.emulated_idle_energy_j.sum(min_count=1),
+        }
+    ).fillna(0.0)
+
+
+def energy_figure(clients: pd.DataFrame) -> str:
+    plt = _plt()
+    e = energy_by_class(clients)
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(e)))
+    labels = [f"{c} ({n} clients)" for c, n in zip(e.index, e.clients)]
+    ax.barh(labels, e.active_j, label="training and radio")
+    ax.barh(labels, e.idle_j, left=e.active_j, label="idle, waiting for the round's slowest client")
+    ax.set(xlabel="emulated energy over the run (J)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.25 - 0.5 / len(e)), ncol=2, frameon=False)
+    return _figure(
+        _png(fig), "energy per device class", "Emulated energy per device class, summed over clients and rounds."
+    )
+
+
+def memory_by_device(clients: pd.DataFrame) -> pd.DataFrame:
+    """Per device: the highest emulated peak training memory and the device's training memory."""
+    g = clients.groupby("device")
+    out = pd.DataFrame({"peak_bytes": g.emulated_peak_memory_bytes.max(), "budget_bytes": g.device_memory_bytes.max()})
+    out["share"] = out.peak_bytes / out.budget_bytes
+    return out
+
+
+def memory_figure(clients: pd.DataFrame) -> str:
+    plt = _plt()
+    m = memory_by_device(clients).dropna()
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * max(len(m), 1)))
+    colors = ["#c0392b" if s > 1 else "#2e86c1" for s in m.share]
+    ax.barh(m.index, 100 * m.share, color=colors)
+    ax.axvline(100, color="black", lw=1, ls="--")
+    for y, (peak, budget) in enumerate(zip(m.peak_bytes, m.budget_bytes)):
+        ax.annotate(
+            f"{_bytes(peak)} of {_bytes(budget)}",
+            (100 * peak / budget, y),
+            fontsize=7,
+            xytext=(4, -3),
+            textcoords="offset points",
+        )
+    ax.set_xscale("log")
+    ax.set_xlim(right=max(100.0, 100 * float(m.share.max() if len(m) else 1)) * 30)  # room for the labels
+    ax.set(xlabel="highest peak training memory, % of the device's training memory (log; dashed: 100%)")
+    return _figure(
+        _png(fig),
+        "memory against budget",
+        "Peak emulated training memory against each device's budget; red: over it (the selection was not trained).",
+    )
+
+
+def selection_heatmap(clients: pd.DataFrame) -> str:
+    """Fraction of the model's parameters each client trained in each round (blank: not sampled)."""
+    plt = _plt()
+    table = clients.pivot_table(index=["device", "partition_id"], columns="round", values="fraction_params_trained")
+    fig, ax = plt.subplots(figsize=(min(2 + 0.5 * table.shape[1], 12), 0.8 + 0.22 * len(table)))
+    image = ax.imshow(table.to_numpy(float), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_yticks(range(len(table)), [f"{d} #{p}" for d, p in table.index], fontsize=7)
+    ax.set_xticks(range(table.shape[1]), [str(c) for c in table.columns], fontsize=7)
+    ax.set(xlabel="round")
+    fig.colorbar(image, ax=ax, label="fraction of parameters trained")
+    return _figure(
+        _png(fig),
+        "parameters trained per client and round",
+        "What each client trained: the fraction of the model's parameters its selection covered, per round "
+        "(blank: not sampled, or failed). The run records this fraction per client, not the tensors themselves.",
+    )
+
+
+def device_table(clients: pd.DataFrame) -> str:
+    g = clients.groupby(["device", "device_class"])
+    t = pd.DataFrame(
+        {
+            "clients": g.partition_id.nunique(),
+            "fits": g.fits.mean().map("{:.0%}".format),
+            "failed": g.error.apply(lambda e: int((e.fillna("") != "").sum())),
+            "train s/round": g.emulated_train_time_s.mean().map("{:.3g}".format),
+            "comm s/round": g.emulated_comm_time_s.mean().map("{:.3g}".format),
+            "energy J/round": g.emulated_energy_j.mean().map("{:.3g}".format),
+            "peak memory": g.emulated_peak_memory_bytes.max().map(_bytes),
+            "device memory": g.device_memory_bytes.max().map(_bytes),
+            "params trained": g.fraction_params_trained.mean().map("{:.0%}".format),
+        }
+    )
+    return t.reset_index().to_html(index=False, border=0)
+
+
+def run_sections(run_dir: Path) -> tuple[str, list[str]]:
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    clients = pd.read_parquet(run_dir / "clients.parquet")
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    state = status.get("status", "unknown")
+    last = rounds.iloc[-1]
+    head = (
+        f'<p>Status <b class="{"" if state == "completed" else "bad"}">{html.escape(state)}</b>'
+        + (f": {html.escape(str(status['error']))}" if status.get("error") else "")
+        + f". {int(last['round'])} rounds, final test accuracy <b>{last.test_accuracy:.3f}</b> after "
+        f"{last.sim_time_s:.1f} s of simulated time and {last.total_energy_j:.1f} J; "
+        f"{clients.partition_id.nunique()} clients on {clients.device.nunique()} device types.</p>"
+    )
+    sections = [
+        "<h2>Accuracy against simulated time</h2>" + accuracy_figure(rounds),
+        "<h2>Energy per device class</h2>" + energy_figure(clients),
+        "<h2>Memory against each device's budget</h2>" + memory_figure(clients),
+        "<h2>What was trained, per client and round</h2>" + selection_heatmap(clients),
+        "<h2>Per device</h2>" + device_table(clients),
+    ]
+    if (run_dir / "config.toml").exists():
+        config = html.escape((run_dir / "config.toml").read_text())
+        sections.append(f"<h2>Scenario</h2><details><summary>config.toml</summary><pre>{config}</pre></details>")
+    return head, sections
+
+
+# ---- a comparison ------------------------------------------------------------------------------
+
+
+def pareto_front(cost: np.ndarray, gain: np.ndarray) -> np.ndarray:
+    """Mask of the points no other point beats: as cheap or cheaper and as good or better, one strictly."""
+    cost, gain = np.asarray(cost, float), np.asarray(gain, float)
+    front = np.ones(len(cost), bool)
+    for i in range(len(cost)):
+        no_worse = (cost <= cost[i]) & (gain >= gain[i])
+        better = (cost < cost[i]) | (gain > gain[i])
+        front[i] = not np.any(no_worse & better)
+    return front
+
+
+def pareto_figure(table: pd.DataFrame) -> str:
+    """Final accuracy against simulated time and against energy, mean and 95% interval over seeds."""
+    plt = _plt()
+    fleets = list(dict.fromkeys(table.fleet))
+    strategies = list(dict.fromkeys(table.strategy))
+    colors = dict(zip(strategies, plt.get_cmap("tab10").colors))
+    axes_of = (("sim_time_s", "simulated time (s)"), ("energy_j", "energy (J)"))
+    fig, axes = plt.subplots(len(fleets), 2, figsize=(10, 3.8 * len(fleets)), squeeze=False)
+    for row, fleet in zip(axes, fleets):
+        t = table[table.fleet == fleet]
+        y, yerr = t.final_accuracy_mean.to_numpy(float), np.nan_to_num(t.final_accuracy_ci95.to_numpy(float))
+        for ax, (metric, label) in zip(row, axes_of):
+            x, xerr = t[f"{metric}_mean"].to_numpy(float), np.nan_to_num(t[f"{metric}_ci95"].to_numpy(float))
+            for xi, yi, xe, ye, s in zip(x, y, xerr, yerr, t.strategy):
+                ax.errorbar(xi, yi, xerr=xe, yerr=ye, fmt="o", color=colors[s], capsize=3, label=s)
+            front = pareto_front(x, y)
+            order = np.argsort(x[front])
+            ax.step(x[front][order], y[front][order], where="post", color="grey", lw=1, ls="--", label="Pareto front")
+            ax.set(xlabel=f"{label}, mean over seeds", ylabel="final test accuracy", title=f"fleet {fleet}")
+            low, high = ax.get_ylim()
+            ax.set_ylim(max(low, 0.0), min(high, 1.0))  # an interval past [0, 1] says nothing more
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    fig.legend(
+        unique.values(),
+        unique.keys(),
+        loc="upper center",
+        ncol=min(len(unique), 5),
+        fontsize=8,
+        bbox_to_anchor=(0.5, 1.02),
+    )
+    fig.tight_layout()
+    return _figure(
+        _png(fig),
+        "Pareto plot of accuracy against time and energy",
+        "Each point: one strategy's mean over seeds, bars: 95% interval (none with a single seed). "
+        "Dashed: the Pareto front of the means (no other strategy is both cheaper and more accurate).",
+    )
+
+
+def comparison_table(table: pd.DataFrame) -> str:
+    shown = {"final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}"}
+    out = table[["fleet", "strategy", "seeds"]].copy()
+    if "reached_target" in table:
+        out["reached target"] = table.reached_target
+    for stem, fmt in shown.items():
+        if f"{stem}_mean" in table:
+            bound = table.get(f"{stem}_is_lower_bound", pd.Series(False, index=table.index)).fillna(False)
+            out[stem] = [
+                ("≥ " if b else "") + fmt.format(m) + ("" if np.isnan(c) else " ± " + fmt.format(c))
+                for m, c, b in zip(table[f"{stem}_mean"], table[f"{stem}_ci95"], bound.astype(bool))
+            ]
+    return out.to_html(index=False, border=0)
+
+
+def comparison_sections(folder: Path) -> tuple[str, list[str]]:
+    from .compare import plot
+
+    table = pd.read_csv(folder / "summary_by_strategy.csv")
+    head = (
+        f"<p>{table.strategy.nunique()} strategies on {table.fleet.nunique()} fleets, "
+        f"{int(table.seeds.max())} seed(s) each. Cells: mean ± 95% interval over seeds; ≥: a lower bound "
+        "(seeds that never reached the target enter at their end-of-run time).</p>"
+    )
+    sections = ["<h2>Accuracy against time and energy</h2>" + pareto_figure(table)]
+    if (folder / "runs.csv").exists():
+        buf = io.BytesIO()
+        plot(pd.read_csv(folder / "runs.csv"), buf)  # type: ignore[arg-type]
+        png = base64.b64encode(buf.getvalue()).decode("ascii")
+        sections.append(
+            "<h2>Accuracy over simulated time</h2>"
+            + _figure(
+                png, "mean accuracy curves", "Mean accuracy over seeds against mean simulated time; band: 95% interval."
+            )
+        )
+    sections.append("<h2>Summary</h2>" + comparison_table(table))
+    return head, sections
+
+
+def write_html(folder: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``report.html`` (or ``out``) for a run folder or a comparison folder; returns its path."""
+    folder = Path(folder)
+    if (folder / "summary_by_strategy.csv").exists():
+        head, sections = comparison_sections(folder)
+        title = f"fedelastic comparison: {folder.parent.name}/{folder.name}"
+    elif (folder / "rounds.parquet").exists():
+        head, sections = run_sections(folder)
+        title = f"fedelastic run: {folder.parent.name}/{folder.name}"
+    else:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            folder, "<folder>", "a run folder (rounds.parquet) or a comparison folder (summary_by_strategy.csv)"
+        )
+    page = (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>{head}\n"
+        + "\n".join(sections)
+        + "\n</body></html>\n"
+    )
+    path = Path(out) if out else folder / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path
