@@ -20,6 +20,8 @@ except where a policy says otherwise. Policies (``[server] policy``):
   would fall below 0.5 runs fewer steps at rho >= 0.5 instead (elastic selection only shortens
   the backward pass, so rho cannot usefully approach the forward share of a step, about 1/3);
 * the deadline policies again at the tighter 0.5 quantile (labels ending ``@q0.5``);
+* ``deadline_fewer_steps/no_fednova``: fewer steps with a plain (not step-normalised) average, an
+  ablation run only when named in ``--only``;
 * ``overcommit``: 1.3 x 8 = 11 sampled, the first 8 arrivals kept;
 * ``async``: FedBuff, 8 in flight, aggregation every 4 arrivals (2 x the rounds, so that as many
   updates can count as in the synchronous runs), staleness weight 1/sqrt(1+s).
@@ -59,6 +61,7 @@ QUANTILE = 0.75
 TIGHT = 0.5
 MIN_RHO = 0.5
 REFERENCE = "deadline_elastic/elastic_tensor"
+ABLATIONS = ("deadline_fewer_steps/no_fednova",)  # run only when named in --only
 
 
 def base(seed: int, rounds: int, out: Path, local_epochs: int = 2) -> dict:
@@ -102,6 +105,10 @@ def policies(rounds: int) -> dict[str, tuple[dict, dict]]:
             {"policy": "deadline_elastic", "min_rho": MIN_RHO, **deadline},
             {"strategy": "random_budget"},
         )
+    out["deadline_fewer_steps/no_fednova"] = (
+        {"policy": "deadline_fewer_steps", "deadline_quantile": QUANTILE, "fednova": False},
+        {},
+    )
     out["overcommit"] = ({"policy": "overcommit", "overcommit": 1.3}, {})
     out["async"] = (
         {"policy": "async", "rounds": 2 * rounds, "concurrency": PER_ROUND, "buffer_size": PER_ROUND // 2},
@@ -242,7 +249,7 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.runs_dir / f"deadline_study-{stamp}"
     rows, curves = [], []
-    labels = args.only or list(policies(args.rounds))
+    labels = args.only or [label for label in policies(args.rounds) if label not in ABLATIONS]
     for seed in args.seeds:
         for label in labels:
             row, curve = one_run(label, seed, args.rounds, out, args.targets, args.local_epochs)

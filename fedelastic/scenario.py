@@ -98,6 +98,9 @@ class ServerConfig:
         help="policy 'deadline_elastic': a client whose rho would fall below this runs fewer steps at this rho "
         "or more instead (FedNova-normalised); 0: never (rho alone, down to 'too slow')",
     )
+    fednova: bool = field(
+        True, help="normalise updates by their local steps (FedNova) when a deadline cuts steps (fewer_steps, min_rho)"
+    )
     overcommit: float = field(1.3, help="policy 'overcommit': sample this many times clients_per_round")
     concurrency: int = field(0, help="policy 'async': clients training at once (0: clients_per_round, or all)")
     buffer_size: int = field(0, help="policy 'async': arrivals per aggregation (0: half the concurrency, >= 1)")

@@ -295,3 +295,16 @@ def test_recharging_brings_clients_back_on_schedule(make_scenario):
     # after round 1 nobody is at 90%: the clock waits for the charging window that opens at 5 s
     assert rounds.round_start_s.iloc[2] > 5.0 and rounds.round_start_s.iloc[2] < 6.0
     assert (clients.battery_fraction >= 0.9 - 1e-12).all()
+
+
+def test_fednova_normalisation_can_be_switched_off(make_scenario, monkeypatch):
+    import fedelastic.fl.server as server
+
+    calls = []
+    real = server.fednova_rescale
+    monkeypatch.setattr(server, "fednova_rescale", lambda *a: calls.append(1) or real(*a))
+    cfg = {"rounds": 1, "policy": "deadline_fewer_steps", "deadline_quantile": 0.5}
+    _run(make_scenario, "nova", server=cfg)
+    assert calls == [1]
+    _run(make_scenario, "plain", server={**cfg, "fednova": False})
+    assert calls == [1]

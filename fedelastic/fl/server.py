@@ -488,7 +488,7 @@ class PartialFedAvg(FedAvg):
         current = record_to_numpy(self._arrays)
         counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
         updates = [self._update(m) for m, _ in counted]
-        if self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0:
+        if self.sc.server.fednova and (self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0):
             updates = fednova_rescale(
                 current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
             )
