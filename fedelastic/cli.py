@@ -51,7 +51,12 @@ def report(run_dir: Path) -> None:
             str(device),
             str(g.partition_id.nunique()),
             f"{g.fits.mean():.0%}",
-            f"{g.emulated_train_time_s.mean():.3g} s",
+            f"{g.emulated_train_time_s.mean():.3g} s"
+            + (
+                f" ± {g.emulated_train_time_band_s.mean():.2g}"
+                if "emulated_train_time_band_s" in g and g.emulated_train_time_band_s.mean() > 0
+                else ""
+            ),
             f"{g.emulated_energy_j.mean():.3g} J",
             _fmt_bytes(g.emulated_peak_memory_bytes.max()),
             _fmt_bytes(g.device_memory_bytes.iloc[0]),
@@ -230,7 +235,7 @@ def cmd_profile(args) -> None:
     except (ValueError, OSError) as exc:
         raise FedelasticError(f"profile {args.action}: {exc}") from None
     if args.profile is None:
-        from .profiler import dumps_profile
+        from .profiles import dumps_profile
 
         console.print(dumps_profile(raw), end="", highlight=False, markup=False, soft_wrap=True)
         return

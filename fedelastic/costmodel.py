@@ -2,7 +2,10 @@
 
 Pure numpy: a :class:`CostModel` is built once per (model, device, batch size) and then prices a
 selection in microseconds. A *selection* is a float array ``ratios`` over the model's tensors in
-forward order: 0 = frozen, 1 = fully trained, in between = that fraction of output channels.
+forward order: 0 = frozen, 1 = fully trained, in between = that fraction of its channels (output
+channels, or input channels where ``input_sparse`` says so: Sparse Update). Probes (importance,
+Fisher) and the selector's own work are priced too (:meth:`CostModel.probe_memory`,
+:meth:`CostModel.probe_time_s`, :meth:`CostModel.selector_time_s`).
 
 Conventions (documented in the README):
 
@@ -16,7 +19,18 @@ Conventions (documented in the README):
       T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
 
   The deepest tensor's own dx is not charged: autograd computes no gradient below it.
-* Roofline per kernel: ``max(flops / (peak * efficiency), bytes / bandwidth) + launch_overhead``.
+* Roofline per kernel, by kernel class (:data:`fedelastic.devices.KERNEL_CLASSES`: dense GEMM/conv
+  forward, dX and dW; depthwise conv and its two backprops; element-wise and norm ops;
+  reductions; layout copies)::
+
+      t = max(flops / P_c, bytes / B_c) / s + L_c,   s = outputs / (outputs + W_c)
+
+  ``P_c = peak * efficiency_c``, ``B_c`` the class's fitted bandwidth, ``L_c = launch_overhead +
+  overhead_c``: a class's kernels reach ``P_c`` only when large (``s`` saturates in the kernel's
+  output elements; ``W_c = 0`` means always). A v1 profile has one class: ``efficiency``, the whole
+  bandwidth, the launch overhead. Kernel-aware profiles (``[kernels]``) also price the functional
+  ops ModelInfo records (residual adds and their backward gradient sums, attention matmuls and
+  softmax) and a separate bias-add pass per biased conv/linear forward.
   A profile's measured per-layer table, when it has one for this model, replaces the roofline of
   the layers it lists (scaled linearly in batch size). A measured ``fwd`` includes the forward of
   the weightless ops just below the layer, as ``fedelastic profile import-trace`` and
@@ -29,10 +43,43 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .devices import DeviceProfile
-from .modelinfo import ModelInfo
+from .devices import KERNEL_CLASSES, DeviceProfile
+from .modelinfo import FunctionalOp, ModelInfo
 
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
+BN_MODES = ("frozen", "train")
+PROBES = ("importance", "fisher")
+# elementary operations of one cost-model evaluation per tensor (a few vector passes over N tensors)
+_OPS_PER_EVALUATION_PER_TENSOR = 8.0
+_FWD, _DX, _DW, _OPS = range(4)  # kernel slots: t_fwd, t_dx, t_dw (per tensor), t_ops_fwd_layer (per layer)
+
+
+def kernel_parameters(device: DeviceProfile) -> np.ndarray:
+    """Per kernel class (rows in :data:`KERNEL_CLASSES` order): effective FLOP/s, effective B/s,
+    seconds per kernel (launch + class overhead), half-throughput width in output elements.
+
+    A class the profile does not fit takes its fallback class's parameters; a v1 profile (no
+    ``[kernels]``) gives every class ``peak * efficiency``, the whole bandwidth and the launch.
+    """
+    peak, bw, launch = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value, device.launch_overhead_s.value
+    out = np.zeros((len(KERNEL_CLASSES), 4))
+    for i, (name, parent) in enumerate(KERNEL_CLASSES.items()):
+        k = device.kernels.get(name)
+        while k is None and parent is not None:
+            k, parent = device.kernels.get(parent), KERNEL_CLASSES[parent]
+        if k is None:
+            out[i] = (peak * device.efficiency.value, bw, launch, 0.0)
+        else:
+            out[i] = (peak * k.efficiency.value, k.bandwidth.value, launch + k.overhead_s.value, k.width.value)
+    return out
+
+
+def kernel_times(params: np.ndarray, cls: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, outputs: np.ndarray):
+    """Seconds of each kernel: ``max(flops / P, bytes / B) / s + L`` with ``s = out / (out + width)``."""
+    p = params[cls]
+    width = p[:, 3]
+    s = np.where(width > 0, outputs / (outputs + width), 1.0)
+    return np.maximum(flops / p[:, 0], nbytes / p[:, 1]) / np.maximum(s, 1e-12) + p[:, 2]
 
 
 @dataclass(frozen=True)
@@ -81,61 +128,100 @@ class CostModel:
     batch_size : int
         Samples per training step.
     optimizer : str
-        ``sgd``, ``momentum`` or ``adam``: how much state each trained element keeps.
+        ``sgd``, ``momentum`` or ``adam``: how much state each trained element keeps (weight decay,
+        coupled or decoupled, is fused into the same update and streams nothing more).
+    bn_mode : str
+        ``frozen`` (BatchNorm always in inference mode, gamma and beta trainable: the seeds') or
+        ``train`` (a BatchNorm with a trained tensor normalises with batch statistics, so its
+        backward needs its saved input whichever of its tensors trains).
     """
 
-    def __init__(self, info: ModelInfo, device: DeviceProfile, batch_size: int, optimizer: str = "momentum"):
+    def __init__(
+        self,
+        info: ModelInfo,
+        device: DeviceProfile,
+        batch_size: int,
+        optimizer: str = "momentum",
+        bn_mode: str = "frozen",
+    ):
+        if bn_mode not in BN_MODES:
+            raise ValueError(f"bn_mode: expected one of {BN_MODES}, got {bn_mode!r}")
         self.info, self.device, self.batch_size = info, device, batch_size
+        self.optimizer, self.bn_mode = optimizer, bn_mode
         self.optimizer_state = OPTIMIZER_STATE_PER_ELEMENT[optimizer]
+        self.evaluations = 0  # memory and time evaluations so far (the selectors' work is priced from it)
+        self._other_batch: dict[int, CostModel] = {}
         b, e = float(batch_size), float(device.bytes_per_element)
-        peak = device.peak_flops.value * device.efficiency.value
         bw = device.mem_bandwidth_bytes_per_s.value
-        launch = device.launch_overhead_s.value
-
-        def kernel(flops, nbytes):
-            return np.maximum(np.asarray(flops, float) / peak, np.asarray(nbytes, float) * e / bw) + launch
-
-        n = info.num_tensors
+        n, nl = info.num_tensors, len(info.layers)
         numel = info.tensor_numel.astype(float)
-        self.t_fwd, self.t_dx, self.t_dw = np.zeros(n), np.zeros(n), np.zeros(n)
         # the optimizer update streams each trained element's weight, gradient and state; one fused
         # (foreach) launch per step covers all tensors, as torch's SGD and Adam do by default
         self.t_opt = numel * (3 + 2 * self.optimizer_state) * e / bw
         self.tensor_macs = np.zeros(n)  # dW MACs per step, for the dynamic energy term
-        layer_fwd = np.zeros(len(info.layers))
-        for li, layer in enumerate(info.layers):
+        # every kernel of one step, priced below by its class: slot (fwd/dx/dw per tensor, forward of
+        # the weightless ops below each layer), index in the slot, class, flops, bytes, output elements
+        rows: list[tuple[int, int, int, float, float, float]] = []
+        cls_id = {c: i for i, c in enumerate(KERNEL_CLASSES)}
+
+        def add(slot: int, idx: int, cls: str, flops: float, elements: float, outputs: float) -> None:
+            rows.append((slot, idx, cls_id[cls], flops, elements * e, outputs))
+
+        first_tensor = info.layer_first_tensor()
+        for layer in info.layers:
             ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
             wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
-            if layer.kind in ("conv", "linear", "attention"):
-                fwd = kernel(2 * macs, ins + outs + wsize)
-                dx = kernel(2 * macs, ins + outs + wsize)
-            else:  # norms and other elementwise owners
-                fwd = kernel(4 * outs, ins + outs)
-                dx = kernel(8 * outs, ins + 2 * outs)
-            layer_fwd[li] = fwd
             first = layer.tensors[0]
-            self.t_fwd[first] = fwd
-            self.t_dx[first] = dx
+            if layer.kind in ("conv", "linear", "attention"):
+                kind = "depthwise" if layer.groups > 1 else "gemm"
+                add(_FWD, first, f"{kind}_fwd", 2 * macs, ins + outs + wsize, outs)
+                add(_DX, first, f"{kind}_dx", 2 * macs, ins + outs + wsize, ins)
+            else:  # norms and other elementwise owners
+                add(_FWD, first, "eltwise", 4 * outs, ins + outs, outs)
+                add(_DX, first, "eltwise", 8 * outs, ins + 2 * outs, ins)
             for k in layer.tensors:
                 role, size = info.tensor_roles[k], float(info.tensor_numel[k])
                 if role == "weight":
-                    self.t_dw[k] = kernel(2 * macs, ins + outs + size)
+                    cls = "depthwise_dw" if layer.groups > 1 else "gemm_dw"
+                    add(_DW, k, cls, 2 * macs, ins + outs + size, size)
                     self.tensor_macs[k] = macs
                 elif role == "norm_weight":
-                    self.t_dw[k] = kernel(2 * outs, 2 * outs)
+                    add(_DW, k, "reduce", 2 * outs, 2 * outs, size)
                 else:  # bias, norm bias, other: a reduction over the output gradient
-                    self.t_dw[k] = kernel(outs, outs + size)
-        # weightless ops: forward always paid; backward charged to the dx of the layer above.
-        # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
-        self.t_ops_fwd_layer = np.zeros(len(info.layers) + 1)
-        first_tensor = info.layer_first_tensor()
+                    add(_DW, k, "reduce", outs, outs + size, size)
+                    if role == "bias" and device.kernels:  # a separate bias-add pass (kernel-aware profiles)
+                        add(_FWD, first, "eltwise", outs, 2 * outs, outs)
+        # weightless ops: forward always paid; backward charged to the dx of the layer above
         for op in info.ops:
-            t = float(kernel(b * op.out_numel, b * (op.in_numel + op.out_numel)))
-            self.t_ops_fwd_layer[min(op.above, len(info.layers))] += t
-            if op.above < len(info.layers):
-                self.t_dx[first_tensor[op.above]] += t
+            out_n, in_n = b * op.out_numel, b * op.in_numel
+            add(_OPS, min(op.above, nl), "eltwise", out_n, in_n + out_n, out_n)
+            if op.above < nl:
+                add(_DX, int(first_tensor[op.above]), "eltwise", out_n, in_n + out_n, in_n)
+        # functional ops (residual adds, attention cores...): priced only by kernel-aware profiles,
+        # so that a v1 profile's fitted roofline keeps the meaning it was fitted with
+        for fn in info.functional if device.kernels else ():
+            self._functional_kernels(fn, b, add, nl, int(first_tensor[fn.above]) if fn.above < nl else -1)
+        (
+            self.kernel_slot,
+            self.kernel_index,
+            self.kernel_class,
+            self.kernel_flops,
+            self.kernel_bytes,
+            self.kernel_outputs,
+        ) = (np.array([r[i] for r in rows], dtype=np.int64 if i < 3 else float).reshape(-1) for i in range(6))
+        self.kernel_params = kernel_parameters(device)
+        times = kernel_times(
+            self.kernel_params, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs
+        )
+        self.kernel_time = times
+        self.t_fwd, self.t_dx, self.t_dw = (self._gather(slot, times, n) for slot in (_FWD, _DX, _DW))
+        # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
+        self.t_ops_fwd_layer = self._gather(_OPS, times, nl + 1)
+        layer_fwd = self.t_fwd[first_tensor] if nl else np.zeros(0)
         self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
-        self.t_bwd_fixed = launch  # paid once by every step that trains anything (+ the loss, if measured)
+        self.t_bwd_fixed = (
+            device.launch_overhead_s.value
+        )  # paid once by every step that trains anything (+ the loss, if measured)
         self.measured = device.measured.get(info.model_name)
         if self.measured is not None:
             self._apply_measured(layer_fwd)
@@ -146,6 +232,30 @@ class CostModel:
         self._fwd_macs = float(layer_macs.sum())
         self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
         self._prepare_memory()
+
+    def _gather(self, slot: int, times: np.ndarray, size: int) -> np.ndarray:
+        out = np.zeros(size)
+        on = self.kernel_slot == slot
+        np.add.at(out, self.kernel_index[on], times[on])
+        return out
+
+    @staticmethod
+    def _functional_kernels(fn: FunctionalOp, b: float, add, nl: int, dx_tensor: int) -> None:
+        """Kernels of a functional op: forward below layer ``fn.above``, backward in its dx."""
+        out_n, in_n = b * fn.out_numel, b * fn.in_numel
+        above = min(fn.above, nl)
+        if fn.kind == "matmul":
+            macs = b * fn.macs
+            add(_OPS, above, "gemm_fwd", 2 * macs, in_n + out_n, out_n)
+            if dx_tensor >= 0:  # both operands' gradients: two products of the forward's size
+                add(_DX, dx_tensor, "gemm_dx", 4 * macs, 2 * (in_n + out_n), in_n)
+            return
+        cls = "reduce" if fn.kind == "softmax" else "layout" if fn.kind == "layout" else "eltwise"
+        binary = fn.name.split("#")[0].strip("_").lstrip("ri") in ("add", "sub", "mul", "truediv", "div")
+        moved = (2 * in_n + out_n) if binary else (in_n + out_n)
+        add(_OPS, above, cls, 4 * out_n if cls == "reduce" else out_n, moved, out_n)
+        if dx_tensor >= 0:  # a residual add's backward is the gradient sum where its branches meet
+            add(_DX, dx_tensor, cls, out_n, 3 * out_n if binary else 2 * out_n, in_n)
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
         table, info = self.measured, self.info
@@ -173,9 +283,32 @@ class CostModel:
             # backward no layer owns (the loss gradient): paid once by every step that trains anything
             self.t_bwd_fixed += table.unattributed_bwd_s * scale
 
+    # ---- uncertainty ------------------------------------------------------------------------
+    def roofline_share(self) -> float:
+        """Share of the full step's time priced by the roofline (not by a measured table)."""
+        full = self.full_step_time_s()
+        if self.measured is None or full <= 0:
+            return 1.0
+        covered = 0.0
+        for li, layer in enumerate(self.info.layers):
+            if layer.name in self.measured.layers:
+                ks = list(layer.tensors)
+                covered += self.t_fwd[ks[0]] + self.t_ops_fwd_layer[li] + self.t_dx[ks[0]] + self.t_dw[ks].sum()
+        return float(min(max(1.0 - covered / full, 0.0), 1.0))
+
+    def time_band_s(self, seconds: float) -> float:
+        """One-sigma error band (seconds) of an emulated time of ``seconds``.
+
+        The profile's ``[uncertainty] step`` (a relative error, from the kernel fit's leave-one-model-out
+        residuals) times the share of the step the roofline prices; 0 when the profile gives none.
+        """
+        rel = self.device.uncertainty.value if self.device.uncertainty is not None else 0.0
+        return float(seconds * rel * self.roofline_share())
+
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:
         """Backward time (gradients and optimizer update) of one step."""
+        self.evaluations += 1
         ratios = np.asarray(ratios, float)
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:
@@ -197,33 +330,88 @@ class CostModel:
         """Backward-time budget for a target step time of ``rho`` x full training."""
         return rho * self.full_step_time_s() - self.forward_time_s
 
-    def probe_time_s(self, full_backward_passes: int, forward_passes: int = 1) -> float:
-        """Time of a probe made of full forward and backward passes (importance, Fisher)."""
-        full = self.backward_time_s(np.ones(self.info.num_tensors))
-        return forward_passes * self.forward_time_s + full_backward_passes * full
+    def at_batch(self, batch_size: int) -> CostModel:
+        """The same model, device and options priced at another batch size (cached)."""
+        if batch_size == self.batch_size:
+            return self
+        if batch_size not in self._other_batch:
+            self._other_batch[batch_size] = CostModel(self.info, self.device, batch_size, self.optimizer, self.bn_mode)
+        return self._other_batch[batch_size]
+
+    def _scope(self, scope: np.ndarray | None) -> np.ndarray:
+        n = self.info.num_tensors
+        return np.ones(n) if scope is None else np.asarray(scope, bool).astype(float)
+
+    def _probe_pass_time_s(self, probe: str, scope: np.ndarray | None) -> float:
+        """One probe pass over a (micro-)batch of this model's batch size, optimizer step excluded."""
+        s = self._scope(scope)
+        if not s.any():
+            return 0.0
+        if probe == "importance":  # forward + backward of every tensor in scope (dW and dX), twice
+            grads = self.backward_time_s(s) - float(s @ self.t_opt)
+            return 2 * (self.forward_time_s + grads)
+        # fisher: forward + the error gradient down to the deepest scope layer's output; no dW
+        deepest = int(np.flatnonzero(s)[0])
+        return self.forward_time_s + float(self._dx_above[deepest]) + self.t_bwd_fixed
+
+    def probe_time_s(self, probe: str, micro_batch: int = 0, scope: np.ndarray | None = None) -> float:
+        """Time of the ``importance`` or ``fisher`` probe over one batch, in micro-batches.
+
+        The batch is split into ``ceil(batch / micro_batch)`` micro-batches (0: one pass over the
+        whole batch), each priced at its own size (launch overheads and all). ``scope`` (bool
+        per tensor, default all) limits the probe to those tensors: backprop stops below the
+        deepest of them. The importance probe also pays one optimizer step over the scope
+        (between its two backward passes).
+        """
+        if probe not in PROBES:
+            raise ValueError(f"probe: expected one of {PROBES}, got {probe!r}")
+        m = micro_batch or self.batch_size
+        full, rest = divmod(self.batch_size, m)
+        t = full * self.at_batch(m)._probe_pass_time_s(probe, scope)
+        if rest:
+            t += self.at_batch(rest)._probe_pass_time_s(probe, scope)
+        if probe == "importance":
+            t += float(self._scope(scope) @ self.t_opt)
+        return t
 
     # ---- memory -----------------------------------------------------------------------------
-    def memory(self, ratios: np.ndarray) -> MemoryBreakdown:
+    def memory(
+        self, ratios: np.ndarray, input_sparse: np.ndarray | None = None, batch_size: int | None = None
+    ) -> MemoryBreakdown:
         """Peak training memory, per ALGORITHMS.md section 4.
 
         Weights are all resident. A weight gradient saves its layer's input: all of it for a dense
-        layer, whatever output channels train, and the trained channels' share for a grouped
-        (depthwise) conv, whose output channels each read only their own inputs. A norm scale
-        saves its normalised input; biases save nothing. Weightless
-        ops above the deepest trained tensor save a one-bit mask (ReLU-like) or their input.
-        Trained elements add a gradient and the optimizer's state. The workspace is the largest
-        forward in+out pair (inference) or backward gradient buffer.
+        layer trained on some output channels, and the trained share for a grouped (depthwise)
+        conv or for a weight trained on a share of its **input** channels (``input_sparse[k]``,
+        Sparse Update), whose gradient reads only the kept channels. A norm scale saves its
+        normalised input; biases save nothing. Under ``bn_mode = "train"`` a BatchNorm with any
+        trained tensor saves its input (its batch-statistics backward needs it), and a per-sample
+        norm (LayerNorm, GroupNorm) saves its input whenever the error gradient passes it (at or
+        above the deepest trained layer). Weightless ops above the deepest trained tensor save a
+        one-bit mask (ReLU-like) or their input. Trained elements add a gradient and the
+        optimizer's state. The workspace is the largest forward in+out pair (inference) or
+        backward gradient buffer. ``batch_size`` prices another batch size (activations and
+        workspace scale linearly with it).
         """
+        self.evaluations += 1
         ratios = np.asarray(ratios, float)
         e = float(self.device.bytes_per_element)
+        scale = 1.0 if batch_size is None else batch_size / self.batch_size
         selected = np.flatnonzero(ratios > 0)
         trained = float(ratios @ self.info.tensor_numel)
         acts = 0.0
         if selected.size:
-            share = np.where(self._act_scales_with_ratio, ratios, ratios > 0)
-            acts = float(share @ self._act_bytes) + self._op_bytes_above[self.info.tensor_layer[selected[0]]]
+            scales = self._act_scales_with_ratio
+            if input_sparse is not None:
+                scales = scales | np.asarray(input_sparse, bool)
+            share = np.where(scales, ratios, ratios > 0)
+            deepest = self.info.tensor_layer[selected[0]]
+            acts = float(share @ self._act_bytes) + self._op_bytes_above[deepest] + self._sample_norm_from[deepest]
+            if self._norm_train_bytes.any():
+                on = np.bincount(self.info.tensor_layer[selected], minlength=len(self.info.layers)) > 0
+                acts += float(on @ self._norm_train_bytes)
         return MemoryBreakdown(
-            self._weight_bytes, acts, trained * e, trained * e * self.optimizer_state, self._workspace
+            self._weight_bytes, acts * scale, trained * e, trained * e * self.optimizer_state, self._workspace * scale
         )
 
     def _prepare_memory(self) -> None:
@@ -232,13 +420,25 @@ class CostModel:
         self._weight_bytes = float(info.tensor_numel.sum()) * e
         self._act_bytes = np.zeros(info.num_tensors)
         self._act_scales_with_ratio = np.ones(info.num_tensors, bool)
+        # a train-mode BatchNorm with any trained tensor saves its input once (per layer)
+        self._norm_train_bytes = np.zeros(len(info.layers))
+        # per-sample norms save their input whenever the error gradient passes them
+        sample_norm = np.zeros(len(info.layers) + 1)
+        for li, layer in enumerate(info.layers):
+            if layer.kind != "norm":
+                continue
+            if not layer.batch_stats:
+                sample_norm[li] = layer.in_numel * b * e
+            elif self.bn_mode == "train":
+                self._norm_train_bytes[li] = layer.in_numel * b * e
         for k, (role, li) in enumerate(zip(info.tensor_roles, info.tensor_layer)):
             layer = info.layers[li]
             if role == "weight":  # dense: any output channel's gradient needs the whole input
                 self._act_bytes[k] = layer.in_numel * b * e
                 self._act_scales_with_ratio[k] = layer.groups > 1
-            elif role in ("norm_weight", "other"):
+            elif role == "other" or (role == "norm_weight" and layer.batch_stats and self.bn_mode == "frozen"):
                 self._act_bytes[k] = layer.out_numel * b * e
+        self._sample_norm_from = np.cumsum(sample_norm[::-1])[::-1]  # [l]: sum over norm layers >= l
         # _op_bytes_above[l]: what weightless ops above layer l save when l is the deepest trained layer
         per_layer = np.zeros(len(info.layers) + 1)
         for op in info.ops:
@@ -246,11 +446,128 @@ class CostModel:
         self._op_bytes_above = np.concatenate([np.cumsum(per_layer[::-1])[::-1][1:], [0.0]])
         self._workspace = max((b * (layer.in_numel + layer.out_numel) * e for layer in info.layers), default=0.0)
 
-    def peak_memory_bytes(self, ratios: np.ndarray) -> float:
-        return self.memory(ratios).total_bytes
+    def peak_memory_bytes(
+        self, ratios: np.ndarray, input_sparse: np.ndarray | None = None, batch_size: int | None = None
+    ) -> float:
+        return self.memory(ratios, input_sparse, batch_size).total_bytes
 
-    def fits(self, ratios: np.ndarray) -> bool:
-        return self.peak_memory_bytes(ratios) <= self.device.memory_train_bytes.value
+    def fits(self, ratios: np.ndarray, input_sparse: np.ndarray | None = None) -> bool:
+        return self.peak_memory_bytes(ratios, input_sparse) <= self.device.memory_train_bytes.value
+
+    # ---- probes -----------------------------------------------------------------------------
+    def probe_memory(
+        self, probe: str, batch_size: int | None = None, scope: np.ndarray | None = None
+    ) -> MemoryBreakdown:
+        """Peak memory of the ``importance`` or ``fisher`` probe over a (micro-)batch.
+
+        Importance: training every tensor in ``scope`` (default: all), as :meth:`memory` prices
+        it, plus the copies the probe restores after its step: those weights and their optimizer
+        state. Fisher: the weights, the output activation of every conv/linear layer from the
+        deepest to the highest scope tensor (kept until its gradient arrives: ``a * g``), what the
+        weightless ops and per-sample norms (and train-mode BatchNorms) there need for the error
+        gradient, a float32 accumulator per output channel, and the workspace; no weight
+        gradient is formed.
+        """
+        if probe not in PROBES:
+            raise ValueError(f"probe: expected one of {PROBES}, got {probe!r}")
+        info, e = self.info, float(self.device.bytes_per_element)
+        b = float(self.batch_size if batch_size is None else batch_size)
+        scale = b / self.batch_size
+        s = self._scope(scope)
+        if not s.any():
+            return MemoryBreakdown(self._weight_bytes, 0.0, 0.0, 0.0, 0.0)
+        if probe == "importance":
+            m = self.memory(s, batch_size=batch_size)
+            copies = float(s @ info.tensor_numel) * e + m.optimizer_bytes  # restored after the probe
+            return MemoryBreakdown(
+                m.weights_bytes + copies - m.optimizer_bytes,
+                m.activations_bytes,
+                m.gradients_bytes,
+                2 * m.optimizer_bytes,
+                m.workspace_bytes,
+            )
+        picked = np.flatnonzero(s)
+        deepest, highest = int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])
+        scored = [layer for layer in info.layers[deepest : highest + 1] if layer.kind in ("conv", "linear")]
+        outputs = sum(layer.out_numel for layer in scored) * b * e
+        passed = (
+            self._op_bytes_above[deepest] + self._sample_norm_from[deepest] + self._norm_train_bytes[deepest:].sum()
+        )
+        accumulators = 4.0 * sum(layer.out_channels for layer in scored)
+        return MemoryBreakdown(self._weight_bytes, outputs + passed * scale, accumulators, 0.0, self._workspace * scale)
+
+    def probe_plan(self, probe: str, budget_bytes: float, scope: np.ndarray | None = None) -> tuple[int, float]:
+        """``(micro_batch, peak_bytes)``: the largest micro-batch whose probe fits ``budget_bytes``.
+
+        Probe memory is affine in the micro-batch, so the largest fitting size is solved for
+        directly. ``micro_batch`` is 0 when not even one sample fits; ``peak_bytes`` is then the
+        one-sample peak (the least the probe needs).
+        """
+        fixed = self.probe_memory(probe, 0, scope).total_bytes
+        full = self.probe_memory(probe, None, scope).total_bytes
+        if full <= budget_bytes:
+            return self.batch_size, full
+        per_sample = (full - fixed) / self.batch_size
+        m = int(np.floor((budget_bytes - fixed) / per_sample)) if per_sample > 0 else 0
+        m = min(max(m, 0), self.batch_size)
+        while m > 0 and self.probe_memory(probe, m, scope).total_bytes > budget_bytes:
+            m -= 1  # float rounding at the boundary
+        if m == 0:
+            return 0, self.probe_memory(probe, 1, scope).total_bytes
+        return m, self.probe_memory(probe, m, scope).total_bytes
+
+    def probe_segments(
+        self, probe: str, budget_bytes: float, scope: np.ndarray | None = None
+    ) -> list[tuple[np.ndarray, int]]:
+        """Split the probe over ``scope`` into pieces that fit: ``[(tensor mask, micro_batch), ...]``.
+
+        One piece when the whole scope fits at some micro-batch (the largest that fits). Else,
+        from the output down, each piece is the longest run of scope tensors whose probe fits
+        one sample, run on the largest micro-batch that fits it (each piece pays its own forward
+        and backward). Tensors whose piece would not fit even one sample alone, and every scope
+        tensor below them, are left out: they cannot be probed, so they are never selected. An
+        empty list means not even the tensor nearest the output can be probed.
+        """
+        s = self._scope(scope).astype(bool)
+        picked = np.flatnonzero(s)
+        if picked.size == 0:
+            return []
+        micro, _ = self.probe_plan(probe, budget_bytes, s)
+        if micro:
+            return [(s, micro)]
+
+        def piece(lo: int, hi: int) -> np.ndarray:
+            mask = np.zeros(self.info.num_tensors, bool)
+            mask[picked[lo : hi + 1]] = True
+            return mask
+
+        def fits_one(lo: int, hi: int) -> bool:
+            return self.probe_memory(probe, 1, piece(lo, hi)).total_bytes <= budget_bytes
+
+        pieces, hi = [], len(picked) - 1
+        while hi >= 0 and fits_one(hi, hi):
+            lo_ok, lo_bad = hi, -1  # memory grows as the piece reaches deeper: bisect its lowest end
+            while lo_ok - lo_bad > 1:
+                mid = (lo_ok + lo_bad) // 2
+                if fits_one(mid, hi):
+                    lo_ok = mid
+                else:
+                    lo_bad = mid
+            mask = piece(lo_ok, hi)
+            pieces.append((mask, self.probe_plan(probe, budget_bytes, mask)[0]))
+            hi = lo_ok - 1
+        return pieces
+
+    # ---- selection work ---------------------------------------------------------------------
+    def selector_time_s(self, evaluations: int, ops: float) -> float:
+        """Device time of a selection: its cost-model ``evaluations`` and other elementary ``ops``.
+
+        Each evaluation is a few vector passes over the model's tensors
+        (``8 * num_tensors`` operations); everything is priced at the device's sustained
+        arithmetic rate (``peak_flops * efficiency``), as a compiled selector would run on it.
+        """
+        total = evaluations * _OPS_PER_EVALUATION_PER_TENSOR * self.info.num_tensors + ops
+        return float(total / (self.device.peak_flops.value * self.device.efficiency.value))
 
     # ---- communication and energy -----------------------------------------------------------
     def bytes_up(self, ratios: np.ndarray) -> float:
@@ -263,6 +580,7 @@ class CostModel:
 
     def step_macs(self, ratios: np.ndarray) -> float:
         """MACs of one step: forward, dX above the deepest trained tensor, and trained dW."""
+        self.evaluations += 1
         ratios = np.asarray(ratios, float)
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:

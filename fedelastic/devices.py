@@ -1,9 +1,14 @@
-"""Device profiles: schema v1, loader, registry and fleet assignment.
+"""Device profiles: schema v2 (v1 still loads), loader, registry and fleet assignment.
 
 A profile is a TOML file. Every number is an inline table
 ``{ value = ..., unit = "...", source = "..." }``; the loader checks the unit against the
 quantity's dimension, converts to SI and keeps the source. Unknown keys are errors.
 The schema is documented in the README ("Device profiles").
+
+Schema v2 adds two optional sections: ``[kernels.<class>]``, the fitted roofline of each kernel
+class (:data:`KERNEL_CLASSES`; see :mod:`fedelastic.costmodel`), and ``[uncertainty]``, the
+relative error band of a roofline-priced step time. A v1 profile has neither: every kernel class
+then uses ``compute.efficiency``, the whole ``mem_bandwidth`` and no extra overhead.
 """
 
 from __future__ import annotations
@@ -19,7 +24,22 @@ from .config import read_toml
 from .errors import ConfigError
 from .units import UNITS, to_si
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
+
+#: Kernel classes the cost model prices separately, and the class whose parameters each one falls
+#: back to when a profile does not fit it (None: the profile's single-efficiency roofline).
+KERNEL_CLASSES: dict[str, str | None] = {
+    "gemm_fwd": None,  # dense conv / linear / attention matmuls, forward
+    "gemm_dx": None,  # their input gradients
+    "gemm_dw": None,  # their weight gradients
+    "eltwise": None,  # element-wise and norm ops, activations, residual adds
+    "reduce": None,  # reductions: softmax, pooling, bias and norm-parameter gradients
+    "layout": "eltwise",  # copies: padding, concatenation, layout transforms
+    "depthwise_fwd": "eltwise",  # grouped / depthwise conv: a stencil, not a GEMM
+    "depthwise_dx": "eltwise",
+    "depthwise_dw": "reduce",  # its filter gradient: a reduction onto k*k outputs per channel
+}
 DEVICE_CLASSES = ("mcu", "sbc", "gpu-edge", "phone")
 DTYPES = {"fp32": 4, "fp16": 2, "int8": 1}
 
@@ -34,7 +54,12 @@ class Quantity:
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """Measured seconds per training step of one layer, at the table's batch size."""
+    """Measured seconds per training step of one layer, at the table's batch size.
+
+    ``fwd_s``: its forward (and the weightless ops just below it); ``dx_s``: passing the error
+    gradient from its output to its input (through the weightless ops below it); ``dw_s``: the
+    gradients of its own parameters.
+    """
 
     fwd_s: float
     dx_s: float
@@ -43,13 +68,40 @@ class LayerTiming:
 
 @dataclass(frozen=True)
 class MeasuredTable:
-    """A measured per-layer table for one model, keyed by project module name."""
+    """A measured per-layer table of one model on one device (a profile's ``[measured.<model>]``).
+
+    ``layers`` are keyed by the project model's torch module names, in forward order. The step
+    totals (``step_s``, ``forward_s``, ``backward_s``, ``other_s``: medians of the measured steps;
+    ``other_s`` is what falls outside forward and backward, optimizer and gaps included) and
+    ``n_steps`` are known where the table was measured or imported, and 0 when it was loaded from
+    a profile, which keeps only what the cost model uses.
+    """
 
     batch_size: int
     source: str
     layers: dict[str, LayerTiming]
-    unattributed_fwd_s: float = 0.0
-    unattributed_bwd_s: float = 0.0
+    unattributed_fwd_s: float = 0.0  # forward no layer owns (the loss)
+    unattributed_bwd_s: float = 0.0  # backward no layer owns (the loss gradient)
+    model: str = ""
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    other_s: float = 0.0
+    n_steps: int = 0
+
+
+@dataclass(frozen=True)
+class KernelClass:
+    """Fitted roofline of one kernel class: ``max(flops / (peak * efficiency), bytes / bandwidth) / s
+    + launch_overhead + overhead`` with ``s = outputs / (outputs + width)``.
+
+    ``width`` is the output elements at which a kernel reaches half its throughput (0: always full).
+    """
+
+    efficiency: Quantity  # fraction of the dtype's peak
+    bandwidth: Quantity  # effective B/s of the class's kernels
+    overhead_s: Quantity  # per kernel, on top of compute.launch_overhead
+    width: Quantity  # elements
 
 
 @dataclass(frozen=True)
@@ -78,6 +130,8 @@ class DeviceProfile:
     measured: dict[str, MeasuredTable] = field(default_factory=dict)
     notes: str = ""
     path: str = ""
+    kernels: dict[str, KernelClass] = field(default_factory=dict)
+    uncertainty: Quantity | None = None  # relative 1-sigma error of a roofline-priced step time
 
     @property
     def bytes_per_element(self) -> int:
@@ -110,8 +164,11 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
         "latency": ("time", True),
     },
     "availability": {"probability": ("ratio", True)},
+    "uncertainty": {"step": ("ratio", True)},
 }
-_TOP_KEYS = {"schema_version", "name", "display_name", "device_class", "train_dtype", "notes", "measured"}
+_OPTIONAL_SECTIONS = ("availability", "uncertainty")
+_KERNEL_KEYS = {"efficiency": "ratio", "bandwidth": "bandwidth", "overhead": "time", "width": "count"}
+_TOP_KEYS = {"schema_version", "name", "display_name", "device_class", "train_dtype", "notes", "measured", "kernels"}
 
 
 def _check_unknown(src: str, where: str, got: dict, allowed: set[str]) -> None:
@@ -173,15 +230,44 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
             layers,
             float(extras["unattributed_fwd"]),
             float(extras["unattributed_bwd"]),
+            model=str(model),
         )
     return tables
+
+
+def _kernels(src: str, raw: Any) -> dict[str, KernelClass]:
+    if not isinstance(raw, dict):
+        raise ConfigError(src, "kernels", "a table of [kernels.<class>] tables", raw)
+    out = {}
+    for name, table in raw.items():
+        where = f"kernels.{name}"
+        if name not in KERNEL_CLASSES:
+            raise ConfigError(src, where, f"a kernel class, one of {list(KERNEL_CLASSES)}", name)
+        if not isinstance(table, dict):
+            raise ConfigError(src, where, f"a table with {sorted(_KERNEL_KEYS)}", table)
+        _check_unknown(src, where, table, set(_KERNEL_KEYS))
+        q = {}
+        for key, dimension in _KERNEL_KEYS.items():
+            if key not in table:
+                raise ConfigError(src, f"{where}.{key}", f"a {dimension} quantity (required)")
+            q[key] = _quantity(src, f"{where}.{key}", table[key], dimension)
+        if not 0 < q["efficiency"].value <= 1:
+            raise ConfigError(src, f"{where}.efficiency.value", "a fraction in (0, 1]", q["efficiency"].value)
+        if q["bandwidth"].value <= 0:
+            raise ConfigError(src, f"{where}.bandwidth.value", "a positive number", q["bandwidth"].value)
+        out[name] = KernelClass(q["efficiency"], q["bandwidth"], q["overhead"], q["width"])
+    return out
 
 
 def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile:
     """Validate a parsed TOML document into a :class:`DeviceProfile`."""
     _check_unknown(src, "", raw, _TOP_KEYS | set(_QUANTITIES))
-    if raw.get("schema_version") != SCHEMA_VERSION:
-        raise ConfigError(src, "schema_version", f"schema_version = {SCHEMA_VERSION}", raw.get("schema_version"))
+    if raw.get("schema_version") not in SCHEMA_VERSIONS:
+        raise ConfigError(src, "schema_version", f"one of {list(SCHEMA_VERSIONS)}", raw.get("schema_version"))
+    if raw["schema_version"] == 1:
+        for key in ("kernels", "uncertainty"):
+            if key in raw:
+                raise ConfigError(src, key, "schema_version = 2 (this section is new in v2)", raw["schema_version"])
     for key in ("name", "display_name", "device_class", "train_dtype"):
         if not isinstance(raw.get(key), str) or not raw[key]:
             raise ConfigError(src, key, "a non-empty string", raw.get(key))
@@ -196,7 +282,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
     for section, spec in _QUANTITIES.items():
         table = raw.get(section)
         if table is None:
-            if section == "availability":
+            if section in _OPTIONAL_SECTIONS:
                 continue
             raise ConfigError(src, section, f"a [{section}] table")
         if not isinstance(table, dict):
@@ -244,6 +330,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         measured=_measured(src, raw["measured"]) if "measured" in raw else {},
         notes=str(raw.get("notes", "")),
         path=src,
+        kernels=_kernels(src, raw["kernels"]) if "kernels" in raw else {},
+        uncertainty=q.get("uncertainty.step"),
     )
 
 

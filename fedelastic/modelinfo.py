@@ -3,12 +3,19 @@
 :func:`describe` runs one forward pass with hooks and records, in forward order, every module
 that owns parameters (a *layer*) and every weightless leaf module (an *op*: ReLU, pooling...).
 The result, :class:`ModelInfo`, is pure Python/numpy: nothing downstream needs torch.
-Functional operations inside ``forward`` (e.g. a residual ``x + y``) are not seen by hooks.
+
+Functional operations inside a ``forward`` (a residual ``x + y``, an attention core's
+``q @ k.T``, ``softmax`` and ``@ v``, ``F.scaled_dot_product_attention``, ``F.gelu``...) are not
+seen by module hooks. :func:`describe` records them with a torch function mode (every torch call
+made outside a leaf module's forward) as :class:`FunctionalOp` entries. It also counts the
+forward's FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` and warns when the layers and
+functional ops it saw hold less than 90% of them (something else runs that nothing prices).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -41,6 +48,7 @@ class LayerInfo:
     out_channels: int
     tensors: tuple[int, ...]
     groups: int = 1  # conv groups: a grouped (depthwise) conv's output channel needs only its own inputs
+    batch_stats: bool = False  # a BatchNorm (its statistics can be frozen); other norms normalise per sample
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,22 @@ class OpInfo:
 
     name: str
     kind: str  # mask (backward needs one bit per element) | saved (backward needs its input)
+    in_numel: int
+    out_numel: int
+    above: int
+
+
+@dataclass(frozen=True)
+class FunctionalOp:
+    """A torch call made outside any leaf module (sizes per sample); ``above`` as in :class:`OpInfo`.
+
+    ``kind``: ``matmul`` (batched matrix products; ``macs``), ``softmax`` (a row reduction),
+    ``eltwise`` (adds, activations...), ``layout`` (copies: ``cat``, ``contiguous``...).
+    """
+
+    name: str
+    kind: str
+    macs: int
     in_numel: int
     out_numel: int
     above: int
@@ -66,6 +90,8 @@ class ModelInfo:
     tensor_layer: np.ndarray
     tensor_numel: np.ndarray
     tensor_channels: np.ndarray  # size of dim 0 (output channels)
+    functional: tuple[FunctionalOp, ...] = ()
+    flop_counter_macs: int = 0  # per sample, FlopCounterMode's forward FLOPs / 2 (0: not counted)
 
     @property
     def num_tensors(self) -> int:
@@ -77,6 +103,59 @@ class ModelInfo:
 
     def layer_first_tensor(self) -> np.ndarray:
         return np.array([layer.tensors[0] for layer in self.layers], dtype=np.int64)
+
+    @property
+    def hooked_macs(self) -> int:
+        """Forward MACs per sample of the layers and the functional matmuls."""
+        return sum(layer.macs for layer in self.layers) + sum(op.macs for op in self.functional)
+
+    @property
+    def macs_coverage(self) -> float:
+        """``hooked_macs`` over FlopCounterMode's count (1.0 when it was not counted)."""
+        return self.hooked_macs / self.flop_counter_macs if self.flop_counter_macs else 1.0
+
+
+#: Share of FlopCounterMode's forward FLOPs below which :func:`describe` warns.
+MIN_MACS_COVERAGE = 0.9
+
+# functional torch calls by the kernel class that prices them (names as ``func.__name__``)
+_FN_MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"}
+_FN_SOFTMAX = {"softmax", "log_softmax", "_softmax"}
+_FN_ELTWISE = {
+    "add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__",
+    "__imul__", "div", "__truediv__", "__itruediv__", "relu", "relu_", "gelu", "silu", "sigmoid", "tanh",
+    "hardswish", "hardtanh", "relu6", "dropout", "layer_norm", "exp", "sqrt", "rsqrt", "pow", "__pow__",
+    "neg", "__neg__", "where", "clamp", "clip", "mean", "sum", "amax",
+}  # fmt: skip
+_FN_LAYOUT = {"cat", "stack", "contiguous", "clone", "repeat", "roll", "pad"}
+
+
+def _matmul_macs(name: str, args: tuple, out) -> int:
+    """MACs of a (batched) matrix product from its operands' shapes."""
+    import torch
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name == "scaled_dot_product_attention" and len(tensors) >= 3:
+        q, k, v = tensors[:3]
+        # q @ k^T and softmax(.) @ v: [.., L, E] x [.., S, E] and [.., L, S] x [.., S, Ev]
+        lead = int(np.prod(q.shape[:-2]))
+        return lead * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    if name == "einsum" or out is None or len(tensors) < 2 or tensors[0].dim() == 0:
+        return 0
+    inner = tensors[0].shape[-1]
+    return int(out.numel()) * int(inner)
+
+
+def _fn_kind(name: str) -> str | None:
+    if name in _FN_MATMUL:
+        return "matmul"
+    if name in _FN_SOFTMAX:
+        return "softmax"
+    if name in _FN_ELTWISE:
+        return "eltwise"
+    if name in _FN_LAYOUT:
+        return "layout"
+    return None
 
 
 def _kind(module: nn.Module) -> str:
@@ -123,19 +202,23 @@ def first_tensor(x) -> torch.Tensor | None:
 def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> ModelInfo:
     """Run ``model`` once on ``sample`` (batch >= 1) and describe it per sample."""
     import torch
+    from torch import nn
 
     owners = [(name, mod) for name, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False))]
     owner_ids = {id(mod) for _, mod in owners}
     leaves = [(name, mod) for name, mod in model.named_modules() if not any(True for _ in mod.children())]
     seen: dict[int, tuple[int, str, nn.Module, int, int, int, int]] = {}
+    calls: list[tuple[int, str, str, int, int, int]] = []  # order, name, kind, macs, in, out (per sample)
     order = [0]
+    depth = [0]  # leaf modules running: a torch call at depth 0 is functional
+    batch = sample.shape[0]
 
     def hook(name: str):
         def fn(mod, args, out):
+            depth[0] -= 1
             if id(mod) in seen:
                 return
             inp, o = first_tensor(args), first_tensor(out)
-            batch = sample.shape[0]
             in_n = inp.numel() // batch if inp is not None else 0
             out_n = o.numel() // batch if o is not None else 0
             kind = _kind(mod)
@@ -144,6 +227,9 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             order[0] += 1
 
         return fn
+
+    def enter(_mod, _args):
+        depth[0] += 1
 
     def pre_hook(name: str):
         def fn(mod, args):
@@ -154,16 +240,40 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
 
         return fn
 
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Functional(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            kind = _fn_kind(name) if depth[0] == 0 else None
+            o = first_tensor(out) if kind else None
+            if o is not None:
+                i = first_tensor(args)
+                macs = _matmul_macs(name, args, o) if kind == "matmul" else 0
+                n_in = i.numel() if i is not None else 0
+                calls.append((order[0], name, kind, macs // batch, n_in // batch, o.numel() // batch))
+                order[0] += 1
+                if name == "scaled_dot_product_attention" and i is not None:  # its softmax over the scores
+                    k = first_tensor(args[1:])
+                    scores = int(np.prod(i.shape[:-1])) * (k.shape[-2] if k is not None else i.shape[-2])
+                    calls.append((order[0], "softmax", "softmax", 0, scores // batch, scores // batch))
+                    order[0] += 1
+            return out
+
     handles = []
     for name, mod in leaves:
+        handles.append(mod.register_forward_pre_hook(enter))
         handles.append(mod.register_forward_hook(hook(name)))
     for name, mod in owners:
         if any(True for _ in mod.children()):
             handles.append(mod.register_forward_pre_hook(pre_hook(name)))
     was_training = model.training
+    counter = FlopCounterMode(display=False)
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), counter, Functional():
             model(sample)
     finally:
         model.train(was_training)
@@ -173,7 +283,14 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     names, roles, tlayer, numel, channels = [], [], [], [], []
     layers: list[LayerInfo] = []
     ops_raw = []
-    for _, name, mod, in_n, out_n, macs, out_ch in sorted(seen.values(), key=lambda r: r[0]):
+    functional: list[FunctionalOp] = []
+    call_at = {c[0]: c for c in calls}
+    rows = sorted([*seen.values(), *((c[0], "", None, 0, 0, 0, 0) for c in calls)], key=lambda r: r[0])
+    for at, name, mod, in_n, out_n, macs, out_ch in rows:
+        if mod is None:
+            _, fname, fkind, fmacs, fin, fout = call_at[at]
+            functional.append(FunctionalOp(f"{fname}#{len(functional)}", fkind, fmacs, fin, fout, len(layers)))
+            continue
         if id(mod) not in owner_ids:
             kind = "mask" if isinstance(mod, _module_types()[1]) else "saved"
             ops_raw.append((name, kind, in_n, out_n, len(layers)))
@@ -194,12 +311,16 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             numel.append(p.numel())
             channels.append(p.shape[0] if p.dim() > 0 else 1)
         groups = int(getattr(mod, "groups", 1)) if kind == "conv" else 1
-        layers.append(LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups))
+        batch_stats = isinstance(mod, nn.modules.batchnorm._BatchNorm)
+        layers.append(
+            LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups, batch_stats)
+        )
     missing = [n for n, p in model.named_parameters() if n not in set(names)]
     if missing:
         raise ValueError(f"parameters not reached by a forward pass: {missing[:5]}")
     ops = tuple(OpInfo(n, k, i, o, min(a, len(layers))) for n, k, i, o, a in ops_raw)
-    return ModelInfo(
+    fn_ops = tuple(replace(f, above=min(f.above, len(layers))) for f in functional)
+    info = ModelInfo(
         model_name=model_name,
         layers=tuple(layers),
         ops=ops,
@@ -208,4 +329,14 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         tensor_layer=np.array(tlayer, dtype=np.int64),
         tensor_numel=np.array(numel, dtype=np.int64),
         tensor_channels=np.array(channels, dtype=np.int64),
+        functional=fn_ops,
+        flop_counter_macs=int(counter.get_total_flops()) // 2 // batch,
     )
+    if info.macs_coverage < MIN_MACS_COVERAGE:
+        warnings.warn(
+            f"describe({model_name or type(model).__name__}): the layers and functional ops seen hold "
+            f"{info.macs_coverage:.0%} of the forward MACs FlopCounterMode counts ({info.flop_counter_macs:,} "
+            f"per sample); the cost model does not price the rest",
+            stacklevel=2,
+        )
+    return info

@@ -64,12 +64,30 @@ class TrainConfig:
     lr: float = field(0.05, help="SGD learning rate")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
+    optimizer: Literal["sgd", "sgdw"] = field(
+        "sgd",
+        help="'sgd' (weight decay coupled as L2 in the gradient) or 'sgdw' (decoupled, the ElasticTrainer artifact's)",
+    )
+    lr_schedule: Literal["constant", "cosine"] = field(
+        "constant", help="'constant' or 'cosine' (lr to 0 over each local training; the artifact's is cosine)"
+    )
+    bn_mode: Literal["auto", "frozen", "train"] = field(
+        "auto",
+        help="'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods', which "
+        "fine-tune a pretrained model); 'train': a BatchNorm with a trained tensor uses batch statistics, "
+        "averaged by FedAvg; 'auto' (default): 'frozen' when the run starts from pretrained weights "
+        "(model.pretrain or model.weights), 'train' when it trains from the factory's initialisation",
+    )
 
     def __post_init__(self):
         check(self.local_epochs >= 1, "local_epochs", "an integer >= 1")
         check(self.max_steps >= 0, "max_steps", "an integer >= 0")
         check(self.batch_size >= 1, "batch_size", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
+        check(self.momentum >= 0, "momentum", "a number >= 0")
+        check(self.optimizer in ("sgd", "sgdw"), "optimizer", "one of ['sgd', 'sgdw']")
+        check(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "one of ['constant', 'cosine']")
+        check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
 
 
 POLICIES = ("wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async")

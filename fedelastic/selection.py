@@ -31,10 +31,16 @@ PROBES = ("importance", "fisher")
 
 @dataclass(frozen=True)
 class Selection:
-    """Per-tensor trained fraction (0 frozen, 1 whole tensor) and, where partial, the channels."""
+    """Per-tensor trained fraction (0 frozen, 1 whole tensor) and, where partial, the channels.
+
+    A partial tensor trains either the output channels listed in ``channels`` or, if
+    ``input_sparse[k]`` is set, a ``ratios[k]`` share of its **input** channels (Sparse Update),
+    which the trainer picks by weight norm (largest first; a depthwise conv's own channels).
+    """
 
     ratios: np.ndarray
     channels: dict[int, np.ndarray] = field(default_factory=dict)
+    input_sparse: np.ndarray | None = None  # bool per tensor: ratio counts input channels
 
     @classmethod
     def from_mask(cls, mask: np.ndarray) -> Selection:
@@ -71,6 +77,7 @@ class SelectionContext:
     rng: np.random.Generator
     importance: np.ndarray | None = None  # per tensor, from the 'importance' probe
     fisher: dict[int, np.ndarray] | None = None  # per layer index, per output channel, from 'fisher'
+    ops: float = 0.0  # elementary operations the selection did besides cost-model calls (priced on the device)
 
     @property
     def memory_budget_bytes(self) -> float:
@@ -88,6 +95,7 @@ class SelectionStrategy:
     name: ClassVar[str]
     config_cls: ClassVar[type] = StrategyConfig
     probe: ClassVar[str | None] = None  # which probe the trainer runs before select()
+    offline: ClassVar[bool] = False  # the selection is computed offline (not on the device): its work is not charged
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -95,9 +103,16 @@ class SelectionStrategy:
     def select(self, ctx: SelectionContext) -> Selection:
         raise NotImplementedError
 
-    def should_reselect(self, step: int) -> bool:
-        """Whether to probe and select again before ``step`` (step 0 always selects)."""
+    def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
+        """Whether to probe and select again before ``step`` (step 0 always selects).
+
+        ``steps_per_epoch`` is the local trainer's, for intervals counted in epochs.
+        """
         return False
+
+    def probe_scope(self, ctx: SelectionContext) -> np.ndarray | None:
+        """Tensors the probe must cover (bool per tensor); None: all. An empty scope skips the probe."""
+        return None
 
     def state(self) -> dict[str, np.ndarray]:
         """What the strategy remembers between local trainings; the client keeps it across rounds."""

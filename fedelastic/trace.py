@@ -73,10 +73,10 @@ from typing import Any
 
 import numpy as np
 
+from .devices import LayerTiming, MeasuredTable
+
 __all__ = [
     "FUSED_BN_GRAD_DX_SHARE",
-    "LayerTime",
-    "MeasuredTable",
     "import_trace",
     "keras_scope",
     "load_trace_events",
@@ -117,74 +117,6 @@ _PARAM_GRAD_TYPES = frozenset(
         "FusedBatchNormGradV3",
     }
 )
-
-
-@dataclass(frozen=True)
-class LayerTime:
-    """Measured times of one layer per training step (median over steps), in seconds.
-
-    Attributes
-    ----------
-    fwd_s : float
-        Forward time.
-    dx_s : float
-        Time to pass the error gradient from the layer's output to its input (including the
-        weightless ops between it and the next trainable layer below).
-    dw_s : float
-        Time to compute the gradients of the layer's own parameters.
-    """
-
-    fwd_s: float
-    dx_s: float
-    dw_s: float
-
-
-@dataclass(frozen=True)
-class MeasuredTable:
-    """Per-layer times of one model on one device, imported from a trace.
-
-    Attributes
-    ----------
-    model : str
-        Model name, e.g. ``"resnet50"``.
-    batch_size : int
-        Batch size of the measured steps.
-    source : str
-        Where the numbers come from.
-    layers : dict of str to LayerTime
-        Keys are the project model's torch module names, in forward order.
-    step_s, forward_s, backward_s : float
-        Median step, forward and backward time.
-    other_s : float
-        Median of step minus forward minus backward: work outside forward and backward (data
-        augmentation, optimizer, copies) and idle gaps.
-    unattributed_fwd_s, unattributed_bwd_s : float
-        Median forward / backward time charged to no layer (e.g. the loss).
-    n_steps : int
-        Number of steps the medians are taken over.
-    """
-
-    model: str
-    batch_size: int
-    source: str
-    layers: dict[str, LayerTime]
-    step_s: float
-    forward_s: float
-    backward_s: float
-    other_s: float
-    unattributed_fwd_s: float
-    unattributed_bwd_s: float
-    n_steps: int = 0
-
-    def to_toml(self) -> dict[str, Any]:
-        """The ``[measured.<model>]`` table of a device profile (times in seconds)."""
-        return {
-            "batch_size": self.batch_size,
-            "source": self.source,
-            "unattributed_fwd": self.unattributed_fwd_s,
-            "unattributed_bwd": self.unattributed_bwd_s,
-            "layers": {name: {"fwd": t.fwd_s, "dx": t.dx_s, "dw": t.dw_s} for name, t in self.layers.items()},
-        }
 
 
 def load_trace_events(path: str | Path) -> list[dict[str, Any]]:
@@ -498,7 +430,7 @@ def _table(
         model=model,
         batch_size=batch_size,
         source=source,
-        layers={n: LayerTime(float(med[k, 0]), float(med[k, 1]), float(med[k, 2])) for k, n in enumerate(names)},
+        layers={n: LayerTiming(float(med[k, 0]), float(med[k, 1]), float(med[k, 2])) for k, n in enumerate(names)},
         step_s=float(tot[0]),
         forward_s=float(tot[1]),
         backward_s=float(tot[2]),

@@ -2,13 +2,23 @@
 
 * Unselected parameters get ``requires_grad=False``, so autograd skips their dW, and backprop
   stops below the deepest selected tensor (nothing below it needs a gradient).
-* Channel-sparse selections zero the gradient of unselected output channels and restore those
-  channels' values and optimizer state after each step, so they stay exactly unchanged.
-* Norm layers with no trained tensor run in eval mode (running statistics frozen).
+* Channel-sparse selections zero the gradient of unselected channels (output channels, or input
+  channels picked by weight norm for Sparse Update) and restore those channels' values and
+  optimizer state after each step, so they stay exactly unchanged.
+* BatchNorm: ``bn_mode = "frozen"`` (default, the seeds': ``training=False`` in every scheme)
+  keeps every BatchNorm in inference mode, its running statistics fixed and never sent, while
+  gamma and beta stay trainable; ``"train"`` runs a BatchNorm with a trained tensor on batch
+  statistics, and its running statistics travel with it.
 * The probes a strategy asks for (ElasticTrainer importance, TinyTrain Fisher potential) run on
-  the real model; their forward and backward passes are charged to the emulated time.
+  the real model over the tensors of the strategy's :meth:`probe_scope`; their peak memory is
+  priced (:meth:`CostModel.probe_memory`) and a probe runs on the largest micro-batch that fits
+  the device (gradients accumulated, a sum loss over the batch: the same numbers as one pass
+  when BatchNorm is frozen), split into pieces of the model when not even one sample fits
+  (:meth:`CostModel.probe_segments`). A probe that does not fit at all never runs: the client
+  reports ``fits=False``. Probe and selector work (:meth:`CostModel.selector_time_s`) are
+  charged to the emulated time.
 * A selection that does not fit the device's training memory is never trained: the result says
-  ``fits=False``.
+  ``fits=False``; the emulated time already spent in the round is kept, the weights roll back.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
 
 _NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+OPTIMIZERS = ("sgd", "sgdw")
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -38,14 +50,53 @@ class LocalResult:
     steps: int = 0
     train_loss: float = float("nan")
     trained: dict[str, np.ndarray] = field(default_factory=dict)  # tensors and norm buffers that changed
-    channel_masks: dict[str, np.ndarray] = field(default_factory=dict)  # partial tensors: 0/1 per output channel
+    channel_masks: dict[str, np.ndarray] = field(default_factory=dict)  # partial tensors: 0/1, broadcastable
     ratios: np.ndarray | None = None  # union over the round's selections
     train_time_s: float = 0.0
-    overhead_time_s: float = 0.0  # probes, included in train_time_s
+    overhead_time_s: float = 0.0  # probes and selector work, included in train_time_s
+    selector_time_s: float = 0.0  # the selector's work priced on the device, included in overhead_time_s
     macs: float = 0.0
-    peak_memory_bytes: float = 0.0
+    peak_memory_bytes: float = 0.0  # max of training and probes
+    probe_peak_memory_bytes: float = 0.0  # largest probe run (or needed, when it did not fit)
     selections: int = 0
     host_wall_s: float = 0.0
+    reason: str = ""  # why fits is False
+
+
+class SGDW(torch.optim.SGD):
+    """SGD with decoupled weight decay (the artifact's ``tfa.optimizers.SGDW``).
+
+    Each step first shrinks every parameter that has a gradient by ``lr * weight_decay`` (the
+    decay follows the learning-rate schedule, as the artifact's ``lr * weight_decay`` cosine
+    does), then takes a plain momentum-SGD step on the gradient alone.
+    """
+
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float):
+        super().__init__(params, lr=lr, momentum=momentum, weight_decay=0.0)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = weight_decay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.mul_(1 - group["lr"] * group["decoupled_weight_decay"])
+        return super().step(closure)
+
+
+def make_optimizer(params, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+    """``sgd`` (torch SGD, weight decay coupled as L2 in the gradient) or ``sgdw`` (decoupled)."""
+    if optimizer == "sgdw":
+        return SGDW(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
+
+
+def cost_optimizer(momentum: float) -> str:
+    """The cost model's optimizer-state class of what :func:`make_optimizer` builds."""
+    return "momentum" if momentum > 0 else "sgd"
 
 
 def seed_everything(seed: int | list[int]) -> np.random.Generator:
@@ -71,28 +122,48 @@ def count_backward_nodes(loss: torch.Tensor) -> int:
     return len(seen)
 
 
+def _chunks(n: int, micro_batch: int) -> list[slice]:
+    m = micro_batch or n
+    return [slice(i, min(i + m, n)) for i in range(0, n, m)]
+
+
 def importance_probe(
-    model: nn.Module, info: ModelInfo, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    info: ModelInfo,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    micro_batch: int = 0,
+    scope: np.ndarray | None = None,
 ) -> np.ndarray:
     """ElasticTrainer importance ``I[k] = -sum g * dw`` of every tensor, from one real step.
 
     Full backward, one real optimizer step (dw includes lr, momentum and weight decay), a second
     full backward at the new weights, then weights, buffers and optimizer state are restored.
+    ``micro_batch`` (0: the whole batch) accumulates each backward over micro-batches of a sum
+    loss divided by the batch size: the same gradient as one pass when BatchNorm is frozen.
+    ``scope`` (bool per tensor, default all) limits the probe to those tensors; the others get 0.
     """
     params = ordered_params(model, info)
+    in_scope = np.ones(len(params), bool) if scope is None else np.asarray(scope, bool)
     flags = [p.requires_grad for p in params]
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(optimizer.state_dict())
-    try:
-        for p in params:
-            p.requires_grad_(True)
-        before = [p.detach().clone() for p in params]
+    n = len(x)
+
+    def backward() -> None:
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        for part in _chunks(n, micro_batch):
+            (nn.functional.cross_entropy(model(x[part]), y[part], reduction="sum") / n).backward()
+
+    try:
+        for p, on in zip(params, in_scope):
+            p.requires_grad_(bool(on))
+        before = [p.detach().clone() for p in params]
+        backward()
         optimizer.step()
         delta = [p.detach() - b for p, b in zip(params, before)]
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward()
         importance = np.array(
             [-(p.grad * d).sum().item() if p.grad is not None else 0.0 for p, d in zip(params, delta)]
         )
@@ -105,14 +176,33 @@ def importance_probe(
     return importance
 
 
-def fisher_probe(model: nn.Module, info: ModelInfo, x: torch.Tensor, y: torch.Tensor) -> dict[int, np.ndarray]:
+def fisher_probe(
+    model: nn.Module,
+    info: ModelInfo,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    micro_batch: int = 0,
+    scope: np.ndarray | None = None,
+) -> dict[int, np.ndarray]:
     """TinyTrain's per-channel Fisher potential of each conv/linear layer's output.
 
     ``delta_o = 1/(2N) * sum_n (sum_d a[n,o,d] * g[n,o,d])**2``: the inner sum over the channel's
-    positions is taken per sample, before squaring.
+    positions is taken per sample, before squaring. Only the error gradient is computed (no
+    weight gradient). ``micro_batch`` splits the batch (per-sample sums: exact when BatchNorm is
+    frozen); ``scope`` limits it to the layers from the deepest to the highest tensor in scope.
     """
     modules = dict(model.named_modules())
-    targets = {li: modules[layer.name] for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear")}
+    lowest, highest = 0, len(info.layers) - 1
+    if scope is not None:
+        picked = np.flatnonzero(np.asarray(scope, bool))
+        lowest, highest = (
+            (int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])) if picked.size else (1, 0)
+        )
+    targets = {
+        li: modules[layer.name]
+        for li, layer in enumerate(info.layers)
+        if layer.kind in ("conv", "linear") and lowest <= li <= highest
+    }
     outputs: dict[int, torch.Tensor] = {}
 
     def keep(li):
@@ -124,21 +214,25 @@ def fisher_probe(model: nn.Module, info: ModelInfo, x: torch.Tensor, y: torch.Te
 
     params = ordered_params(model, info)
     flags = [p.requires_grad for p in params]
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # the probe's forward moves BN statistics
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # a train-mode forward moves BN statistics
     handles = [mod.register_forward_hook(keep(li)) for li, mod in targets.items()]
+    n = len(x)
+    sums = {li: 0.0 for li in targets}
     try:
         for p in params:
-            p.requires_grad_(True)
-        model.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        fisher = {}
-        for li, a in outputs.items():
-            prod = (a * a.grad).detach()
-            if isinstance(targets[li], nn.modules.conv._ConvNd):
-                per_sample = prod.flatten(2).sum(-1)  # (N, C)
-            else:
-                per_sample = prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)  # channels last
-            fisher[li] = (per_sample**2).sum(0).div(2 * prod.shape[0]).numpy().astype(float)
+            p.requires_grad_(False)
+        for part in _chunks(n, micro_batch):
+            outputs.clear()
+            xi = x[part].detach().clone().requires_grad_(True)  # the error gradient flows; no dW
+            (nn.functional.cross_entropy(model(xi), y[part], reduction="sum") / n).backward()
+            for li, a in outputs.items():
+                prod = (a * a.grad).detach()
+                if isinstance(targets[li], nn.modules.conv._ConvNd):
+                    per_sample = prod.flatten(2).sum(-1)  # (N, C)
+                else:
+                    per_sample = prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)  # channels last
+                sums[li] = sums[li] + (per_sample.double() ** 2).sum(0)
+        fisher = {li: (total / (2 * n)).numpy().astype(float) for li, total in sums.items() if li in outputs}
     finally:
         for h in handles:
             h.remove()
@@ -151,10 +245,27 @@ def fisher_probe(model: nn.Module, info: ModelInfo, x: torch.Tensor, y: torch.Te
     return fisher
 
 
+def _input_channels_by_norm(weight: torch.Tensor, groups: int, ratio: float) -> tuple[int, torch.Tensor]:
+    """(axis, bool mask): the kept input channels of a weight by norm, largest first (Sparse Update).
+
+    A dense weight keeps ``ratio`` of its input channels (dim 1) with the largest L2 norms; a
+    depthwise conv (one input channel per group) keeps its own channels (dim 0) the same way.
+    """
+    w = weight.detach()
+    axis = 0 if groups > 1 and w.dim() > 1 and w.shape[1] == 1 else 1
+    norms = w.transpose(0, axis).reshape(w.shape[axis], -1).norm(dim=1)
+    keep = max(1, int(np.floor(ratio * w.shape[axis] + 1e-9)))
+    mask = torch.zeros(w.shape[axis], dtype=torch.bool)
+    mask[torch.argsort(-norms, stable=True)[:keep]] = True
+    return axis, mask
+
+
 class _Applied:
     """A selection applied to a model: requires_grad, norm modes and channel masks."""
 
-    def __init__(self, model: nn.Module, info: ModelInfo, params: list[nn.Parameter], selection: Selection):
+    def __init__(
+        self, model: nn.Module, info: ModelInfo, params: list[nn.Parameter], selection: Selection, bn_mode: str
+    ):
         self.params, self.selection = params, selection
         for p, r in zip(params, selection.ratios):
             p.requires_grad_(bool(r > 0))
@@ -162,30 +273,44 @@ class _Applied:
         for layer in info.layers:
             mod = modules[layer.name]
             if isinstance(mod, _NORM_TYPES):
-                mod.train(any(selection.ratios[k] > 0 for k in layer.tensors))
-        self.masks = {}
+                mod.train(bn_mode == "train" and any(selection.ratios[k] > 0 for k in layer.tensors))
+        self.masks: dict[int, tuple[int, torch.Tensor]] = {}  # tensor -> (axis, kept channels)
         for k, idx in selection.channels.items():
             mask = torch.zeros(params[k].shape[0], dtype=torch.bool)
             mask[torch.as_tensor(idx)] = True
-            self.masks[k] = mask
+            self.masks[k] = (0, mask)
+        if selection.input_sparse is not None:
+            for k in np.flatnonzero(np.asarray(selection.input_sparse, bool) & (selection.ratios > 0)):
+                if params[k].dim() > 1:
+                    groups = info.layers[info.tensor_layer[k]].groups
+                    axis, mask = _input_channels_by_norm(params[k], groups, float(selection.ratios[k]))
+                    if not mask.all():
+                        self.masks[int(k)] = (axis, mask)
+
+    def kept_share(self, k: int) -> float:
+        """The share of tensor ``k`` that trains."""
+        if k in self.masks:
+            return float(self.masks[k][1].float().mean())
+        return float(self.selection.ratios[k])
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step that leaves unselected channels exactly as they were."""
         saved = {}
-        for k, mask in self.masks.items():
+        for k, (axis, mask) in self.masks.items():
             p = self.params[k]
+            frozen = (slice(None),) * axis + (~mask,)
             if p.grad is not None:
-                p.grad[~mask] = 0
+                p.grad[frozen] = 0
             buf = optimizer.state.get(p, {}).get("momentum_buffer")
-            saved[k] = (p.detach()[~mask].clone(), None if buf is None else buf[~mask].clone())
+            saved[k] = (frozen, p.detach()[frozen].clone(), None if buf is None else buf[frozen].clone())
         optimizer.step()
         with torch.no_grad():
-            for k, (values, buf) in saved.items():
-                p, mask = self.params[k], self.masks[k]
-                p[~mask] = values
+            for k, (frozen, values, buf) in saved.items():
+                p = self.params[k]
+                p[frozen] = values
                 state_buf = optimizer.state.get(p, {}).get("momentum_buffer")
                 if state_buf is not None:
-                    state_buf[~mask] = 0 if buf is None else buf
+                    state_buf[frozen] = 0 if buf is None else buf
 
 
 def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_steps: int = 0):
@@ -198,6 +323,15 @@ def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_
                 return
             yield order[start : start + batch_size]
             step += 1
+
+
+def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
+    """Before any selection: BatchNorms in inference mode unless ``bn_mode == "train"``."""
+    model.train()
+    if bn_mode != "train":
+        for mod in model.modules():
+            if isinstance(mod, _NORM_TYPES):
+                mod.eval()
 
 
 def train_local(
@@ -214,53 +348,107 @@ def train_local(
     weight_decay: float = 0.0,
     max_steps: int = 0,
     seed: int | list[int] = 0,
+    bn_mode: str = "frozen",
+    optimizer: str = "sgd",
+    lr_schedule: str = "constant",
 ) -> LocalResult:
-    """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``."""
+    """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
+
+    ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
+    ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
+    steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
+    """
+    if bn_mode != cost.bn_mode:
+        raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
+    if lr_schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
     start = time.perf_counter()
     rng = seed_everything(seed)
     params = ordered_params(model, info)
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = make_optimizer(params, optimizer, lr, momentum, weight_decay)
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.train()
+    _set_norm_modes(model, bn_mode)
     result = LocalResult(fits=True, num_examples=len(data))
     union = np.zeros(info.num_tensors)
-    channel_union: dict[int, np.ndarray] = {}
+    channel_union: dict[int, tuple[int, np.ndarray]] = {}  # partial tensor -> (axis, kept channels)
     losses = []
     applied = None
     step_time = step_macs = 0.0
-    for step, idx in enumerate(batches(len(data), batch_size, epochs, rng, max_steps)):
+    memory = cost.device.memory_train_bytes.value
+    steps_per_epoch = -(-len(data) // batch_size)
+    plan = list(batches(len(data), batch_size, epochs, rng, max_steps))
+
+    def fail(reason: str) -> LocalResult:
+        model.load_state_dict(before)
+        result.fits, result.reason = False, reason
+        result.train_time_s += result.overhead_time_s
+        result.trained, result.channel_masks, result.ratios = {}, {}, None
+        result.train_loss = float(np.mean(losses)) if losses else float("nan")
+        result.host_wall_s = time.perf_counter() - start
+        return result
+
+    for step, idx in enumerate(plan):
         x, y = x_all[idx], y_all[idx]
-        if applied is None or strategy.should_reselect(step):
+        if lr_schedule == "cosine":
+            for group in opt.param_groups:
+                group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / len(plan)))
+        if applied is None or strategy.should_reselect(step, steps_per_epoch):
             ctx = SelectionContext(info, cost, step, rng)
-            if strategy.probe == "importance":
-                ctx.importance = importance_probe(model, info, optimizer, x, y)
-                result.overhead_time_s += cost.probe_time_s(full_backward_passes=2, forward_passes=2)
-            elif strategy.probe == "fisher":
-                ctx.fisher = fisher_probe(model, info, x, y)
-                result.overhead_time_s += cost.probe_time_s(full_backward_passes=1)
+            if strategy.probe is not None:
+                scope = strategy.probe_scope(ctx)
+                if scope is not None and not np.any(scope):  # nothing can be selected: no probe runs
+                    ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
+                else:
+                    pieces = cost.probe_segments(strategy.probe, memory, scope)
+                    if not pieces:
+                        need = cost.probe_memory(strategy.probe, 1, np.arange(info.num_tensors) == info.num_tensors - 1)
+                        result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, need.total_bytes)
+                        result.peak_memory_bytes = max(result.peak_memory_bytes, need.total_bytes)
+                        return fail(
+                            f"the {strategy.probe} probe needs {need.total_bytes:.0f} bytes for one sample of the "
+                            f"last tensor; the device has {memory:.0f}"
+                        )
+                    ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
+                    for piece, micro in pieces:
+                        probe_peak = cost.probe_memory(strategy.probe, micro, piece).total_bytes
+                        result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
+                        result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
+                        if strategy.probe == "importance":
+                            ctx.importance += importance_probe(model, info, opt, x, y, micro, piece)
+                        else:
+                            ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
+                        result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
+            evaluations = cost.evaluations
             selection = strategy.select(ctx)
-            peak = cost.peak_memory_bytes(selection.ratios)
+            selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
+            result.selector_time_s += selector_s
+            result.overhead_time_s += selector_s
+            peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
             result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
             if peak > ctx.memory_budget_bytes:
-                model.load_state_dict(before)
-                result.fits = False
-                result.train_time_s = result.overhead_time_s
-                result.host_wall_s = time.perf_counter() - start
-                return result
-            applied = _Applied(model, info, params, selection)
+                return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
+            applied = _Applied(model, info, params, selection, bn_mode)
             result.selections += 1
-            union = np.maximum(union, selection.ratios)
             for k in np.flatnonzero(selection.ratios > 0):
-                chans = selection.channels.get(int(k), np.arange(info.tensor_channels[k]))
-                channel_union[int(k)] = np.union1d(channel_union.get(int(k), []), chans).astype(np.int64)
+                k = int(k)
+                union[k] = max(union[k], applied.kept_share(k))
+                if k in applied.masks:
+                    axis, mask = applied.masks[k]
+                    kept = np.flatnonzero(mask.numpy())
+                else:
+                    axis, kept = 0, np.arange(info.tensor_channels[k])
+                old_axis, old = channel_union.get(k, (axis, np.zeros(0, np.int64)))
+                if old_axis != axis:  # trained along both axes in one round: send it whole
+                    axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
+                channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
             step_time, step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
         if not selection.mask.any():
             continue  # nothing to train: no step runs
-        optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        applied.step(optimizer)
+        applied.step(opt)
         losses.append(loss.item())
         result.train_time_s += step_time
         result.macs += step_macs
@@ -275,13 +463,18 @@ def train_local(
     for k in np.flatnonzero(union > 0):
         name = info.tensor_names[k]
         result.trained[name] = state[name].detach().numpy().copy()
-        if len(channel_union[int(k)]) < info.tensor_channels[k]:
-            mask = np.zeros(info.tensor_channels[k], dtype=np.float32)
-            mask[channel_union[int(k)]] = 1
-            result.channel_masks[name] = mask
-    for layer in info.layers:  # norm running statistics travel with a trained norm layer
-        if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):
-            for buf in ("running_mean", "running_var"):
-                result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].numpy().copy()
+        axis, kept = channel_union[int(k)]
+        size = state[name].shape[axis]
+        if len(kept) < size:
+            shape = [1] * state[name].dim()
+            shape[axis] = size
+            mask = np.zeros(size, dtype=np.float32)
+            mask[kept] = 1
+            result.channel_masks[name] = mask if axis == 0 else mask.reshape(shape)
+    if bn_mode == "train":  # norm running statistics travel with a trained norm layer
+        for layer in info.layers:
+            if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):
+                for buf in ("running_mean", "running_var"):
+                    result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].numpy().copy()
     result.host_wall_s = time.perf_counter() - start
     return result

@@ -2,7 +2,7 @@
 
 A quantity in a profile is an inline table ``{ value = 25.6, unit = "GB/s", source = "..." }``.
 :func:`to_si` converts it to the base unit of its dimension (bytes, FLOP/s, OP/s, B/s, bit/s,
-s, W, J or a plain ratio ``"1"``).
+s, W, J, a plain ratio ``"1"`` or a count of tensor elements).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ UNITS: dict[str, dict[str, float]] = {
     "power": {"W": 1.0, "mW": 1e-3},
     "energy": {"J": 1.0, "mJ": 1e-3, "uJ": 1e-6, "nJ": 1e-9, "pJ": 1e-12},
     "ratio": {"1": 1.0, "%": 0.01},
+    "count": {"elements": 1.0, "K elements": 1e3, "M elements": 1e6},
 }
 
 

@@ -27,7 +27,7 @@ class StaticElastic(BudgetedStrategy):
         super().__init__(config)
         self._first: Selection | None = None
 
-    def should_reselect(self, step: int) -> bool:
+    def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
         return False
 
     def scores(self, ctx: SelectionContext) -> np.ndarray:

@@ -105,7 +105,7 @@ class TinyTrain(SelectionStrategy):
     probe = "fisher"
     respects_memory = True  # shrinks its selection to ctx.memory_budget_bytes (contract tests)
 
-    def should_reselect(self, step: int) -> bool:
+    def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
         interval = self.config.interval
         return interval > 0 and step > 0 and step % interval == 0
 

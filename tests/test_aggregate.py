@@ -61,3 +61,25 @@ def test_buffered_step_discounts_stale_changes():
     np.testing.assert_allclose(new["w"], [12.0, 10 + (2 + 12) / 4])
     fresh = [ClientUpdate(1, {"w": np.array([12.0, 14.0])}), ClientUpdate(3, {"w": np.array([8.0, 8.0])})]
     np.testing.assert_allclose(aggregate_buffered(g, fresh, [g, g], [1, 1])["w"], aggregate_partial(g, fresh)["w"])
+
+
+def test_conv_tensors_with_output_and_input_channel_masks():
+    # a conv weight (out 2, in 3, 1 x 1): client A trained output channel 1 only, client B input
+    # channels 0 and 2 only (Sparse Update), client C all of it
+    g = {"w": np.zeros((2, 3, 1, 1), np.float32)}
+    a = np.full((2, 3, 1, 1), 10.0)
+    b = np.full((2, 3, 1, 1), 20.0)
+    c = np.full((2, 3, 1, 1), 40.0)
+    updates = [
+        ClientUpdate(1, {"w": a}, {"w": np.array([0.0, 1.0])}),
+        ClientUpdate(2, {"w": b}, {"w": np.array([1.0, 0.0, 1.0]).reshape(1, 3, 1, 1)}),
+        ClientUpdate(1, {"w": c}),
+    ]
+    new = aggregate_partial(g, updates)["w"][:, :, 0, 0]
+    expected = np.array(
+        [
+            [(2 * 20 + 40) / 3, 40.0, (2 * 20 + 40) / 3],  # out 0: B on inputs 0 and 2, C everywhere
+            [(10 + 2 * 20 + 40) / 4, (10 + 40) / 2, (10 + 2 * 20 + 40) / 4],  # out 1: A too
+        ]
+    )
+    np.testing.assert_allclose(new, expected, rtol=1e-6)

@@ -146,3 +146,124 @@ def test_energy_and_communication():
     assert fig.comm_time_s == pytest.approx(up_s + down_s)
     expected = dev.power_train_w.value * 2.0 + dev.power_transmit_w.value * up_s + dev.power_receive_w.value * down_s
     assert fig.energy_j == pytest.approx(expected)
+
+
+# ---- issue 7: BatchNorm mode, per-sample norms, probes, selector work, optimizer ------------------
+def _bn_info():
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3)
+    )
+    return describe(model, torch.zeros(1, 1, 4, 4))
+
+
+def test_batchnorm_memory_follows_the_mode():
+    info = _bn_info()  # tensors: conv.w, bn.gamma, bn.beta, lin.w, lin.b; batch 2, fp32
+    masks = 2 * (32 * 2 / 8)  # ReLU and Flatten above the norm: one bit per element each
+    bn_input = 32 * 2 * 4
+    frozen = CostModel(info, get_profile("jetson_nano"), batch_size=2)  # the default: frozen statistics
+    train = CostModel(info, get_profile("jetson_nano"), batch_size=2, bn_mode="train")
+    beta, gamma, both = np.array([0, 0, 1, 0, 0.0]), np.array([0, 1, 0, 0, 0.0]), np.array([0, 1, 1, 0, 0.0])
+    # frozen: beta's gradient is a sum of dY (nothing saved), gamma's needs the normalised input
+    assert frozen.memory(beta).activations_bytes == masks
+    assert frozen.memory(gamma).activations_bytes == bn_input + masks
+    # batch statistics: any trained tensor of the norm needs its input, once
+    assert train.memory(beta).activations_bytes == bn_input + masks
+    assert train.memory(both).activations_bytes == bn_input + masks
+    with pytest.raises(ValueError, match="bn_mode"):
+        CostModel(info, get_profile("jetson_nano"), batch_size=2, bn_mode="sometimes")
+
+
+def test_layernorm_saves_its_input_whenever_the_gradient_passes_it():
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    info = describe(model, torch.zeros(1, 4))  # l0.w, l0.b, ln.w, ln.b, l2.w, l2.b; batch 2, fp32
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=2)
+    ln_input = 6 * 2 * 4
+    assert cost.memory(np.array([0, 0, 0, 0, 0, 1.0])).activations_bytes == 0  # the norm is below the deepest
+    assert cost.memory(np.array([0, 1, 0, 0, 0, 0.0])).activations_bytes == ln_input  # untrained, passed
+    assert cost.memory(np.array([1, 0, 0, 0, 0, 0.0])).activations_bytes == 4 * 2 * 4 + ln_input
+    assert cost.memory(np.array([0, 0, 1, 0, 0, 0.0])).activations_bytes == ln_input
+
+
+def test_probe_memory_matches_hand_computation():
+    info = _mlp_info()  # Linear(4,3) ReLU Linear(3,2): 23 parameters; batch 2, fp32, momentum
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=2)
+    weights, state = 23 * 4, 23 * 4
+    acts = 4 * 2 * 4 + 3 * 2 * 4 + 3 * 2 / 8  # both inputs and the ReLU mask
+    workspace = 2 * (4 + 3) * 4
+    # importance: full training plus the restored copies of the weights and the optimizer state
+    full_batch = weights + acts + weights + state + (weights + state) + workspace
+    assert cost.probe_memory("importance").total_bytes == full_batch
+    one = weights + acts / 2 + weights + state + (weights + state) + workspace / 2
+    assert cost.probe_memory("importance", batch_size=1).total_bytes == one
+    # fisher: weights, both layers' outputs, the ReLU mask, one float32 per output channel
+    assert cost.probe_memory("fisher").total_bytes == weights + (3 + 2) * 2 * 4 + 0.75 + 4 * (3 + 2) + workspace
+    # the largest micro-batch that fits, and none when not even one sample fits
+    assert cost.probe_plan("importance", full_batch) == (2, full_batch)
+    assert cost.probe_plan("importance", one + 1) == (1, one)
+    assert cost.probe_plan("importance", one - 1) == (0, one)
+
+
+def test_probe_time_sums_its_micro_batches():
+    info = describe(small_cnn(width=4), torch.zeros(1, 1, 8, 8))
+    dev = get_profile("raspberry_pi_4")
+    cost, half = CostModel(info, dev, batch_size=8), CostModel(info, dev, batch_size=4)
+    ones = np.ones(info.num_tensors)
+
+    def passes(c):  # two forwards and two gradient passes over every tensor, no update
+        return 2 * (c.forward_time_s + c.backward_time_s(ones) - c.t_opt.sum())
+
+    assert cost.probe_time_s("importance") == pytest.approx(passes(cost) + cost.t_opt.sum())
+    assert cost.probe_time_s("importance", 4) == pytest.approx(2 * passes(half) + cost.t_opt.sum())
+    # fisher: one forward and the error gradient down to the first layer's output, no weight gradient
+    fisher = cost.forward_time_s + cost.t_dx[1:].sum() + cost.t_bwd_fixed
+    assert cost.probe_time_s("fisher") == pytest.approx(fisher)
+
+
+def test_probe_segments_fit_and_cover_the_top():
+    info = describe(mcu_net(width=16, num_classes=10), torch.zeros(1, 1, 8, 8))
+    cost = CostModel(info, get_profile("stm32f746"), batch_size=16)
+    memory = cost.device.memory_train_bytes.value
+    assert cost.probe_plan("importance", memory)[0] == 0  # the whole probe never fits, even on one sample
+    pieces = cost.probe_segments("importance", memory)
+    assert len(pieces) > 1
+    covered = np.zeros(info.num_tensors, bool)
+    for mask, micro in pieces:
+        assert micro >= 1 and not (covered & mask).any()
+        assert cost.probe_memory("importance", micro, mask).total_bytes <= memory
+        covered |= mask
+    assert covered[-1] and covered[np.flatnonzero(covered)[0] :].all()  # contiguous from the output down
+
+
+def test_selector_work_is_priced_on_the_device():
+    info = _mlp_info()
+    dev = get_profile("stm32h743")
+    cost = CostModel(info, dev, batch_size=2)
+    rate = dev.peak_flops.value * dev.efficiency.value
+    assert cost.selector_time_s(10, 1000.0) == pytest.approx((10 * 8 * info.num_tensors + 1000) / rate)
+    before = cost.evaluations
+    cost.peak_memory_bytes(np.ones(4))
+    cost.backward_time_s(np.ones(4))
+    assert cost.evaluations == before + 2
+
+
+def test_optimizer_state_follows_the_momentum(make_scenario):
+    from fedelastic.fl.env import RunEnvironment
+
+    info = _mlp_info()
+    sgd = CostModel(info, get_profile("jetson_nano"), batch_size=2, optimizer="sgd")
+    assert sgd.memory(np.ones(4)).optimizer_bytes == 0 and np.all(
+        sgd.t_opt < CostModel(info, get_profile("jetson_nano"), 2).t_opt
+    )
+    plain = RunEnvironment(make_scenario(train={"momentum": 0.0}))
+    assert plain.cost("jetson_nano").optimizer_state == 0
+    heavy = RunEnvironment(make_scenario(train={"momentum": 0.9, "optimizer": "sgdw", "bn_mode": "train"}))
+    assert heavy.cost("jetson_nano").optimizer_state == 1 and heavy.cost("jetson_nano").bn_mode == "train"
+
+
+def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario):
+    from fedelastic.fl.env import RunEnvironment
+
+    assert RunEnvironment(make_scenario()).bn_mode == "train"  # from the factory's initialisation
+    pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
+    assert pretrained.bn_mode == "frozen" and pretrained.cost("jetson_nano").bn_mode == "frozen"
+    assert RunEnvironment(make_scenario(train={"bn_mode": "frozen"})).bn_mode == "frozen"

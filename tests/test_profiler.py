@@ -12,17 +12,12 @@ import torch
 
 from fedelastic.cli import main
 from fedelastic.costmodel import CostModel
-from fedelastic.devices import builtin_profile_dir, get_profile, load_profile
+from fedelastic.devices import LayerTiming, MeasuredTable, builtin_profile_dir, get_profile, load_profile
+from fedelastic.fit import _roofline_device, fit_roofline, layer_roofline
+from fedelastic.measure import measure_layers
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
-from fedelastic.profiler import (
-    _roofline_device,
-    dumps_profile,
-    fit_roofline,
-    layer_roofline,
-    measure_layers,
-)
-from fedelastic.trace import LayerTime, MeasuredTable
+from fedelastic.profiles import dumps_profile
 
 
 def _small_info(width: int = 4):
@@ -34,8 +29,12 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     argv = ["profile", "measure", "--model", "small_cnn", "--out", str(out), "--batch-size", "4"]
     argv += ["--repeats", "2", "--warmup", "1", "--threads", "1", "--option", "width=4"]
     assert main(argv) == 0
-    profile = load_profile(out)  # validates schema v1
+    profile = load_profile(out)  # validates schema v2
     assert profile.name == "tiny_host" and profile.train_dtype == "fp32"
+    # the kernel classes are fitted too: the ones small_cnn has kernels of, and a one-model band
+    assert {"gemm_fwd", "gemm_dx", "gemm_dw"} <= set(profile.kernels)
+    assert all(0 < k.efficiency.value <= 1 and k.bandwidth.value > 0 for k in profile.kernels.values())
+    assert profile.uncertainty is not None and "in-sample" in profile.uncertainty.source
     info = _small_info()
     table = profile.measured["small_cnn"]
     assert table.batch_size == 4
@@ -84,7 +83,7 @@ def test_fit_recovers_known_roofline_parameters(objective):
         model="small_cnn",
         batch_size=16,
         source="synthetic",
-        layers={layer.name: LayerTime(*row) for layer, row in zip(info.layers, rows)},
+        layers={layer.name: LayerTiming(*row) for layer, row in zip(info.layers, rows)},
         step_s=0.0,
         forward_s=0.0,
         backward_s=0.0,

@@ -146,9 +146,9 @@ def test_exact_matches_brute_force():
         if budget > 0 and backward_cost(positive, t_dw, t_dx) <= budget:
             # everything worth taking fits the real budget: returned as is, no rounding loss
             assert np.array_equal(mask, positive)
-        else:
-            assert value == pytest.approx(best_rounded, rel=RTOL, abs=1e-12)
-        assert value <= best_real + 1e-9
+        else:  # small lists are never trimmed: optimal on real costs, at least the grid's optimum
+            assert value == pytest.approx(best_real, rel=RTOL, abs=1e-12)
+            assert value >= best_rounded - 1e-9
 
 
 @pytest.mark.parametrize("budget", [0.0, -1.0])
@@ -287,3 +287,69 @@ def test_greedy_feasible_and_respects_eligible():
         assert_feasible(mask, t_dw, t_dx, budget)
         assert not np.any(mask & ~eligible)
         assert not np.any(mask & (importance <= 0))
+
+
+def grid_reference(importance, t_dw, t_dx, budget, resolution) -> float:
+    """Best objective with costs rounded up to ``resolution`` units of the budget (a feasible lower bound)."""
+    n = len(importance)
+    w = to_grid(t_dw, budget, resolution)
+    chain = to_grid(np.array([t_dx[j + 1 :].sum() for j in range(n)]), budget, resolution)
+    dp = np.zeros(resolution + 1)  # knapsack over the tensors above the current deepest
+    best = 0.0
+    for j in range(n - 1, -1, -1):
+        if j + 1 < n and importance[j + 1] > 0 and w[j + 1] <= resolution:
+            wi = w[j + 1]
+            dp[wi:] = np.maximum(dp[wi:], dp[: resolution + 1 - wi] + importance[j + 1])
+        room = resolution - w[j] - chain[j]
+        if importance[j] > 0 and room >= 0:
+            best = max(best, importance[j] + dp[room])
+    return float(best)
+
+
+@pytest.mark.parametrize("n", [200, 300])
+def test_exact_against_a_high_resolution_reference(n):
+    rng = np.random.default_rng(n)
+    t_dw = rng.exponential(1.0, n) * (rng.random(n) < 0.7) + 0.01
+    t_dx = rng.exponential(1.0, n)
+    importance = np.abs(rng.normal(size=n)) * rng.exponential(1.0, n)
+    budget = 0.4 * (t_dw.sum() + t_dx.sum())
+    mask = select_exact(importance, t_dw, t_dx, budget)
+    assert_feasible(mask, t_dw, t_dx, budget)
+    value = objective(mask, importance)
+    fine = grid_reference(importance, t_dw, t_dx, budget, 100_000)
+    coarse = grid_reference(importance, t_dw, t_dx, budget, 1000)  # what the 1000-unit grid found
+    assert value >= fine - 1e-9 and fine > coarse  # rounding on the coarse grid leaves value behind
+    assert value <= fine * 1.001  # the fine grid is within a hair of the optimum
+
+
+def test_trimmed_lists_stay_within_the_budget_resolution(monkeypatch):
+    import fedelastic.selector as selector
+
+    rng = np.random.default_rng(7)
+    n = 120
+    t_dw = rng.exponential(1.0, n) + 0.01
+    t_dx = rng.exponential(0.5, n)
+    importance = rng.exponential(1.0, n)
+    budget = 0.3 * (t_dw.sum() + t_dx.sum())
+    exact_low = objective(select_exact(importance, t_dw, t_dx, budget * (1 - 1 / 100)), importance)
+    monkeypatch.setattr(selector, "_TRIM_ABOVE", 16)  # force trimming at every step
+    mask = select_exact(importance, t_dw, t_dx, budget, resolution=100)
+    assert_feasible(mask, t_dw, t_dx, budget)
+    assert objective(mask, importance) >= exact_low - 1e-9  # at least the optimum for budget * (1 - 1/resolution)
+
+
+def test_grid_solver_is_optimal_for_rounded_up_costs():
+    from fedelastic.selector import select_grid
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        importance, t_dw, t_dx, budget, resolution = random_instance(rng)
+        mask = select_grid(importance, t_dw, t_dx, budget, resolution=resolution)
+        assert_feasible(mask, t_dw, t_dx, budget)
+        best_rounded, best_real = brute_force(importance, t_dw, t_dx, budget, resolution)
+        positive = importance > 0
+        if budget > 0 and backward_cost(positive, t_dw, t_dx) <= budget:
+            assert np.array_equal(mask, positive)
+        else:
+            assert objective(mask, importance) == pytest.approx(best_rounded, rel=RTOL, abs=1e-12)
+        assert objective(mask, importance) <= best_real + 1e-9

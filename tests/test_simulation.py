@@ -45,6 +45,7 @@ def test_run_folder_contents(make_scenario):
     assert len(clients) == 2 * 4 and set(clients["round"]) == {1, 2}
     for col in (
         "emulated_train_time_s",
+        "emulated_train_time_band_s",
         "emulated_energy_j",
         "emulated_peak_memory_bytes",
         "emulated_bytes_up",
@@ -54,6 +55,7 @@ def test_run_folder_contents(make_scenario):
         "fraction_params_trained",
     ):
         assert clients[col].notna().all(), col
+    assert (clients.emulated_train_time_band_s >= 0).all()
     rounds = pd.read_csv(run_dir / "rounds.csv")
     assert list(rounds["round"]) == [0, 1, 2]
     # synchronous clock: a round lasts as long as its slowest client's train + comm time
@@ -175,3 +177,25 @@ def test_a_failing_client_is_recorded_and_the_round_goes_on(make_scenario, monke
     assert (good.error == "").all() and good.emulated_energy_j.notna().all()
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
     assert list(rounds.clients_failed) == [0, 1, 1] and rounds.total_energy_j.notna().all()
+
+
+def test_clients_report_probe_memory_and_why_they_do_not_fit(make_scenario):
+    # mcu_net width 16 on the STM32F746 (320 KiB): full training needs ~1.1 MiB, so it never fits;
+    # elastic_tensor's importance probe must fit (in pieces) and is reported
+    fleet = {"stm32f746": 2}
+    model = {"name": "mcu_net", "options": {"width": 16}}
+    full = run_scenario(make_scenario(fleet=fleet, model=model, train={"strategy": "full"}), run_id="f")
+    clients = pd.read_parquet(full / "clients.parquet")
+    clients = clients[(clients["round"] > 0) & (clients.device == "stm32f746")]  # the fixture's fleet is merged in
+    assert len(clients) and not clients.fits.any() and clients.fits_reason.str.contains("selection needs").all()
+    assert (clients.emulated_probe_peak_memory_bytes == 0).all()
+    et = run_scenario(
+        make_scenario(fleet=fleet, model=model, train={"strategy": "elastic_tensor", "options": {"rho": 0.4}}),
+        run_id="e",
+    )
+    clients = pd.read_parquet(et / "clients.parquet")
+    clients = clients[(clients["round"] > 0) & (clients.device == "stm32f746")]
+    assert len(clients) and clients.fits.all() and (clients.fits_reason == "").all()
+    assert (clients.emulated_probe_peak_memory_bytes > 0).all()
+    assert (clients.emulated_probe_peak_memory_bytes <= clients.device_memory_bytes).all()
+    assert (clients.emulated_peak_memory_bytes >= clients.emulated_probe_peak_memory_bytes).all()

@@ -7,6 +7,7 @@ The shared contract (budgets, only-selected-change, backward nodes, configs, det
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -16,11 +17,11 @@ from torch import nn
 
 from fedelastic.costmodel import CostModel
 from fedelastic.data import load_digits_dataset
-from fedelastic.devices import get_profile
+from fedelastic.devices import Quantity, get_profile
 from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
-from fedelastic.selection import Selection, SelectionContext, make_strategy
+from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, make_strategy
 from fedelastic.strategies._common import solve, tensor_times
 from fedelastic.strategies.tinytrain import layer_scores
 from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
@@ -148,8 +149,10 @@ def test_importance_probe_restores_weights_and_momentum_exactly():
 # ---- elastic_tensor --------------------------------------------------------------------------------
 def test_elastic_tensor_reselects_and_dropped_tensors_return():
     model, info, cost = build(small_cnn, 8, "jetson_nano")
-    strategy = make_strategy("elastic_tensor", {"rho": 0.6, "interval": 2})
-    assert [s for s in range(9) if strategy.should_reselect(s)] == [2, 4, 6, 8]
+    default = make_strategy("elastic_tensor")  # the artifact's interval: 4 epochs
+    assert [s for s in range(50) if default.should_reselect(s, steps_per_epoch=5)] == [20, 40]
+    strategy = make_strategy("elastic_tensor", {"rho": 0.6, "interval": 2, "interval_unit": "steps"})
+    assert [s for s in range(9) if strategy.should_reselect(s, steps_per_epoch=5)] == [2, 4, 6, 8]
     selections = recorded(strategy)
     result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=16)
     assert result.fits and result.selections == len(selections) == 8
@@ -166,8 +169,12 @@ def test_elastic_tensor_reselects_and_dropped_tensors_return():
         )
     ]
     assert returned, "no dropped tensor ever came back"
-    # the probe (2 forward + 2 backward passes) is charged once per selection
-    assert result.overhead_time_s == pytest.approx(8 * cost.probe_time_s(full_backward_passes=2, forward_passes=2))
+    # the probe (2 forwards, 2 gradient passes over every tensor, one optimizer step) is charged
+    # once per selection, plus the selector's work
+    ones = np.ones(info.num_tensors)
+    probe = 2 * (cost.forward_time_s + cost.backward_time_s(ones) - cost.t_opt.sum()) + cost.t_opt.sum()
+    assert result.selector_time_s > 0
+    assert result.overhead_time_s == pytest.approx(8 * probe + result.selector_time_s)
 
 
 def test_elastic_tensor_solvers_respect_budget():
@@ -236,7 +243,7 @@ def test_no_backward_budget_skips_or_errors():
 # ---- elastic_layer -------------------------------------------------------------------------------------
 def test_elastic_layer_selects_whole_layers_only():
     model, info, cost = build(mcu_net, 8, "jetson_nano")
-    strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2})
+    strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2, "interval_unit": "steps"})
     selections = recorded(strategy)
     train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
     assert len(selections) == 4
@@ -293,7 +300,7 @@ def test_random_budget_is_random_within_budget():
     result = train_local(
         model,
         info,
-        make_strategy("random_budget", {"interval": 2}),
+        make_strategy("random_budget", {"interval": 2, "interval_unit": "steps"}),
         cost,
         digits(),
         epochs=1,
@@ -301,7 +308,8 @@ def test_random_budget_is_random_within_budget():
         lr=0.05,
         max_steps=6,
     )
-    assert result.selections == 3 and result.overhead_time_s == 0  # no probe
+    assert result.selections == 3 and result.probe_peak_memory_bytes == 0  # no probe
+    assert result.overhead_time_s == result.selector_time_s > 0  # only the selector's work
 
 
 # ---- tinytrain -------------------------------------------------------------------------------------------
@@ -369,26 +377,108 @@ def test_sparse_update_static_scheme_fits_mcu():
     ctx = SelectionContext(info, cost, 0, np.random.default_rng(0))
     strategy = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 3})
     sel = strategy.select(ctx)
-    assert cost.peak_memory_bytes(sel.ratios) <= ctx.memory_budget_bytes
+    assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= ctx.memory_budget_bytes
     weights = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] == "weight"]
     assert 1 <= len(weights) <= 3
-    for k in weights:
-        assert sel.ratios[k] in (0.125, 0.25, 0.5, 1.0)
-        if k in sel.channels:
-            assert np.array_equal(sel.channels[k], np.arange(len(sel.channels[k])))  # the first channels
     biases = [k for k in np.flatnonzero(sel.mask) if info.tensor_roles[k] in ("bias", "norm_bias")]
     bias_layers = [
         li
         for li in range(len(info.layers))
         if any(info.tensor_roles[k] in ("bias", "norm_bias") for k in info.layers[li].tensors)
     ]
-    assert sorted({int(info.tensor_layer[k]) for k in biases}) == bias_layers[-4:]
+    updated = bias_layers[-4:]
+    assert sorted({int(info.tensor_layer[k]) for k in biases}) == updated
+    for k in weights:  # input-channel ratios, only on layers whose (folded) bias is updated
+        li = int(info.tensor_layer[k])
+        assert sel.ratios[k] in (0.125, 0.25, 0.5, 1.0) and sel.input_sparse[k]
+        assert li in updated or (li + 1 in updated and info.layers[li + 1].kind == "norm")
     again = strategy.select(SelectionContext(info, cost, 5, np.random.default_rng(1)))  # static: no rng, no probe
     assert np.array_equal(again.ratios, sel.ratios)
-    assert all(np.array_equal(again.channels[k], sel.channels[k]) for k in sel.channels)
     assert not strategy.should_reselect(10)
     result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=3)
     assert result.fits and result.steps == 3
+
+
+def test_sparse_update_input_channel_memory_matches_hand_computation():
+    # conv 8 -> 4 (1x1) on 8 x 3 x 3 inputs, batch 2, fp32: its weight gradient reads its input
+    model = nn.Sequential(nn.Conv2d(8, 4, 1, bias=False), nn.Flatten(), nn.Linear(36, 2))
+    info = describe(model, torch.zeros(1, 8, 3, 3))
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=2)
+    sparse = np.array([True, False, False])
+    full_input = 8 * 9 * 2 * 4
+    flatten = 36 * 2 / 8  # the Flatten above it keeps a one-bit mask
+    assert cost.memory(np.array([1.0, 0, 0]), sparse).activations_bytes == full_input + flatten
+    one = cost.memory(np.array([0.125, 0, 0]), sparse)
+    assert one.activations_bytes == full_input / 8 + flatten  # one kept input channel
+    assert one.gradients_bytes == 4 * 1 * 4  # 4 outputs x 1 input channel, fp32
+    # the same ratio over output channels still needs all of the input
+    assert cost.memory(np.array([0.125, 0, 0])).activations_bytes == full_input + flatten
+
+
+def test_sparse_update_trains_the_input_channels_of_largest_norm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, bias=True), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 10))  # fmt: skip
+    info = describe(model, torch.zeros(1, 1, 8, 8))
+    cost = CostModel(info, get_profile("jetson_nano"), BATCH)
+    w = model[2].weight.detach().clone()
+    norms = w.permute(1, 0, 2, 3).reshape(8, -1).norm(dim=1)
+    kept = set(torch.argsort(-norms)[:2].tolist())  # ratio 1/4 of 8 input channels, by hand
+    ratios = np.zeros(info.num_tensors)
+    ratios[2] = 0.25  # the second conv's weight
+    sparse = np.zeros(info.num_tensors, bool)
+    sparse[2] = True
+    from fedelastic.contribution import _Fixed
+
+    result = train_local(model, info, _Fixed(Selection(ratios, input_sparse=sparse)), cost, digits(),
+                         epochs=1, batch_size=BATCH, lr=0.5, max_steps=3)  # fmt: skip
+    after = model[2].weight.detach()
+    changed = {c for c in range(8) if not torch.equal(after[:, c], w[:, c])}
+    assert changed == kept
+    mask = result.channel_masks["2.weight"]
+    assert mask.shape == (1, 8, 1, 1) and {int(c) for c in np.flatnonzero(mask.ravel())} == kept
+    assert result.ratios[2] == 0.25
+
+
+def test_sparse_update_contribution_search_is_brute_force_optimal(tmp_path):
+    import itertools
+    import json
+
+    from fedelastic.strategies.sparse_update import bias_layers, weights_in_range
+
+    _, info, cost = build(mcu_net, 16, "stm32f746")
+    updated = set(bias_layers(info)[:6])
+    weights = weights_in_range(info, updated)
+    ratios = (0.125, 0.25, 0.5, 1.0)
+    rng = np.random.default_rng(5)
+    gains = {info.layers[info.tensor_layer[k]].name: {str(r): float(g) for r, g in zip(ratios, np.sort(rng.random(4)))}
+             for k in weights}  # fmt: skip
+    path = tmp_path / "gains.json"
+    path.write_text(json.dumps({"bias": [0.1] * 6, "weight": gains}))
+    budget_fraction = 0.8
+    strategy = make_strategy("sparse_update", {"contributions": str(path), "memory_fraction": budget_fraction,
+                                               "max_weight_layers": 2})  # fmt: skip
+    sel = strategy.select(SelectionContext(info, cost, 0, np.random.default_rng(0)))
+    base = np.zeros(info.num_tensors)
+    for li in updated:
+        for k in info.layers[li].tensors:
+            if info.tensor_roles[k] in ("bias", "norm_bias"):
+                base[k] = 1
+    sparse = np.zeros(info.num_tensors, bool)
+    sparse[weights] = True
+    budget = budget_fraction * cost.device.memory_train_bytes.value
+    best = 0.0
+    for pick in itertools.product((0.0, *ratios), repeat=len(weights)):  # every scheme, by brute force
+        if sum(r > 0 for r in pick) > 2:
+            continue
+        r = base.copy()
+        r[weights] = pick
+        if cost.peak_memory_bytes(r, sparse) <= budget:
+            name = [info.layers[info.tensor_layer[k]].name for k in weights]
+            best = max(best, sum(gains[n][str(p)] for n, p in zip(name, pick) if p > 0))
+    got = sum(gains[info.layers[info.tensor_layer[k]].name][str(sel.ratios[k])] for k in weights if sel.ratios[k] > 0)
+    assert got == pytest.approx(best) and best > 0
+    assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= budget
 
 
 def test_sparse_update_searches_against_memory():
@@ -397,7 +487,7 @@ def test_sparse_update_searches_against_memory():
     trained = []
     for fraction in (0.7, 0.85, 1.0):
         sel = make_strategy("sparse_update", {"memory_fraction": fraction}).select(ctx)
-        assert cost.peak_memory_bytes(sel.ratios) <= fraction * ctx.memory_budget_bytes
+        assert cost.peak_memory_bytes(sel.ratios, sel.input_sparse) <= fraction * ctx.memory_budget_bytes
         trained.append(float((sel.ratios * info.tensor_numel).sum()))
     assert trained[0] <= trained[1] <= trained[2] and trained[0] < trained[2]
 
@@ -408,3 +498,138 @@ def test_bn_bias_selects_norms_biases_and_head():
     head = set(info.layers[-1].tensors)
     for k, role in enumerate(info.tensor_roles):
         assert sel.mask[k] == (role in ("norm_weight", "norm_bias", "bias") or k in head)
+
+
+# ---- issue 7: probes within memory, BatchNorm mode, no-budget, later failures, optimizer ---------------
+@pytest.mark.parametrize("name", ["elastic_tensor", "static_elastic", "elastic_layer", "tinytrain"])
+def test_no_probe_larger_than_the_device_is_reported_as_fitting(name):
+    # the issue's example: mcu_net width 16 on stm32f746 (320 KiB); the whole importance probe needs
+    # about 1.3 MiB at batch 16 and still 450 KiB on one sample, so it must run in pieces
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    memory = cost.device.memory_train_bytes.value
+    options = {"rho": 0.4} if name != "tinytrain" else {}
+    seen = recorded(strategy := make_strategy(name, options))
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=4)
+    assert result.fits and result.steps == 4
+    assert 0 < result.probe_peak_memory_bytes <= memory
+    train_peak = max(cost.peak_memory_bytes(s.ratios, s.input_sparse) for s in seen)
+    assert result.peak_memory_bytes == max(train_peak, result.probe_peak_memory_bytes) <= memory
+
+
+def test_a_probe_that_cannot_fit_never_runs():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    head = np.arange(info.num_tensors) == info.num_tensors - 1
+    # by hand: the weights, the head's output and accumulators for one sample, and a 1/16 workspace
+    layer = info.layers[-1]
+    need = info.num_params + layer.out_numel + 4 * layer.out_channels + cost._workspace / BATCH
+    assert cost.probe_memory("fisher", 1, head).total_bytes == pytest.approx(need)
+    tiny = dataclasses.replace(cost.device, memory_train_bytes=Quantity(need - 1, "test"))
+    cost = CostModel(info, tiny, BATCH)
+    before = copy.deepcopy(model.state_dict())
+    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
+    assert not result.fits and result.steps == 0 and "fisher probe" in result.reason
+    assert result.probe_peak_memory_bytes == pytest.approx(need) and result.train_time_s == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_micro_batched_probes_equal_one_pass_with_frozen_batchnorm():
+    model, info, _ = build(mcu_net, 8, "jetson_nano")
+    model.train()
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.eval()
+    x, y = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    whole = importance_probe(model, info, opt, x, y)
+    np.testing.assert_allclose(importance_probe(model, info, opt, x, y, micro_batch=3), whole, rtol=1e-4, atol=1e-10)
+    one, parts = fisher_probe(model, info, x, y), fisher_probe(model, info, x, y, micro_batch=5)
+    assert one.keys() == parts.keys()
+    for li in one:
+        np.testing.assert_allclose(parts[li], one[li], rtol=1e-4, atol=1e-12)
+
+
+def test_batchnorm_statistics_frozen_by_default_and_trained_on_request():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    result = train_local(model, info, make_strategy("full"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05,
+                         max_steps=3)  # fmt: skip
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())
+    assert not any("running" in k for k in result.trained)
+    train_cost = CostModel(info, cost.device, BATCH, bn_mode="train")
+    result = train_local(model, info, make_strategy("full"), train_cost, digits(), epochs=1, batch_size=BATCH,
+                         lr=0.05, max_steps=3, bn_mode="train")  # fmt: skip
+    assert any(not torch.equal(model.state_dict()[k], v) for k, v in stats.items())
+    assert any("running_mean" in k for k in result.trained)
+
+
+def test_no_backward_budget_runs_no_probe():
+    # the issue's example: small_cnn on stm32h743 at rho 0.3 trained 0 steps but paid 4 probes (0.236 s)
+    model, info, cost = build(small_cnn, 8, "stm32h743")
+    assert cost.backward_budget_s(0.3) <= 0
+    strategy = make_strategy("elastic_tensor", {"rho": 0.3, "interval": 2, "interval_unit": "steps"})
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
+    assert result.steps == 0 and result.probe_peak_memory_bytes == 0
+    assert result.overhead_time_s == result.selector_time_s < 1e-3
+
+
+class _ThenFull(SelectionStrategy):
+    """Last layer for two steps, then everything (which an MCU cannot hold)."""
+
+    name = "_then_full"
+
+    def should_reselect(self, step, steps_per_epoch=0):
+        return step == 2
+
+    def select(self, ctx):
+        mask = np.zeros(ctx.info.num_tensors)
+        mask[list(ctx.info.layers[-1].tensors)] = 1
+        return Selection.from_mask(mask if ctx.step < 2 else np.ones(ctx.info.num_tensors))
+
+
+def test_a_later_selection_that_does_not_fit_keeps_the_time_spent():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    before = copy.deepcopy(model.state_dict())
+    result = train_local(model, info, _ThenFull(), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=6)
+    head = np.zeros(info.num_tensors)
+    head[list(info.layers[-1].tensors)] = 1
+    assert not result.fits and result.steps == 2 and "selection needs" in result.reason
+    assert result.train_time_s == pytest.approx(2 * cost.step_time_s(head) + result.selector_time_s)
+    assert result.macs == pytest.approx(2 * cost.step_macs(head))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not result.trained
+
+
+def test_sgdw_decays_decoupled_and_cosine_schedules_the_rate():
+    from fedelastic.training import SGDW
+
+    w = nn.Parameter(torch.tensor([2.0, -1.0]))
+    opt = SGDW([w], lr=0.1, momentum=0.0, weight_decay=0.5)
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    # w <- w * (1 - lr * wd) - lr * g, the decay kept out of the gradient (coupled L2 would add wd * w to g)
+    torch.testing.assert_close(w.detach(), torch.tensor([2.0 * 0.95 - 0.1, -1.0 * 0.95 - 0.1]))
+    model, info, cost = build(small_cnn, 4, "jetson_nano")
+    lrs = []
+    real_step = torch.optim.SGD.step
+
+    def spy(self, closure=None):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, closure)
+
+    torch.optim.SGD.step = spy
+    try:
+        train_local(model, info, make_strategy("full"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.2,
+                    max_steps=4, optimizer="sgdw", lr_schedule="cosine", weight_decay=1e-3)  # fmt: skip
+    finally:
+        torch.optim.SGD.step = real_step
+    np.testing.assert_allclose(lrs, [0.2 * 0.5 * (1 + np.cos(np.pi * t / 4)) for t in range(4)])
+
+
+def test_elastic_layer_objective_at_most_elastic_tensor():
+    model, info, cost = build(mcu_net, 8, "jetson_nano")
+    for seed, rho in ((0, 0.4), (1, 0.5), (2, 0.7)):
+        ctx = context(model, info, cost, "importance", seed)
+        tensor = make_strategy("elastic_tensor", {"rho": rho}).select(ctx)
+        layer = make_strategy("elastic_layer", {"rho": rho}).select(ctx)
+        imp = np.maximum(ctx.importance, 0)
+        # layers are a restricted form of tensor units on the same budget and costs
+        assert float(imp @ layer.mask) <= float(imp @ tensor.mask) + 1e-12

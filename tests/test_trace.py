@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from fedelastic.devices import MeasuredTable
 from fedelastic.models.mobilenetv2 import mobilenetv2
 from fedelastic.models.resnet import resnet50, resnet_small
 from fedelastic.models.vit import vit_b16, vit_tiny
+from fedelastic.profiles import measured_table_toml
 from fedelastic.trace import (
     FUSED_BN_GRAD_DX_SHARE,
-    MeasuredTable,
     import_trace,
     keras_scope,
     load_trace_events,
@@ -146,7 +147,7 @@ def test_small_tf_trace_options(small_trace: Path) -> None:
 
 def test_to_toml(small_trace: Path) -> None:
     table = import_trace(small_trace, model="toy", batch_size=4, layers=LAYERS, source="unit test")
-    toml = table.to_toml()
+    toml = measured_table_toml(table)
     assert set(toml) == {"batch_size", "source", "layers", "unattributed_fwd", "unattributed_bwd"}
     assert toml["unattributed_fwd"] == pytest.approx(2e-6) and toml["unattributed_bwd"] == pytest.approx(1e-6)
     assert toml["batch_size"] == 4 and toml["source"] == "unit test"

@@ -61,7 +61,7 @@ def test_profile_missing_source(profile_raw):
 
 
 def test_profile_schema_version_and_name(profile_raw):
-    assert _err({**profile_raw, "schema_version": 2}).key == "schema_version"
+    assert _err({**profile_raw, "schema_version": 3}).key == "schema_version"
     assert _err(profile_raw, stem="other_name").key == "name"
     assert _err({**profile_raw, "device_class": "toaster"}).key == "device_class"
 

@@ -1,7 +1,8 @@
 """Partial-aware federated averaging, pure numpy.
 
-Each client sends only the tensors it trained, plus a 0/1 mask over output channels for the
-tensors it trained only in part. Every element is averaged, weighted by number of examples,
+Each client sends only the tensors it trained, plus a 0/1 mask for the tensors it trained only
+in part: 1-D over output channels (dim 0), or any array that broadcasts to the tensor (e.g.
+``(1, C_in, 1, 1)`` for a conv trained on some input channels). Every element is averaged, weighted by number of examples,
 over the clients that trained it; an element that no client trained keeps its global value.
 """
 
@@ -35,7 +36,9 @@ def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[
             w = np.full(current.shape, float(upd.weight))
             if name in upd.channel_masks:
                 mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
-                w = w * mask.reshape((-1,) + (1,) * (current.ndim - 1))
+                if mask.ndim == 1:
+                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+                w = w * np.broadcast_to(mask, current.shape)
             num += w * value
             den += w
         trained = den > 0
@@ -98,7 +101,9 @@ def aggregate_buffered(
             w = np.full(current.shape, float(upd.weight))
             if name in upd.channel_masks:
                 mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
-                w = w * mask.reshape((-1,) + (1,) * (current.ndim - 1))
+                if mask.ndim == 1:
+                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+                w = w * np.broadcast_to(mask, current.shape)
             num += discount * w * (value - np.asarray(base[name], dtype=np.float64))
             den += w
         trained = den > 0

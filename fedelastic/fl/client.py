@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..scenario import Scenario
@@ -22,10 +22,12 @@ METRIC_KEYS = (
     "train-loss",
     "fraction-params-trained",
     "emulated-train-time-s",
+    "emulated-train-time-band-s",
     "emulated-overhead-time-s",
     "emulated-comm-time-s",
     "emulated-energy-j",
     "emulated-peak-memory-bytes",
+    "emulated-probe-peak-memory-bytes",
     "emulated-bytes-up",
     "emulated-bytes-down",
     "emulated-macs",
@@ -60,6 +62,9 @@ def train_partition(
         weight_decay=t.weight_decay,
         max_steps=cap,
         seed=[env.scenario.seed, server_round, pid],
+        bn_mode=env.bn_mode,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
     )
 
 
@@ -96,10 +101,12 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "train-loss": result.train_loss,
         "fraction-params-trained": trained_params,
         "emulated-train-time-s": figures.train_time_s,
+        "emulated-train-time-band-s": cost.time_band_s(figures.train_time_s),
         "emulated-overhead-time-s": result.overhead_time_s,
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
         "emulated-peak-memory-bytes": figures.peak_memory_bytes,
+        "emulated-probe-peak-memory-bytes": result.probe_peak_memory_bytes,
         "emulated-bytes-up": figures.bytes_up,
         "emulated-bytes-down": figures.bytes_down,
         "emulated-macs": figures.macs,
@@ -111,6 +118,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
     return Message(content=content, reply_to=msg)

@@ -114,8 +114,18 @@ class RunEnvironment:
 
     def cost(self, device: str) -> CostModel:
         if device not in self._costs:
-            self._costs[device] = CostModel(self.info, self.profile(device), self.scenario.train.batch_size)
+            t = self.scenario.train
+            optimizer = "momentum" if t.momentum > 0 else "sgd"  # the state the trainer's SGD/SGDW keeps
+            self._costs[device] = CostModel(self.info, self.profile(device), t.batch_size, optimizer, self.bn_mode)
         return self._costs[device]
+
+    @property
+    def bn_mode(self) -> str:
+        """``train.bn_mode`` with ``auto`` resolved: frozen statistics only when starting from trained weights."""
+        sc = self.scenario
+        if sc.train.bn_mode != "auto":
+            return sc.train.bn_mode
+        return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
     def strategy(self, rho: float | None = None) -> SelectionStrategy:
         """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option."""

@@ -185,6 +185,11 @@ class Fleet:
         return t if self.windows is None else self.windows.next_online(pid, t)
 
 
+def _fits_reason(m: Message) -> str:
+    """Why the client's selection did not fit (empty when it fit, or from a too-slow reply)."""
+    return str(m.content["info"]["fits-reason"]) if "info" in m.content else ""
+
+
 def trip_energy_j(cost: CostModel, trip: Trip, until_s: float, metrics: dict) -> float:
     """Energy a trip spent up to ``until_s`` (or until it went offline), each phase pro rata."""
     down, train, up = trip.busy_until(until_s)
@@ -203,11 +208,13 @@ _CLIENT_FIGURES = (
     "train_loss",
     "fraction_params_trained",
     "emulated_train_time_s",
+    "emulated_train_time_band_s",
     "emulated_overhead_time_s",
     "emulated_comm_time_s",
     "emulated_energy_j",
     "emulated_idle_energy_j",
     "emulated_peak_memory_bytes",
+    "emulated_probe_peak_memory_bytes",
     "device_memory_bytes",
     "emulated_bytes_up",
     "emulated_bytes_down",
@@ -359,7 +366,9 @@ class PartialFedAvg(FedAvg):
             carries_update=bool(metrics["fits"]) and not metrics["too-slow"],
         )
 
-    def _row(self, rnd: int, metrics: dict, trip: Trip, status: str, energy: float, idle: float, staleness: int):
+    def _row(
+        self, rnd: int, metrics: dict, trip: Trip, status: str, energy: float, idle: float, staleness: int, reason: str
+    ):
         pid = trip.partition_id
         device = self.env.devices[pid]
         profile = self.env.profile(device)
@@ -382,11 +391,13 @@ class PartialFedAvg(FedAvg):
             "train_loss": metrics["train-loss"],
             "fraction_params_trained": metrics["fraction-params-trained"],
             "emulated_train_time_s": trip.train_s,
+            "emulated_train_time_band_s": metrics["emulated-train-time-band-s"],
             "emulated_overhead_time_s": metrics["emulated-overhead-time-s"],
             "emulated_comm_time_s": trip.down_s + trip.up_s,
             "emulated_energy_j": energy,
             "emulated_idle_energy_j": idle,
             "emulated_peak_memory_bytes": metrics["emulated-peak-memory-bytes"],
+            "emulated_probe_peak_memory_bytes": metrics["emulated-probe-peak-memory-bytes"],
             "device_memory_bytes": profile.memory_train_bytes.value,
             "emulated_bytes_up": metrics["emulated-bytes-up"],
             "emulated_bytes_down": metrics["emulated-bytes-down"],
@@ -407,6 +418,7 @@ class PartialFedAvg(FedAvg):
             "uplink_bit_per_s": self.fleet.up_bps[pid],
             "downlink_bit_per_s": self.fleet.down_bps[pid],
             "battery_fraction": self.fleet.battery_fraction(pid, trip.dispatch_s),
+            "fits_reason": reason,
             "error": "",
         }
 
@@ -427,6 +439,7 @@ class PartialFedAvg(FedAvg):
             "status": "failed",
             "counted": False,
             **dict.fromkeys(_CLOCK_FIGURES, float("nan")),
+            "fits_reason": "",
             "error": m.error.reason,
         }
 
@@ -474,14 +487,14 @@ class PartialFedAvg(FedAvg):
         keep = (self.sc.server.clients_per_round or self.sc.num_clients) if self.policy == "overcommit" else None
         end, status = sync_round(trips, start, deadline, keep)
         rows = []
-        for r, trip in zip(metrics, trips):
+        for m, r, trip in zip(ok, metrics, trips):
             state = status[trip.partition_id]
             cost = self.fleet.cost(trip.partition_id)
             # a late or surplus client is told to stop when the round closes
             energy = trip_energy_j(cost, trip, end if state in (LATE, EXTRA) else math.inf, r)
             waited = end - trip.arrival_s if trip.completes and trip.arrival_s <= end else 0.0
             idle = cost.device.power_idle_w.value * waited
-            rows.append(self._row(server_round, r, trip, state, energy, idle, 0))
+            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m)))
             self.fleet.drain(trip.partition_id, end, energy + idle)
         self.recorder.add_clients(rows + [self._failed_row(server_round, m) for m in failed])
         assert self._arrays is not None
@@ -559,9 +572,9 @@ class PartialFedAvg(FedAvg):
             return trips
 
         def discard(trip: Trip, t: float, why: str) -> None:
-            r, _ = replies.pop(trip)
+            r, m = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
-            pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version))
+            pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m)))
             self.fleet.drain(trip.partition_id, t, energy)
 
         def aggregate(v: int, t: float, buffer: list[Arrival]) -> None:
@@ -570,7 +583,7 @@ class PartialFedAvg(FedAvg):
             for a in buffer:
                 r, m = replies.pop(a.trip)
                 energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
-                rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness))
+                rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness, _fits_reason(m)))
                 self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
                 updates.append(self._update(m))
                 bases.append(states[a.trip.version])

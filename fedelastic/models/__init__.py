@@ -7,7 +7,9 @@ a factory called as ``factory(num_classes=..., in_channels=..., input_size=...)`
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -46,3 +48,54 @@ def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Modul
     if not isinstance(model, nn.Module):
         raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
     return model
+
+
+def build_with_input(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    input_size: int | None = None,
+    in_channels: int | None = None,
+    **options: Any,
+):
+    """Build a registry model (or ``module:callable``) and a matching input shape.
+
+    Only the keyword arguments the factory accepts are passed (``input_size`` is passed as
+    ``image_size`` to factories that call it that). Defaults come from the factory.
+
+    Returns
+    -------
+    (torch.nn.Module, tuple of int)
+        The model and the shape of one sample, ``(channels, size, size)``.
+    """
+    factory = resolve_factory(name, context="<command line>", key="--model")
+    params = inspect.signature(factory).parameters
+    kwargs: dict[str, Any] = dict(options)
+    if num_classes is not None and "num_classes" in params:
+        kwargs["num_classes"] = num_classes
+    size_key = "input_size" if "input_size" in params else "image_size" if "image_size" in params else None
+    if input_size is not None and size_key:
+        kwargs[size_key] = input_size
+    if in_channels is not None and "in_channels" in params:
+        kwargs["in_channels"] = in_channels
+    model = factory(**kwargs)
+
+    def default(key: str, fallback: int) -> int:
+        p = params.get(key)
+        return int(p.default) if p is not None and isinstance(p.default, int) else fallback
+
+    size = input_size if input_size is not None else int(getattr(model, "input_size", 0) or 0)
+    if not size:
+        size = default(size_key, 32) if size_key else 32
+    channels = in_channels if in_channels is not None else default("in_channels", 3)
+    return model, (channels, size, size)
+
+
+def describe_model(name: str, *, num_classes: int | None = None, input_size: int | None = None, **options: Any):
+    """ModelInfo of a registry model (``model_name`` = ``name``, as RunEnvironment sets it)."""
+    import torch
+
+    from ..modelinfo import describe
+
+    model, shape = build_with_input(name, num_classes=num_classes, input_size=input_size, **options)
+    return describe(model, torch.zeros(1, *shape), model_name=name)
