@@ -103,6 +103,22 @@ def test_deadline_elastic_with_a_rho_floor_cuts_steps_instead(make_scenario):
         make_scenario(server={"policy": "deadline_drop", "deadline": 1.0, "min_rho": 0.5})
 
 
+def test_deadline_rho_leaves_time_for_the_probe(make_scenario):
+    server_cfg = {"rounds": 1, "policy": "deadline_elastic", "deadline": 0.3}
+    probe = {"strategy": "elastic_tensor", "options": {"interval": 1000}, "max_steps": 6}
+    with_probe, _ = _run(make_scenario, "probe", train=probe, server=server_cfg)
+    without, _ = _run(make_scenario, "noprobe", train=ELASTIC, server=server_cfg)
+    env = environment(make_scenario(train=probe))
+    checked = 0
+    for (_, a), (_, b) in zip(with_probe.iterrows(), without.iterrows()):
+        if b.rho < 1:  # rho times the full-training time shrinks by exactly one probe
+            steps = min(6, math.ceil(a.num_examples / 16))
+            full = steps * env.cost(a.device).full_step_time_s()
+            assert (b.rho - a.rho) * full == pytest.approx(env.cost(a.device).probe_time_s("importance"))
+            checked += 1
+    assert checked >= 1
+
+
 def test_deadline_elastic_needs_a_rho_strategy(make_scenario):
     with pytest.raises(ConfigError, match="train.strategy"):
         make_scenario(server={"policy": "deadline_elastic", "deadline": 1.0})

@@ -140,8 +140,7 @@ class Fleet:
         if strategy.probe is None:
             return 0.0
         selections = 1 + sum(strategy.should_reselect(s) for s in range(1, self.steps[pid]))
-        per = cost.probe_time_s(2, 2) if strategy.probe == "importance" else cost.probe_time_s(1)
-        return selections * per
+        return selections * cost.probe_time_s(strategy.probe)  # one pass over the batch, every tensor
 
     def rho(self, pid: int, deadline_s: float, min_rho: float = 0.0) -> tuple[float, int]:
         """The client's rho and steps under ``deadline_s`` (steps are cut only below ``min_rho``)."""
