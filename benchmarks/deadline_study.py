@@ -220,6 +220,8 @@ def plot_timelines(runs: pd.DataFrame, path: Path, labels=("wait_all", REFERENCE
 
     first = runs[runs.seed == runs.seed.min()].set_index("policy")
     labels = [label for label in labels if label in first.index]
+    if not labels:
+        return
     fig, axes = plt.subplots(1, len(labels), figsize=(6.5 * len(labels), 5), squeeze=False)
     for ax, label in zip(axes[0], labels):
         run = Path(first.loc[label, "run_dir"])
