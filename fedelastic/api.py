@@ -16,7 +16,6 @@ wrong key or type is a :class:`~fedelastic.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import copy
-import json
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -95,7 +94,10 @@ class RunResult:
 
     @property
     def status(self) -> dict:
-        return json.loads((self.run_dir / "status.json").read_text())
+        """status.json: 'completed', 'completed_with_errors' (with counts), 'failed', or 'dead' for a killed run."""
+        from .results import read_status
+
+        return read_status(self.run_dir)
 
     def plot(self, path: str | Path | None = None) -> Path:
         """Draw accuracy against simulated time and per-device train time; returns the PNG's path."""

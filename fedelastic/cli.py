@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import FedelasticError
+from .errors import ConfigError, FedelasticError, RunFailed
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -25,15 +25,26 @@ def _fmt_bytes(n: float) -> str:
 
 
 def report(run_dir: Path) -> None:
-    """Write the figure and print the summary table of a finished (or partial) run."""
+    """Write the figure and print the summary table of a finished (or partial, or empty) run."""
     import pandas as pd
 
-    from .results import plot_accuracy
+    from .results import plot_accuracy, read_status
 
-    rounds, clients = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FedelasticError(f"{run_dir}: no such run folder")
+    if not (run_dir / "rounds.parquet").exists():
+        raise FedelasticError(f"{run_dir}: no results yet (no rounds.parquet; status: {read_status(run_dir)['status']})")
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    clients_path = run_dir / "clients.parquet"
+    clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame()
     plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
+    status = read_status(run_dir)
+    last = rounds.iloc[-1]
     table = Table(
-        title=f"{run_dir}  (final accuracy {rounds.test_accuracy.iloc[-1]:.3f}, simulated {rounds.sim_time_s.iloc[-1]:.1f} s)"
+        title=escape(
+            f"{run_dir}  ({status['status']}; final accuracy {last.test_accuracy:.3f}, simulated {last.sim_time_s:.1f} s)"
+        )
     )
     for col in (
         "device",
@@ -46,9 +57,9 @@ def report(run_dir: Path) -> None:
         "trained params",
     ):
         table.add_column(col, justify="right")
-    for device, g in clients.groupby("device"):
+    for device, g in clients.groupby("device") if len(clients) else ():
         table.add_row(
-            str(device),
+            escape(str(device)),
             str(g.partition_id.nunique()),
             f"{g.fits.mean():.0%}",
             f"{g.emulated_train_time_s.mean():.3g} s"
@@ -63,7 +74,15 @@ def report(run_dir: Path) -> None:
             f"{g.fraction_params_trained.mean():.0%}",
         )
     console.print(table)
-    console.print(f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png")
+    for message, count in status.get("errors", {}).items():
+        console.print(f"  {count} x {message}", markup=False, highlight=False)
+    if status.get("empty_rounds"):
+        console.print(f"  rounds in which no client trained: {status['empty_rounds']}", markup=False)
+    console.print(
+        f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png",
+        markup=False,
+        highlight=False,
+    )
 
 
 def cmd_report(args) -> None:
@@ -75,38 +94,89 @@ def cmd_report(args) -> None:
         report(args.run_dir)
 
 
-def cmd_run(args) -> None:
-    from .fl.runner import run_scenario
+def _override(key: str, build):
+    """Apply a command-line override; a bad value is a one-line error naming the flag."""
+    try:
+        return build()
+    except ValueError as exc:
+        raise ConfigError("<command line>", key, str(exc).partition(": ")[2] or str(exc)) from None
+
+
+def exit_code(run_dir: Path) -> int:
+    """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 1 failed."""
+    from .results import read_status
+
+    status = read_status(run_dir)
+    if status["status"] == "completed":
+        return 0
+    if status["status"] == "completed_with_errors":
+        n, total = status.get("clients_failed", 0), status.get("client_results", 0)
+        console.print(
+            f"completed with errors: {n} of {total} client results failed, {len(status.get('empty_rounds', []))} "
+            f"round(s) with no client trained (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g}); "
+            f"details in {run_dir}/errors.log",
+            markup=False,
+            highlight=False,
+        )
+        return 3 if status.get("over_threshold") else 0
+    return 1
+
+
+def cmd_run(args) -> int:
+    from .fl.runner import resume_run, run_scenario
     from .scenario import load_scenario
 
-    sc = load_scenario(args.scenario)
-    if args.rounds:
-        sc = replace(sc, server=replace(sc.server, rounds=args.rounds))
-    if args.backend:
-        sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
-    if args.output_dir:
-        sc = replace(sc, output_dir=args.output_dir)
-    console.print(
-        f"[bold]{sc.name}[/]: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
-        f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}"
-    )
+    if (args.scenario is None) == (args.resume is None):
+        raise ConfigError("<command line>", "scenario", "a scenario file, or --resume RUN_DIR (not both)")
+    if args.resume is not None:
+        if args.rounds is not None or args.backend or args.output_dir or args.run_id:
+            raise ConfigError("<command line>", "--resume", "no other options (a run resumes with its own config)")
+        sc = None
+    else:
+        sc = load_scenario(args.scenario)
+        if args.rounds is not None:
+            sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
+        if args.backend:
+            sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
+        if args.output_dir is not None:
+            sc = _override("--output-dir", lambda: replace(sc, output_dir=args.output_dir))
+        console.print(
+            f"{sc.name}: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
+            f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}",
+            markup=False,
+            highlight=False,
+        )
 
     def progress(row: dict) -> None:
         r = row["round"]
-        head = "initial" if r == 0 else f"round {r}/{sc.server.rounds}"
+        head = "initial" if r == 0 else f"round {r}"
         console.print(
             f"{head:>12}  accuracy {row['test_accuracy']:.3f}  simulated {row['sim_time_s']:9.2f} s  "
-            f"energy {row['total_energy_j']:9.1f} J  not fitting {row['clients_not_fitting']}  host {row['host_wall_s']:.2f} s"
+            f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
+            f"host {row['host_wall_s']:.2f} s",
+            markup=False,
+            highlight=False,
         )
 
-    run_dir = run_scenario(sc, run_id=args.run_id, progress=progress)
-    report(run_dir)
+    if args.resume is not None:
+        run_dir = resume_run(args.resume, progress=progress)
+    else:
+        run_dir = run_scenario(sc, run_id=args.run_id, progress=progress)
+    try:
+        report(run_dir)
+    except Exception as exc:  # noqa: BLE001 (the run is finished and on disk; a report failure must not hide it)
+        console.print(f"warning: the report failed ({type(exc).__name__}: {exc}); results are in {run_dir}", markup=False)
+    return exit_code(run_dir)
 
 
 def cmd_compare(args) -> None:
     from .compare import mean_table, run_comparison
 
-    out = run_comparison(args.scenario, output=args.output, backend=args.backend, rounds=args.rounds)
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
+    out = run_comparison(
+        args.scenario, output=args.output, backend=args.backend, rounds=args.rounds, resume=args.resume
+    )
     frame, legend = mean_table(out)
     table = Table(title=f"comparison: {out}")
     for col in frame.columns:
@@ -258,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedelastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario file")
-    run.add_argument("scenario")
+    run.add_argument("scenario", nargs="?", help="scenario file (omit with --resume)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last finished round")
     run.add_argument("--rounds", type=int, help="override server.rounds")
     run.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")
     run.add_argument("--output-dir", help="override output_dir")
@@ -269,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--rounds", type=int, help="override server.rounds")
     cmp.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")
     cmp.add_argument("--output", type=Path, help="comparison folder (default: under the scenario's output_dir)")
+    cmp.add_argument("--resume", type=Path, metavar="COMPARE_DIR", help="continue an interrupted comparison")
     cmp.set_defaults(fn=cmd_compare)
     rep = sub.add_parser("report", help="summarise a run folder")
     rep.add_argument("run_dir", type=Path)
@@ -320,11 +392,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "devices" and args.action != "list" and not args.target:
         parser.error(f"devices {args.action} needs a target")
     try:
-        args.fn(args)
-    except FedelasticError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        code = args.fn(args)
+    except FedelasticError as exc:  # bad input: one line naming the file and key
+        _error(str(exc))
         return 2
-    return 0
+    except RunFailed as exc:
+        _error(f"run failed: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
+        return 130
+    except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)
+        from .results import one_line
+
+        _error(f"{args.command} failed: {one_line(f'{type(exc).__name__}: {exc}')} (traceback in the run folder's errors.log)")
+        return 1
+    return code or 0
+
+
+def _error(text: str) -> None:
+    """Print an error line; user text is printed literally (no rich markup)."""
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 100000)
+    err.print("error: " + text, markup=False, highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

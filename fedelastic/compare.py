@@ -19,6 +19,7 @@ simulated time with a 95% band and the target line).
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .config import check, field, from_dict, read_toml
-from .errors import ConfigError
+from .errors import ConfigError, FedelasticError
 from .scenario import Scenario, parse_scenario
 
 
@@ -188,23 +189,41 @@ def plot(runs: pd.DataFrame, path: Path, target: float = 0.0) -> None:
 
 
 def run_comparison(
-    path: str | Path, *, output: Path | None = None, backend: str | None = None, rounds: int | None = None
+    path: str | Path,
+    *,
+    output: Path | None = None,
+    backend: str | None = None,
+    rounds: int | None = None,
+    resume: Path | None = None,
 ) -> Path:
-    """Run every combination of a comparison file; returns the comparison folder."""
+    """Run every combination of a comparison file; returns the comparison folder.
+
+    ``resume``: the folder of an interrupted comparison; finished cells are read back, a killed
+    cell continues from its checkpoint, and the rest run.
+    """
     from dataclasses import replace
 
     from .fl.runner import run_scenario
+    from .results import read_status
 
     path = Path(path)
     raw = read_toml(path, "scenario")
     cfg, variants = expand(raw, str(path))
-    out = (
-        output
-        or Path(variants[0].scenario.output_dir)
-        / raw.get("name", path.stem)
-        / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    out.mkdir(parents=True, exist_ok=False)
+    if resume is not None:
+        out = Path(resume)
+        if not out.is_dir():
+            raise FedelasticError(f"{out}: no such comparison folder to resume")
+    else:
+        out = (
+            output
+            or Path(variants[0].scenario.output_dir)
+            / raw.get("name", path.stem)
+            / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        try:
+            out.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            raise FedelasticError(f"{out}: exists; continue it with `fedelastic compare --resume {out}`") from None
     all_rounds, summary = [], []
     for i, v in enumerate(variants):
         sc = replace(v.scenario, output_dir=str(out / "runs"))  # a comparison's runs live under its folder
@@ -213,7 +232,17 @@ def run_comparison(
         if rounds:
             sc = replace(sc, server=replace(sc.server, rounds=rounds))
         print(f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}", flush=True)
-        run_dir = run_scenario(sc, run_id=f"s{v.seed}")
+        run_dir = Path(sc.output_dir) / sc.name / f"s{v.seed}"
+        state = read_status(run_dir)["status"] if run_dir.exists() else "new"
+        if state in ("completed", "completed_with_errors"):
+            print(f"    finished earlier: {run_dir}", flush=True)
+        elif state != "new" and (run_dir / "checkpoint.pt").exists():
+            print(f"    resuming {run_dir} ({state})", flush=True)
+            run_scenario(sc, resume=run_dir)
+        else:
+            if state != "new":  # died before its first checkpoint: nothing finished to keep
+                shutil.rmtree(run_dir)
+            run_dir = run_scenario(sc, run_id=f"s{v.seed}")
         r, c = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
         keys = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed}
         all_rounds.append(r.assign(**keys))

@@ -9,6 +9,7 @@ validate their values in ``__post_init__`` by raising ``ValueError``; that messa
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -39,6 +40,9 @@ def _coerce(value: Any, tp: Any, src: str, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        real = [o for o in options if o is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own error, with its own (deeper) key
+            return _coerce(value, real[0], src, key)
         errors = []
         for option in options:
             if option is type(None):
@@ -68,7 +72,13 @@ def _coerce(value: Any, tp: Any, src: str, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(src, key, "a number", value)
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(src, key, "a finite number", value) from None
+        if not math.isfinite(number):
+            raise ConfigError(src, key, "a finite number", value)
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(src, key, "an integer", value)
@@ -125,9 +135,19 @@ def read_toml(path: str | Path, what: str) -> dict:
     """Parse a TOML file; a missing file or bad TOML is a :class:`ConfigError` naming the file."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(path, "<file>", f"an existing {what} file") from None
+    except IsADirectoryError:
+        raise ConfigError(path, "<file>", f"a {what} file, not a directory") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, "<file>", f"a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
+    except OSError as exc:
+        raise ConfigError(path, "<file>", f"a readable {what} file ({exc.strerror or exc})") from None
+    except ValueError as exc:  # e.g. a NUL byte in the path
+        raise ConfigError(path, "<file>", f"a valid path ({exc})") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<toml>", f"valid TOML ({exc})") from None
 

@@ -80,6 +80,38 @@ def train_test_split(n_labels: np.ndarray, test_fraction: float, seed: int) -> t
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def check_partition_sizes(
+    num_samples: int,
+    num_clients: int,
+    partitioner: str,
+    *,
+    min_size: int,
+    shards_per_partition: int = 1,
+    alpha: float = 0.5,
+    src: str = "<scenario>",
+) -> None:
+    """Refuse, before anything starts, a split that would leave a client with too little data.
+
+    The message names the scenario keys that fix it.
+    """
+    if partitioner == "shards":
+        need, what = num_clients * shards_per_partition, f"{shards_per_partition} non-empty shards each"
+        fixes = "lower data.shards_per_partition, use fewer clients, or a larger dataset"
+    else:
+        need, what = num_clients * min_size, f"{min_size} samples each"
+        fixes = (
+            'lower data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset'
+            if partitioner == "dirichlet"
+            else "lower data.min_partition_size, use fewer clients, or a larger dataset"
+        )
+    how = f"dirichlet(alpha={alpha:g})" if partitioner == "dirichlet" else partitioner
+    if num_samples < need:
+        raise ConfigError(
+            src, "data", f"a split that gives every client data: {num_samples:,} training samples cannot give "
+            f"{num_clients:,} clients {what} under {how}; {fixes}",
+        )  # fmt: skip
+
+
 def partition_iid(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
     order = np.random.default_rng([seed, 2]).permutation(len(labels))
     return [np.sort(p) for p in np.array_split(order, num_partitions)]

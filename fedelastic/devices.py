@@ -188,11 +188,18 @@ def _quantity(src: str, key: str, raw: Any, dimension: str) -> Quantity:
     value, unit, source = raw["value"], raw["unit"], raw["source"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
         raise ConfigError(src, f"{key}.value", "a finite non-negative number", value)
-    if unit not in UNITS[dimension]:
+    if not isinstance(unit, str) or unit not in UNITS[dimension]:
         raise ConfigError(src, f"{key}.unit", f"a {dimension} unit, one of {list(UNITS[dimension])}", unit)
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(src, f"{key}.source", "a non-empty string naming where the number comes from", source)
-    return Quantity(to_si(value, unit, dimension), source)
+    si = to_si(value, unit, dimension)
+    if not np.isfinite(si):
+        raise ConfigError(src, f"{key}.value", f"a number that stays finite in SI units ({unit} -> {si})", value)
+    return Quantity(si, source)
+
+
+def _seconds(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v)) and v >= 0
 
 
 def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
@@ -207,23 +214,25 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
         for key in ("batch_size", "source", "layers"):
             if key not in table:
                 raise ConfigError(src, f"{where}.{key}", "this key to be present")
-        if not isinstance(table["batch_size"], int) or table["batch_size"] < 1:
+        if isinstance(table["batch_size"], bool) or not isinstance(table["batch_size"], int) or table["batch_size"] < 1:
             raise ConfigError(src, f"{where}.batch_size", "a positive integer", table["batch_size"])
         if not isinstance(table["source"], str) or not table["source"].strip():
             raise ConfigError(src, f"{where}.source", "a non-empty string", table["source"])
+        if not isinstance(table["layers"], dict):
+            raise ConfigError(src, f"{where}.layers", "a table of layer name -> { fwd, dx, dw }", table["layers"])
         layers = {}
         for layer, row in table["layers"].items():
             lkey = f"{where}.layers.{layer}"
             if not isinstance(row, dict) or set(row) != {"fwd", "dx", "dw"}:
                 raise ConfigError(src, lkey, "{ fwd = <s>, dx = <s>, dw = <s> } (seconds per step)", row)
             vals = [row[k] for k in ("fwd", "dx", "dw")]
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in vals):
-                raise ConfigError(src, lkey, "non-negative numbers of seconds", row)
+            if not all(_seconds(v) for v in vals):
+                raise ConfigError(src, lkey, "finite non-negative numbers of seconds", row)
             layers[layer] = LayerTiming(*map(float, vals))
         extras = {k: table.get(k, 0.0) for k in ("unattributed_fwd", "unattributed_bwd")}
         for k, v in extras.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(src, f"{where}.{k}", "non-negative seconds", v)
+            if not _seconds(v):
+                raise ConfigError(src, f"{where}.{k}", "finite non-negative seconds", v)
         tables[model] = MeasuredTable(
             table["batch_size"],
             table["source"],
@@ -304,7 +313,12 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
     assert eff is not None
     if not 0 < eff.value <= 1:
         raise ConfigError(src, "compute.efficiency.value", "a fraction in (0, 1]", eff.value)
-    for key in ("compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key):
+    avail = q.get("availability.probability")
+    if avail is not None and avail.value > 1:
+        raise ConfigError(src, "availability.probability.value", "a probability in [0, 1]", avail.value)
+    if "notes" in raw and not isinstance(raw["notes"], str):
+        raise ConfigError(src, "notes", "a string", raw["notes"])
+    for key in ("memory.train", "compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key):
         if q[key].value <= 0:  # type: ignore[union-attr]
             raise ConfigError(src, f"{key}.value", "a positive number", q[key].value)  # type: ignore[union-attr]
     return DeviceProfile(

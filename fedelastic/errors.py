@@ -21,8 +21,20 @@ class ConfigError(FedelasticError, ValueError):
         self.expected = expected
         self.got = got
         got_text = "" if got is None else f", got {got!r}"
-        super().__init__(f"{self.source}: key '{key}': expected {expected}{got_text}")
+        super().__init__(f"{_printable(self.source)}: key '{_printable(key)}': expected {_printable(expected)}{got_text}")
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters (a newline in a TOML key, a multi-line exception) escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 class DoesNotFitError(FedelasticError):
     """A selection needs more memory than the device has for training."""
+
+
+class RunFailed(Exception):
+    """A run stopped on something that is not bad input (e.g. the global model turned non-finite).
+
+    The CLI prints it in one line and exits 1; the run's status.json says 'failed'.
+    """

@@ -30,8 +30,9 @@ def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(src, key, "an existing weights file", str(path)) from None
-    except Exception as exc:
-        raise ConfigError(src, key, f"a torch state_dict loadable with weights_only=True ({exc})", str(path)) from None
+    except Exception as exc:  # torch's refusal runs to many lines: its first says why
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(src, key, f"a torch state_dict loadable with weights_only=True ({why})", str(path)) from None
     expected = model.state_dict()
     if not isinstance(state, dict) or set(state) != set(expected):
         got = set(state) if isinstance(state, dict) else type(state).__name__

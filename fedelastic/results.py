@@ -13,7 +13,10 @@ import csv
 import json
 import os
 import platform
+import re
+import socket
 import subprocess
+import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,7 +28,9 @@ PACKAGES = ("fedelastic", "flwr", "ray", "torch", "numpy", "pandas", "seaborn", 
 
 
 def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
+    import fedelastic
+
+    out = {"python": platform.python_version(), "fedelastic_path": str(Path(fedelastic.__file__).resolve().parent)}
     for pkg in PACKAGES:
         try:
             out[pkg] = version(pkg)
@@ -41,81 +46,272 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Timeout)\w*)(:.*)?$")
+HEARTBEAT_S = 10.0  # status.json's heartbeat period while a run is alive
+# final states, and the exit code of `fedelastic run` for each (see README "Run status")
+FINAL_STATES = ("completed", "completed_with_errors", "failed")
+
+
+_WRAPPERS = ("ClientAppException", "RayTaskError", "RayActorError", "The above exception", "During handling")
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """A clean one-line summary of an error text: no ANSI codes, no traceback.
+
+    Picks the last ``SomeError: message`` line with a message that is not one of Flower's or
+    Ray's wrappers (the innermost cause, in Python's and Ray's traceback formats), else the
+    last non-empty line.
+    """
+    lines = [ln.strip().rstrip("'>").strip() for ln in _ANSI.sub("", str(text)).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        return "unknown error"
+    picked = lines[-1]
+    for ln in reversed(lines):
+        m = _EXC_LINE.match(ln)
+        if m and (m.group(3) or "").strip(": ") and not any(w in ln for w in _WRAPPERS):
+            picked = ln
+            break
+    if picked.startswith(("flwr.", "ray.")):  # Flower/Ray class paths: keep the class name
+        picked = picked.split(":", 1)[0].split(".")[-1] + (":" + picked.split(":", 1)[1] if ":" in picked else "")
+    return picked if len(picked) <= limit else picked[: limit - 3] + "..."
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class _Table:
-    """One table appended row by row to CSV and mirrored to Parquet."""
+    """One table appended row by row to CSV and mirrored to Parquet.
+
+    An append is all or nothing: if the disk fails (full, read-only) the CSV is cut back to its
+    previous length and no ``.parquet.tmp`` is left behind, so CSV and Parquet always agree.
+    """
 
     def __init__(self, folder: Path, name: str):
         self.csv, self.parquet = folder / f"{name}.csv", folder / f"{name}.parquet"
         self.rows: list[dict] = []
         self.columns: list[str] | None = None
 
+    def load(self, keep) -> None:
+        """Read back an earlier run's rows (resume), keeping those where ``keep(row)``, and rewrite both files."""
+        if not self.parquet.exists():
+            return
+        frame = pd.read_parquet(self.parquet)
+        self.columns = list(frame.columns)
+        rows = [r for r in frame.to_dict("records") if keep(r)]
+        self.rows = []
+        self.csv.unlink(missing_ok=True)
+        self.parquet.unlink()
+        if rows:
+            self.append(rows)
+
     def append(self, rows: list[dict]) -> None:
         if not rows:
             return
         if self.columns is None:
             self.columns = list(rows[0])
-        self.rows.extend(rows)
         new = not self.csv.exists()
-        with self.csv.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self.columns)
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = 0 if new else self.csv.stat().st_size
         tmp = self.parquet.with_suffix(".parquet.tmp")
-        pd.DataFrame(self.rows, columns=self.columns).to_parquet(tmp, index=False)
-        os.replace(tmp, self.parquet)
+        try:
+            pd.DataFrame(self.rows + rows, columns=self.columns).to_parquet(tmp, index=False)
+            with self.csv.open("a", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=self.columns)
+                if new:
+                    writer.writeheader()
+                writer.writerows(rows)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.parquet)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            if self.csv.exists():
+                with self.csv.open("r+b") as fh:
+                    fh.truncate(size)
+            raise
+        self.rows.extend(rows)
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=self.columns)
 
 
-class Recorder:
-    """Writes one run's results into ``folder`` as the run goes."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped is a zombie: dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
-    def __init__(self, folder: str | Path, config: dict):
+
+def read_status(run_dir: str | Path) -> dict:
+    """A run's status.json; a 'running' run whose process is gone, or whose heartbeat stopped, reads 'dead'."""
+    path = Path(run_dir) / "status.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"status": "missing"}
+    except (OSError, ValueError) as exc:
+        return {"status": "unreadable", "error": one_line(str(exc))}
+    if doc.get("status") == "running":
+        same_host = doc.get("host") == socket.gethostname()
+        gone = same_host and isinstance(doc.get("pid"), int) and not _pid_alive(doc["pid"])
+        silent = time.time() - float(doc.get("heartbeat", 0)) > 6 * HEARTBEAT_S
+        if gone or silent:
+            doc = {**doc, "status": "dead", "was": "running"}
+    return doc
+
+
+class Recorder:
+    """Writes one run's results into ``folder`` as the run goes.
+
+    ``status.json`` carries the PID, host and a heartbeat (rewritten every ``HEARTBEAT_S`` while
+    the process lives), so :func:`read_status` tells a killed run from a running one. Every
+    client error goes to ``errors.log`` in full; the tables keep one clean line.
+    """
+
+    def __init__(self, folder: str | Path, config: dict, *, resume: bool = False, planned_rounds: int | None = None):
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=False)
+        if not resume:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if any(self.folder.iterdir()):
+                raise FileExistsError(f"{self.folder} is not empty")
         self.clients = _Table(self.folder, "clients")
         self.rounds = _Table(self.folder, "rounds")
         self.started = time.time()
-        (self.folder / "config.toml").write_text(tomli_w.dumps(config))
-        (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
+        self.planned_rounds = planned_rounds
+        self.empty_rounds: list[int] = []
+        self.allow_empty_rounds = False
+        self._state = "running"
+        self._extra: dict = {}
+        self.notes: dict = {}  # figures the runtime adds to every status document (e.g. actors_replaced)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if not resume:
+            (self.folder / "config.toml").write_text(tomli_w.dumps(config))
+            (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
         self.status("running")
+        self._beat = threading.Thread(target=self._heartbeat, name="fedelastic-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write_status()
+            except OSError:
+                pass  # a full disk: the next round's write reports it
+
+    def counts(self) -> dict:
+        """Client rows, failed ones and the distinct error messages with their counts."""
+        errors: dict[str, int] = {}
+        for row in self.clients.rows:
+            if row.get("error"):
+                errors[row["error"]] = errors.get(row["error"], 0) + 1
+        total = len(self.clients.rows)
+        failed = sum(errors.values())
+        return {
+            "client_results": total,
+            "clients_failed": failed,
+            "failure_rate": failed / total if total else 0.0,
+            "errors": errors,
+            "empty_rounds": list(self.empty_rounds),
+        }
+
+    def _write_status(self) -> None:
+        with self._lock:
+            trained = [r["round"] for r in self.rounds.rows if r.get("round", 0) > 0]
+            doc = {
+                "status": self._state,
+                "rounds_done": max(trained, default=0),
+                "rounds_planned": self.planned_rounds,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": self.started,
+                "heartbeat": time.time(),
+                "elapsed_s": time.time() - self.started,
+                **self.counts(),
+                **self.notes,
+                **self._extra,
+            }
+            _write_atomic(self.folder / "status.json", json.dumps(doc, indent=2))
 
     def status(self, state: str, **extra) -> None:
-        doc = {"status": state, "rounds_done": len(self.rounds.rows), "elapsed_s": time.time() - self.started, **extra}
-        (self.folder / "status.json").write_text(json.dumps(doc, indent=2))
+        self._state, self._extra = state, extra
+        if state != "running":
+            self._stop.set()
+        self._write_status()
+
+    def finish(self, max_failure_rate: float = 0.0) -> dict:
+        """Write the final status from what was recorded; returns the status document's counts and verdict."""
+        counts = self.counts()
+        errors = bool(counts["clients_failed"] or counts["empty_rounds"])
+        state = "completed_with_errors" if errors else "completed"
+        over = counts["failure_rate"] > max_failure_rate or bool(counts["empty_rounds"])
+        self.status(state, max_failure_rate=max_failure_rate, over_threshold=errors and over)
+        return {"status": state, "over_threshold": errors and over, **counts}
+
+    def log_error(self, text: str) -> None:
+        with (self.folder / "errors.log").open("a") as fh:
+            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{_ANSI.sub('', text).rstrip()}\n")
 
     def add_clients(self, rows: list[dict]) -> None:
+        for row in rows:
+            if row.get("error"):
+                self.log_error(f"round {row.get('round')} partition {row.get('partition_id')}:\n{row['error']}")
+                row["error"] = one_line(row["error"])
         self.clients.append(rows)
 
     def add_round(self, row: dict) -> None:
         self.rounds.append([row])
+        trained = row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0)
+        if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
+            self.empty_rounds.append(int(row["round"]))
         self.status("running")
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> None:
-    """Accuracy against simulated time, and per device class the emulated train time per round."""
+    """Accuracy against simulated time, and per device class the emulated train time per round.
+
+    Draws what it can from any run: no rounds, no client rows, or NaN/inf/zero times leave an
+    empty (labelled) panel rather than an error.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     import seaborn as sns
 
     timeline = "dispatch_s" in clients.columns and clients.dispatch_s.notna().any()
     fig, axes = plt.subplots(1, 3 if timeline else 2, figsize=(17 if timeline else 11, 4))
-    sns.lineplot(data=rounds, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
+    curve = rounds[np.isfinite(rounds.get("sim_time_s", pd.Series(dtype=float)).astype(float))] if len(rounds) else rounds
+    if len(curve):
+        sns.lineplot(data=curve, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
     axes[0].set(xlabel="simulated time (s)", ylabel="global test accuracy", title="accuracy vs simulated time")
-    if not clients.empty:
-        hue_order = sorted(clients.device_class.unique())  # the timeline colours classes in this order
-        sns.barplot(
-            data=clients, x="device", y="emulated_train_time_s", hue="device_class", hue_order=hue_order, ax=axes[1]
-        )
-        axes[1].set(xlabel="", ylabel="emulated train time per round (s)", title="per-device train time")
+    times = clients.get("emulated_train_time_s", pd.Series(dtype=float)).astype(float) if len(clients) else None
+    ok = clients[np.isfinite(times) & (times > 0)] if times is not None else clients
+    if len(ok):
+        hue_order = sorted(ok.device_class.unique())  # the timeline colours classes in this order
+        sns.barplot(data=ok, x="device", y="emulated_train_time_s", hue="device_class", hue_order=hue_order, ax=axes[1])
         axes[1].tick_params(axis="x", rotation=30)
         axes[1].set_yscale("log")
+    else:
+        axes[1].text(0.5, 0.5, "no client trained", ha="center", va="center", transform=axes[1].transAxes)
+    axes[1].set(xlabel="", ylabel="emulated train time per round (s)", title="per-device train time")
     if timeline:
         plot_timeline(rounds, clients, axes[2])
     fig.tight_layout()

@@ -15,6 +15,17 @@ from .config import check, field, from_dict, read_toml, to_dict
 from .errors import ConfigError
 
 
+def _labels(classes: tuple[int, ...]) -> bool:
+    return all(c >= 0 for c in classes) and len(set(classes)) == len(classes)
+
+
+def is_plain_name(value: str) -> bool:
+    """One plain folder name: results built from it stay inside output_dir."""
+    if not value or value != value.strip() or value in (".", "..") or value.startswith(("-", ".")):
+        return False
+    return not any(c in value for c in "/\\\0:")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = field("digits", help="dataset name; 'digits' is embedded")
@@ -31,6 +42,7 @@ class DataConfig:
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
         check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
         check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
+        check(_labels(self.classes), "classes", "distinct non-negative labels")
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,8 @@ class PretrainConfig:
     def __post_init__(self):
         check(self.epochs >= 1, "epochs", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
+        check(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        check(_labels(self.classes), "classes", "distinct non-negative labels")
 
 
 @dataclass(frozen=True)
@@ -84,7 +98,8 @@ class TrainConfig:
         check(self.max_steps >= 0, "max_steps", "an integer >= 0")
         check(self.batch_size >= 1, "batch_size", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
-        check(self.momentum >= 0, "momentum", "a number >= 0")
+        check(0 <= self.momentum < 1, "momentum", "a number in [0, 1)")
+        check(self.weight_decay >= 0, "weight_decay", "a number >= 0")
         check(self.optimizer in ("sgd", "sgdw"), "optimizer", "one of ['sgd', 'sgdw']")
         check(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "one of ['constant', 'cosine']")
         check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
@@ -214,6 +229,16 @@ class SimulationConfig:
     ray_address: str = field("", help="address of an existing Ray cluster (empty: start a local one)")
     timeout_s: float = field(3600.0, help="how long the server waits for a round's replies")
     torch_threads: int = field(1, help="torch threads in each client")
+    client_retries: int = field(1, help="retries of a client whose process died (Ray), on a fresh worker")
+    max_failure_rate: float = field(0.0, help="fraction of client results that may fail before the exit code says so")
+    allow_empty_rounds: bool = field(False, help="a round in which no client trained is not an error")
+
+    def __post_init__(self):
+        check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
+        check(self.timeout_s > 0, "timeout_s", "a positive number of seconds")
+        check(1 <= self.torch_threads <= 1024, "torch_threads", "an integer in [1, 1024]")
+        check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
+        check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -234,7 +259,11 @@ class Scenario:
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
+        check(is_plain_name(self.name), "name", "a plain folder name (no '/', '\\', ':', leading '.' or '-')")
+        check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)")
+        check(bool(self.output_dir.strip()), "output_dir", "a folder path")
         check(len(self.fleet) > 0, "fleet", "at least one device")
+        check(all(n <= 1_000_000 for n in self.fleet.values()), "fleet", "at most 1,000,000 clients per device")
         check(
             all(n >= 0 for n in self.fleet.values()) and self.num_clients > 0,
             "fleet",
@@ -264,7 +293,10 @@ def validate(scenario: Scenario) -> Scenario:
         )
     resolve_factory(scenario.model.name, context=src)
     base = Path(scenario.source).parent if scenario.source else Path(".")
-    dirs = tuple(str(base / d) for d in scenario.device_dirs)
+    dirs = tuple(str((base / d).resolve()) for d in scenario.device_dirs)  # absolute: Ray workers, resume
+    for i, d in enumerate(dirs):
+        if not Path(d).is_dir():
+            raise ConfigError(src, f"device_dirs[{i}]", "an existing folder of device profiles", d)
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
     scenario = replace(scenario, device_dirs=dirs)

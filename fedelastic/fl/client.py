@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -85,7 +88,9 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
     strategy = env.strategy(rho)
-    if "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
+        strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
+    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
     result = train_partition(env, model, strategy, pid, server_round, step_cap)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
@@ -118,6 +123,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
+            "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
         }
     )
@@ -152,12 +158,26 @@ def too_slow_reply(env: RunEnvironment, msg: Message, pid: int) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def check_same_code() -> None:
+    """A Ray worker must run the fedelastic the driver runs (the runner exports its folder as FEDELASTIC_ROOT)."""
+    import fedelastic
+
+    expected = os.environ.get("FEDELASTIC_ROOT")
+    here = str(Path(fedelastic.__file__).resolve().parent.parent)
+    if expected and here != expected:
+        raise RuntimeError(
+            f"this worker imported fedelastic from {here}, the driver runs it from {expected}; "
+            "run from a folder that holds no other copy of fedelastic"
+        )
+
+
 def make_client_app(scenario: Scenario) -> ClientApp:
     """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process)."""
     app = ClientApp()
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
+        check_same_code()
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )

@@ -18,6 +18,7 @@ from ..costmodel import CostModel
 from ..data import (
     ArrayDataset,
     FederatedData,
+    check_partition_sizes,
     load_dataset,
     partition_dirichlet,
     partition_iid,
@@ -26,6 +27,7 @@ from ..data import (
 )
 from ..data import transform as apply_transform
 from ..devices import DeviceProfile, assign_fleet, get_profile
+from ..errors import ConfigError
 from ..modelinfo import ModelInfo, describe
 from ..models import build_model
 from ..scenario import Scenario
@@ -59,22 +61,35 @@ class RunEnvironment:
         """The target task: client partitions of the training split, and the server's test set."""
         sc, d = self.scenario, self.scenario.data
         train, test = (self.view(part, d.classes, d.transform) for part in self.split)
-        n = sc.num_clients
+        n, src = sc.num_clients, sc.source or "<scenario>"
+        if len(test) == 0:
+            raise ConfigError(src, "data.test_fraction", "a fraction that leaves the server some test samples", d.test_fraction)
+        check_partition_sizes(
+            len(train), n, d.partitioner, min_size=d.min_partition_size,
+            shards_per_partition=d.shards_per_partition, alpha=d.alpha, src=src,
+        )  # fmt: skip
         if d.partitioner == "iid":
             parts = partition_iid(train.y, n, sc.seed)
         elif d.partitioner == "shards":
             parts = partition_shards(train.y, n, d.shards_per_partition, sc.seed)
         else:
-            parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            try:
+                parts = partition_dirichlet(train.y, n, d.alpha, sc.seed, min_size=d.min_partition_size)
+            except ValueError:
+                raise ConfigError(
+                    src, "data", f"a split that gives every client data: no dirichlet(alpha={d.alpha:g}) draw gave "
+                    f"{n:,} clients {d.min_partition_size} samples each from {len(train):,} training samples; lower "
+                    'data.min_partition_size, raise data.alpha, use partitioner = "iid", or a larger dataset',
+                ) from None
         return FederatedData(train, test, parts)
 
     @cached_property
     def num_classes(self) -> int:
-        return int(load_dataset(self.scenario.data.dataset).num_classes)
+        return int(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").num_classes)
 
     @cached_property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(load_dataset(self.scenario.data.dataset).x.shape[1:])
+        return tuple(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").x.shape[1:])
 
     @cached_property
     def devices(self) -> list[str]:

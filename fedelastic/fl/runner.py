@@ -8,24 +8,35 @@ tests and for measuring Flower/Ray's own overhead.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
+from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from ..config import to_dict
+from ..config import read_toml, to_dict
+from ..errors import ConfigError, FedelasticError, RunFailed
 from ..pretrain import initial_state
-from ..results import Recorder
-from ..scenario import Scenario
+from ..results import Recorder, one_line, read_status
+from ..scenario import Scenario, is_plain_name, parse_scenario
+from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
 from .dispatch import fast_dispatch
 from .env import environment
-from .server import make_server_app, server_main
+from .raypool import resilient_actors
+from .server import server_main
 
 
 class InProcessGrid(Grid):
@@ -45,6 +56,8 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._run = None
+        self.abandoned: list[threading.Thread] = []  # client calls that overran the round's timeout
+        self.on_abandon: Callable[[], None] = lambda: None
 
     def set_run(self, run) -> None:
         self._run = run
@@ -59,19 +72,41 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def _call(self, msg: Message) -> Message:
+    def _call(self, msg: Message, timeout: float | None = None) -> Message | None:
+        """Run the ClientApp on ``msg``; None if it did not return within ``timeout`` seconds.
+
+        A call that overruns is abandoned on its (daemon) thread, which Python cannot stop: it
+        keeps its CPU until it returns, and its late result is dropped. The process's shared
+        client model is rebuilt so the abandoned call cannot disturb later clients.
+        """
         node = msg.metadata.dst_node_id
-        try:
-            reply = self.app(msg, self.contexts[node])
-        except Exception as exc:  # a client failure becomes an error reply, as in Flower
-            reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
-        return reply
+        box: list[Message] = []
+
+        def work() -> None:
+            try:
+                box.append(self.app(msg, self.contexts[node]))
+            except Exception as exc:  # a client failure becomes an error reply, as in Flower
+                box.append(Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
+
+        if timeout is None:
+            work()
+            return box[0]
+        thread = threading.Thread(target=work, name=f"client-{node}", daemon=True)
+        thread.start()
+        thread.join(max(timeout, 0.0))
+        if thread.is_alive() or not box:
+            self.abandoned.append(thread)
+            self.on_abandon()
+            return None
+        return box[0]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for i, msg in enumerate(messages):
             key = f"{len(self._replies)}-{i}"
-            self._replies[key] = self._call(msg)
+            reply = self._call(msg)
+            assert reply is not None
+            self._replies[key] = reply
             ids.append(key)
         return ids
 
@@ -79,12 +114,230 @@ class InProcessGrid(Grid):
         return [self._replies.pop(i) for i in message_ids]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return [self._call(msg) for msg in messages]
+        """Each client in turn, each given ``timeout`` seconds (clients run one after another here,
+        not side by side as on Ray); a client that overruns gets no reply, as on Ray."""
+        replies = [self._call(msg, timeout) for msg in messages]
+        return [r for r in replies if r is not None]
+
+
+class GuardedGrid(Grid):
+    """A Grid that stops waiting for replies when ``stop`` is set (the runtime died, or Ctrl-C).
+
+    Without it the ServerApp thread of a failed Flower runtime waits out ``timeout_s`` (an hour
+    by default) and keeps the driver alive.
+    """
+
+    def __init__(self, grid: Grid, stop: threading.Event):
+        self.grid, self.stop = grid, stop
+
+    def set_run(self, run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        if self.stop.is_set():
+            raise RunAborted("the simulation runtime stopped")
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        if isinstance(self.grid, InProcessGrid):
+            return self.grid.send_and_receive(messages, timeout=timeout)
+        pending = {i for i in self.grid.push_messages(messages) if i}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            if self.stop.is_set():
+                raise RunAborted("the simulation runtime stopped")
+            got = list(self.grid.pull_messages(pending))
+            replies.extend(got)
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if not pending or (deadline is not None and time.monotonic() >= deadline):
+                break
+            time.sleep(0.05)
+        return replies
+
+
+class RunAborted(RuntimeError):
+    """The runtime under the ServerApp stopped; the server gives up instead of waiting."""
+
+
+def check_folder_name(value: str, src: str, key: str) -> str:
+    """``value`` if it is one plain folder name (so results stay inside output_dir), else a ConfigError."""
+    if not is_plain_name(value):
+        raise ConfigError(src, key, "a plain folder name (no '/', '\\', ':', leading '.' or '-', or outer spaces)", value)
+    return value
+
+
+def _claim(folder: Path, output_dir: Path, src: str) -> Path:
+    """Create ``folder`` (inside ``output_dir``); FileExistsError if it is taken."""
+    if not folder.resolve().is_relative_to(output_dir.resolve()):
+        raise ConfigError(src, "name", f"a run folder inside output_dir {str(output_dir)!r}", str(folder))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
+    except FileExistsError:
+        if folder.is_dir():
+            raise
+        raise ConfigError(src, "output_dir", "a folder (a file is in the way)", str(folder.parent)) from None
+    except OSError as exc:
+        raise ConfigError(src, "output_dir", f"a folder fedelastic can write to ({exc.strerror})", str(output_dir)) from None
+    return folder
 
 
 def new_run_dir(scenario: Scenario, run_id: str | None = None) -> Path:
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{scenario.seed}"
-    return Path(scenario.output_dir) / scenario.name / run_id
+    """Create the run folder ``<output_dir>/<name>/<run_id>``.
+
+    A default id is a timestamp to the millisecond plus the seed, made unique with a suffix if
+    several runs start at once. An explicit id that exists is refused (``--resume`` continues it).
+    """
+    src = scenario.source or "<scenario>"
+    output_dir = Path(scenario.output_dir)
+    base = output_dir / check_folder_name(scenario.name, src, "name")
+    if run_id is not None:
+        folder = base / check_folder_name(run_id, "<command line>", "--run-id")
+        try:
+            return _claim(folder, output_dir, src)
+        except FileExistsError:
+            raise FedelasticError(
+                f"{folder}: a run with this id exists; continue it with `fedelastic run --resume {folder}` "
+                "or choose another --run-id"
+            ) from None
+    now = time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}-s{scenario.seed}"
+    for n in range(1, 10_000):
+        try:
+            return _claim(base / (stamp if n == 1 else f"{stamp}-{n}"), output_dir, src)
+        except FileExistsError:
+            continue
+    raise FedelasticError(f"{base}: could not find a free run id for {stamp}")
+
+
+def _preflight(scenario: Scenario, env) -> dict:
+    """Everything that can be checked before a runtime starts: sizes, data, model, profiles, weights."""
+    src = scenario.source or "<scenario>"
+    labels = set(np.unique(env.split[0].y).tolist()) | set(np.unique(env.split[1].y).tolist())
+    pre = scenario.model.pretrain
+    for key, classes in (("data.classes", scenario.data.classes), ("model.pretrain.classes", pre.classes if pre else ())):
+        if set(classes) - labels:
+            raise ConfigError(src, key, f"labels of dataset {scenario.data.dataset!r} ({min(labels)}..{max(labels)})", list(classes))
+    _ = env.data, env.info  # partitions (their size checks name the keys to change); the model, built once
+    layers = {layer.name for layer in env.info.layers}
+    for device in scenario.fleet:
+        env.cost(device)
+        table = env.profile(device).measured.get(env.info.model_name)
+        for name in sorted(set(table.layers) - layers) if table else ():
+            raise ConfigError(
+                env.profile(device).path, f"measured.{env.info.model_name}.layers.{name}",
+                f"a layer of model {env.info.model_name!r} (e.g. {sorted(layers)[:3]})", name,
+            )  # fmt: skip
+    state = initial_state(env)
+    for name, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            key = "model.weights" if scenario.model.weights else "model"
+            raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
+    return state
+
+
+_HOOK = """
+def put_driver_code_first():
+    import sys
+    sys.path.insert(0, ROOT)
+    try:
+        import fedelastic  # noqa: F401 (imported from ROOT now, it stays the package of this process)
+    finally:
+        sys.path.remove(ROOT)
+"""
+
+
+def _driver_code_first(root: str):
+    """A worker start-up hook that puts the driver's fedelastic first on the worker's path.
+
+    Ray adds the driver's working directory to every worker's path, ahead of PYTHONPATH, so a
+    folder holding another copy of fedelastic would shadow the one the driver runs. The hook
+    imports fedelastic from the driver's folder before anything else can. It is built outside
+    any importable module so that Ray ships it by value (unpickling it imports no fedelastic).
+    """
+    namespace: dict = {"__name__": "fedelastic_ray_setup_hook", "ROOT": root}
+    exec(compile(_HOOK, "<fedelastic ray setup hook>", "exec"), namespace)  # noqa: S102 (fixed source above)
+    return namespace["put_driver_code_first"]
+
+
+def _ray_init_args(sim) -> dict:
+    """Ray's init arguments: the workers import exactly the fedelastic this driver runs."""
+    import fedelastic
+
+    root = str(Path(fedelastic.__file__).resolve().parent.parent)
+    paths = [root] + [p for p in sys.path if p and p != root]
+    env_vars = {"PYTHONPATH": os.pathsep.join(paths), "FEDELASTIC_ROOT": root}
+    runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": _driver_code_first(root)}
+    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR, "runtime_env": runtime_env}
+    if sim.ray_address:
+        args["address"] = sim.ray_address
+    return args
+
+
+def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not address or address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
+
+
+def _run_ray(
+    scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
+) -> None:
+    import ray
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    sim = scenario.simulation
+    src = scenario.source or "<scenario>"
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            server(GuardedGrid(grid, stop))
+        finally:
+            stop.set()  # the runtime's workers stop waiting on hung clients
+
+    if not ray.is_initialized():
+        _probe(sim.ray_address, src)
+        try:
+            ray.init(**_ray_init_args(sim))
+        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
+            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
+    try:
+        with fast_dispatch(), resilient_actors(retries=sim.client_retries, timeout_s=sim.timeout_s, stop=stop) as pool:
+            notes["actors_replaced"] = 0
+            run_simulation(
+                server_app=app,
+                client_app=client_app,
+                num_supernodes=scenario.num_clients,
+                backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
+            )
+            notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
+    finally:
+        stop.set()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def run_scenario(
@@ -92,46 +345,98 @@ def run_scenario(
     *,
     run_id: str | None = None,
     progress: Callable[[dict], None] | None = None,
+    resume: str | Path | None = None,
     grid: Grid | None = None,
 ) -> Path:
-    """Run ``scenario`` to completion; returns the run folder. Results reach disk every round.
+    """Run ``scenario`` to completion, or continue the killed run in folder ``resume``; returns the run folder.
 
+    Results reach disk every round, with a checkpoint. The final ``status.json`` says
+    ``completed``, ``completed_with_errors`` (with counts and messages) or ``failed``.
     With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
     nodes and ``simulation.backend`` is not used.
     """
-    run_dir = new_run_dir(scenario, run_id)
-    recorder = Recorder(run_dir, to_dict(scenario))
+    checkpoint = None
+    if resume is not None:
+        run_dir = Path(resume)
+        checkpoint = _check_resumable(run_dir)
+        recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
+        recorder.clients.load(lambda r: r["round"] <= checkpoint["round"])
+        recorder.rounds.load(lambda r: r["round"] <= checkpoint["round"])
+    else:
+        run_dir = new_run_dir(scenario, run_id)
+        try:
+            recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)
+        except OSError as exc:
+            raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
+    recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
     progress = progress or (lambda row: None)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     env = environment(scenario)
+    stop = threading.Event()
+    failure: list[BaseException] = []
     try:
-        state = initial_state(env)
+        state = _preflight(scenario, env)
+        start_round = 0
+        if checkpoint is not None:
+            state, start_round = dict(checkpoint["model"]), int(checkpoint["round"])
         client_app = make_client_app(scenario)
-        sim = scenario.simulation
-        if grid is not None or sim.backend == "inprocess":
-            grid = grid or InProcessGrid(client_app, scenario.num_clients)
-            server_main(scenario, state, recorder, progress, grid)
-        else:
-            from flwr.simulation import run_simulation
 
-            init_args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
-            if sim.ray_address:
-                init_args["address"] = sim.ray_address
-            with fast_dispatch():  # Flower's own dispatch loop is O(nodes^2) per 0.1 s sweep
-                run_simulation(
-                    server_app=make_server_app(scenario, state, recorder, progress),
-                    client_app=client_app,
-                    num_supernodes=scenario.num_clients,
-                    backend_config={
-                        "client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0},
-                        "init_args": init_args,
-                    },
-                )
-        done = len(recorder.rounds.rows) - 1  # row 0 is the initial model
+        def server(grid: Grid) -> None:
+            try:
+                server_main(
+                    scenario, state, recorder, progress, grid,
+                    strategy_cls=partial(Resumable, checkpoint=checkpoint), start_round=start_round,
+                )  # fmt: skip
+            except BaseException as exc:
+                failure.append(exc)
+                raise
+
+        if grid is not None:  # a Flower App's own grid (flwr run)
+            server(GuardedGrid(grid, stop))
+        elif scenario.simulation.backend == "inprocess":
+            local = InProcessGrid(client_app, scenario.num_clients)
+            local.on_abandon = lambda: env.__dict__.pop("client_model", None)
+            server(GuardedGrid(local, stop))
+        else:
+            _run_ray(scenario, server, client_app, stop, recorder.notes)
+        if failure:
+            raise failure[0]
+        done = max((r["round"] for r in recorder.rounds.rows), default=0)
         if done < scenario.server.rounds:
-            raise RuntimeError(f"the simulation stopped after {max(done, 0)} of {scenario.server.rounds} rounds")
+            raise RunFailed(f"the simulation stopped after {done} of {scenario.server.rounds} rounds")
     except BaseException as exc:
-        recorder.status("failed", error=f"{type(exc).__name__}: {exc}")
+        cause = failure[0] if failure and not isinstance(failure[0], RunAborted) else exc
+        text = "".join(traceback.format_exception(cause))
+        with suppress(OSError):
+            recorder.log_error(f"run failed:\n{text}")
+            reason = "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}"
+            recorder.status("failed", error=one_line(reason))
+        recorder.close()
+        if cause is not exc and not isinstance(exc, KeyboardInterrupt):
+            raise cause from None
         raise
-    recorder.status("completed")
+    recorder.finish(scenario.simulation.max_failure_rate)
+    recorder.close()
     return run_dir
+
+
+def _check_resumable(run_dir: Path) -> dict:
+    if not (run_dir / "config.toml").is_file():
+        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
+    status = read_status(run_dir)
+    if status["status"] == "running":
+        raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
+    if status["status"] in ("completed", "completed_with_errors"):
+        raise FedelasticError(f"{run_dir}: the run already finished ({status['status']}); nothing to resume")
+    return load_checkpoint(run_dir)
+
+
+def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None = None) -> Path:
+    """Continue a killed or failed run from its last checkpointed round, with the scenario it was started with."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
+    raw = read_toml(run_dir / "config.toml", "run config")
+    src = raw.pop("source", "") or str(run_dir / "config.toml")
+    scenario = parse_scenario(raw, src)
+    return run_scenario(scenario, progress=progress, resume=run_dir)

@@ -26,6 +26,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from ..costmodel import CostModel
+from ..errors import RunFailed
 from ..fleet import (
     Availability,
     Batteries,
@@ -86,6 +87,17 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     if len(mapping) != len(nodes):
         raise RuntimeError(f"{len(mapping)} of {len(nodes)} nodes answered the partition query")
     return mapping
+
+
+def nonfinite_update(reply: Message) -> str:
+    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure)."""
+    loss = float(reply.content["metrics"]["train-loss"])
+    for name, value in record_to_numpy(reply.content["arrays"]).items():
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return f"non-finite update: tensor {name!r} holds NaN/inf (train loss {loss:g}); update rejected"
+    if reply.content["metrics"]["fits"] and int(reply.content["metrics"]["steps"]) and not np.isfinite(loss):
+        return f"non-finite update: train loss is {loss:g}; update rejected"
+    return ""
 
 
 class Fleet:
@@ -322,7 +334,7 @@ class PartialFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._arrays, self._round_start = arrays, time.perf_counter()
-        chosen = self.sample(server_round)
+        chosen = self._sampled = self.sample(server_round)
         server = self.sc.server
         self._deadline = None
         if server.deadline > 0:
@@ -421,10 +433,9 @@ class PartialFedAvg(FedAvg):
             "error": "",
         }
 
-    def _failed_row(self, rnd: int, m: Message) -> dict:
+    def _failed_row(self, rnd: int, pid: int, reason: str) -> dict:
         """A failed client is a row too: nothing is silently dropped."""
-        log(WARNING, "client on node %s failed: %s", m.metadata.src_node_id, m.error.reason)
-        pid = self.partition_of_node.get(m.metadata.src_node_id, -1)
+        log(WARNING, "client %s failed: %s", pid, reason)
         device = self.env.devices[pid] if pid >= 0 else ""
         return {
             "round": rnd,
@@ -439,8 +450,28 @@ class PartialFedAvg(FedAvg):
             "counted": False,
             **dict.fromkeys(_CLOCK_FIGURES, float("nan")),
             "fits_reason": "",
-            "error": m.error.reason,
+            "error": reason,
         }
+
+    def _failures(self, replies: list[Message], sampled: list[int]) -> tuple[list[Message], dict[int, str]]:
+        """Replies that can be used, and partition -> reason for the rest (errors, NaN/inf, no reply)."""
+        failures = {
+            self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
+        }
+        ok = []
+        for m in replies:
+            if m.has_error():
+                continue
+            bad = nonfinite_update(m)  # a NaN/inf update is rejected and recorded with its client
+            if bad:
+                failures[int(m.content["metrics"]["partition-id"])] = bad
+            else:
+                ok.append(m)
+        replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
+        for p in sampled:  # no reply within the round's timeout: a row, not a gap
+            if p not in replied:
+                failures[p] = f"timeout: no reply within simulation.timeout_s = {self.sc.simulation.timeout_s:g} s"
+        return ok, failures
 
     def _update(self, m: Message) -> ClientUpdate:
         return ClientUpdate(
@@ -477,8 +508,7 @@ class PartialFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
-        ok = [m for m in replies if not m.has_error()]
-        failed = [m for m in replies if m.has_error()]
+        ok, failures = self._failures(replies, getattr(self, "_sampled", []))
         metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
         start = self.sim_time_s
         trips = [self._trip(r, start, server_round - 1) for r in metrics]
@@ -495,7 +525,9 @@ class PartialFedAvg(FedAvg):
             idle = cost.device.power_idle_w.value * waited
             rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m)))
             self.fleet.drain(trip.partition_id, end, energy + idle)
-        self.recorder.add_clients(rows + [self._failed_row(server_round, m) for m in failed])
+        self.recorder.add_clients(
+            rows + [self._failed_row(server_round, p, why) for p, why in sorted(failures.items())]
+        )
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
         counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
@@ -505,10 +537,20 @@ class PartialFedAvg(FedAvg):
                 current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
             )
         new_state = aggregate_partial(current, updates)
+        self._check_finite(server_round, new_state)
         self.sim_time_s = end
-        self._round = self._summary(rows, len(failed), start, end)
+        self._round = self._summary(rows, len(failures), start, end)
         self.total_energy_j += self._round["round_energy_j"]
         return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
+
+    @staticmethod
+    def _check_finite(version: int, state: dict[str, np.ndarray]) -> None:
+        for name, value in state.items():
+            if not np.isfinite(value).all():
+                raise RunFailed(
+                    f"round {version}: the global model became non-finite (tensor {name!r}); "
+                    "lower train.lr or check the model and its starting weights"
+                )
 
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
     def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
@@ -554,16 +596,17 @@ class PartialFedAvg(FedAvg):
                     )
                 )
             trips = []
-            for m in sorted(
+            got = sorted(
                 grid.send_and_receive(messages, timeout=timeout),
                 key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
-            ):
-                if m.has_error():
-                    failures += 1
-                    if failures > 10 * n + sc.server.rounds * buffer_size:
-                        raise RuntimeError("asynchronous run: clients keep failing")
-                    pending.append(self._failed_row(version + 1, m))
-                    continue
+            )
+            ok, failed = self._failures(got, ids)
+            for p, why in sorted(failed.items()):
+                failures += 1
+                if failures > 10 * n + sc.server.rounds * buffer_size:
+                    raise RuntimeError("asynchronous run: clients keep failing")
+                pending.append(self._failed_row(version + 1, p, why))
+            for m in ok:
                 r = {k: m.content["metrics"][k] for k in METRIC_KEYS}
                 trip = self._trip(r, t, v)
                 replies[trip] = (r, m)
@@ -588,6 +631,7 @@ class PartialFedAvg(FedAvg):
                 bases.append(states[a.trip.version])
                 discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
             states[v] = aggregate_buffered(states[version], updates, bases, discounts)
+            self._check_finite(v, states[v])
             in_use = {trip.version for trip in replies} | {v}
             for old in [k for k in states if k not in in_use]:
                 del states[old]
@@ -647,20 +691,31 @@ class PartialFedAvg(FedAvg):
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
 
-def server_main(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable, grid: Grid) -> None:
-    """The ServerApp's body: register nodes, map partitions, run the rounds."""
+def server_main(
+    scenario: Scenario,
+    initial_state: dict,
+    recorder: Recorder,
+    progress: Callable,
+    grid: Grid,
+    *,
+    strategy_cls: Callable[..., PartialFedAvg] | None = None,
+    start_round: int = 0,
+) -> None:
+    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on)."""
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
-    mapping = discover_partitions(grid, nodes, timeout)
-    strategy = PartialFedAvg(env, mapping, recorder, progress)
+    mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
+    strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
     if scenario.server.policy == "async":
+        if start_round:
+            raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
         strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
         return
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-        num_rounds=scenario.server.rounds,
+        num_rounds=scenario.server.rounds - start_round,
         timeout=timeout,
         evaluate_fn=strategy.evaluate,
     )

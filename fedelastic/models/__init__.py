@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from ..errors import ConfigError
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 # name -> "module:function", imported lazily so big definitions cost nothing until used
 BUILTIN: dict[str, str] = {
@@ -33,10 +36,12 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
     if ":" not in target:
         raise ConfigError(context, key, f"a built-in model {sorted(BUILTIN)} or 'package.module:callable'", name)
     module_name, _, attr = target.partition(":")
+    if not _DOTTED.fullmatch(module_name) or not attr.isidentifier():
+        raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({exc})", name) from None
+    except Exception as exc:  # noqa: BLE001 (an import runs user code: any error means 'not importable')
+        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, "a callable returning an nn.Module", name)
     return factory
@@ -44,7 +49,13 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
 
 def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Module:
     """Build a model by name; the factory receives ``kwargs``."""
-    model = resolve_factory(name, context=context)(**kwargs)
+    factory = resolve_factory(name, context=context)
+    try:
+        model = factory(**kwargs)
+    except TypeError as exc:  # an unknown or missing option
+        raise ConfigError(context, "model.options", f"options the factory {name!r} accepts ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 (user code)
+        raise ConfigError(context, "model.name", f"a factory that builds a model ({type(exc).__name__}: {exc})", name) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
     return model

@@ -1,0 +1,74 @@
+"""The fault matrix as a table: runs tests/test_faults.py (Ray cases included) and counts outcomes.
+
+Every case of the matrix asserts its documented outcome (a one-line error naming the file and
+key, before anything runs; or the recovery: a recorded row, an honest status and exit code, a
+resumed run equal to an uninterrupted one) and that nothing finished is lost. This script runs
+them, one pytest session, and writes per kind of case: cases, ended as documented, lost nothing,
+and the wall time per case (the time to the error, or to the end of the recovered run).
+
+    python benchmarks/fault_matrix.py            # writes benchmarks/results/fault_matrix.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {  # test function -> kind of case
+    "test_bad_input_is_one_line_naming_file_and_key": "bad input (exit 2, one line)",
+    "test_fault_is_recorded_with_honest_status": "fault during a run (in-process)",
+    "test_probe_over_memory_is_split_to_fit_the_device": "fault during a run (in-process)",
+    "test_kill_9_after_round_2_then_resume_gives_identical_tables": "kill -9 of the driver, then resume",
+    "test_checkpoint_is_loaded_with_weights_only": "malicious checkpoint refused",
+    "test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers": "Ray: dead + hung client",
+    "test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree": "full disk during a run",
+    "test_table_append_is_all_or_nothing": "full disk during a table write",
+    "test_run_ids_are_unique_when_many_start_in_one_second": "25 runs started in one second",
+    "test_report_draws_empty_and_non_finite_runs": "report of empty / NaN / inf runs",
+    "test_a_stopped_runtime_ends_the_server_wait_at_once": "Flower runtime stops under the server",
+    "test_compare_resume_skips_finished_cells_and_resumes_a_killed_one": "comparison interrupted, then --resume",
+}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        start = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py", f"--junitxml={report}"],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        total_s = time.time() - start
+        cases = ET.parse(report).getroot().iter("testcase")
+        rows: dict[str, dict] = {}
+        for case in cases:
+            func = case.get("name", "").split("[")[0]
+            kind = KINDS.get(func, func)
+            ok = not any(child.tag in ("failure", "error", "skipped") for child in case)
+            row = rows.setdefault(kind, {"cases": 0, "as_documented": 0, "lost_nothing": 0, "times_s": []})
+            row["cases"] += 1
+            row["as_documented"] += ok
+            row["lost_nothing"] += ok  # each case asserts nothing finished was lost, with its outcome
+            row["times_s"].append(float(case.get("time", "nan")))
+    for row in rows.values():
+        times = row.pop("times_s")
+        row["median_s"], row["max_s"] = statistics.median(times), max(times)
+    out = {"pytest_exit": proc.returncode, "total_s": total_s, "kinds": rows, "tail": proc.stdout.splitlines()[-1:]}
+    path = ROOT / "benchmarks" / "results" / "fault_matrix.json"
+    path.write_text(json.dumps(out, indent=2))
+    print("| kind of case | cases | ended as documented | lost nothing | time per case, median (max) |")
+    print("|---|---|---|---|---|")
+    for kind, r in rows.items():
+        print(f"| {kind} | {r['cases']} | {r['as_documented']} | {r['lost_nothing']} | {r['median_s']:.2f} s ({r['max_s']:.2f} s) |")
+    print(f"\npytest exit {proc.returncode}, {total_s:.0f} s in all; written to {path}")
+
+
+if __name__ == "__main__":
+    main()
