@@ -316,7 +316,7 @@ class PartialFedAvg(FedAvg):
             t = min(self.fleet.ready_at(p, t) for p in range(n))
             if math.isinf(t):
                 raise RuntimeError(f"no client is online and charged at {self.sim_time_s:.1f} s or later")
-            self.sim_time_s = t
+            self.sim_time_s = float(t)
         if self.fleet.windows is None:
             draws = rng.random(n)
             available = [p for p in range(n) if draws[p] < self.fleet.probability[p] and self.fleet.charged(p, t)]
@@ -538,9 +538,9 @@ class PartialFedAvg(FedAvg):
             )
         new_state = aggregate_partial(current, updates)
         self._check_finite(server_round, new_state)
-        self.sim_time_s = end
+        self.sim_time_s = float(end)  # plain floats: the checkpoint keeps them (torch weights_only load)
         self._round = self._summary(rows, len(failures), start, end)
-        self.total_energy_j += self._round["round_energy_j"]
+        self.total_energy_j += float(self._round["round_energy_j"])
         return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
 
     @staticmethod
@@ -641,8 +641,8 @@ class PartialFedAvg(FedAvg):
             self._deadline = None
             failed = sum(r["status"] == "failed" for r in rows)
             self._round = self._summary([r for r in rows if r["status"] != "failed"], failed, last_t, t)
-            self.total_energy_j += self._round["round_energy_j"]
-            self.sim_time_s, last_t, version = t, t, v
+            self.total_energy_j += float(self._round["round_energy_j"])
+            self.sim_time_s, last_t, version = float(t), t, v
             self.evaluate(v, record_from_numpy(states[v]))
             self._round_start = time.perf_counter()
 
@@ -659,7 +659,7 @@ class PartialFedAvg(FedAvg):
             for row in pending:
                 row["round"] = version
             self.recorder.add_clients(pending)
-            self.total_energy_j += sum(r["emulated_energy_j"] for r in pending if r["status"] != "failed")
+            self.total_energy_j += float(sum(r["emulated_energy_j"] for r in pending if r["status"] != "failed"))
         assert end == self.sim_time_s
 
     def configure_evaluate(
