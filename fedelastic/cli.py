@@ -39,6 +39,10 @@ def report(run_dir: Path) -> None:
     clients_path = run_dir / "clients.parquet"
     clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame()
     plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
+    if (run_dir / "tasks.parquet").exists():  # a continual run: its accuracy matrix, summaries and figure
+        from .continual import report as continual_report
+
+        continual_report(run_dir)
     status = read_status(run_dir)
     last = rounds.iloc[-1]
     table = Table(

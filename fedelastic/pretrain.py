@@ -51,6 +51,10 @@ def pretrain_key(env) -> str:
         "test_fraction": sc.data.test_fraction,
         "seed": sc.seed,
     }
+    if sc.data.size:  # a generated set of another size is other data (0 keeps older keys unchanged)
+        doc["size"] = sc.data.size
+    if sc.data.dataset not in ("digits", "synth_digits"):  # what shapes an external dataset's training split
+        doc["external"] = [sc.data.classes, sc.data.image_column, sc.data.label_column, sc.data.image_size]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -94,7 +98,7 @@ def initial_state(env) -> dict:
     state = pretrain(env)
     print(f"pretrained weights cached at {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two runs pretraining at once must not share it
     torch.save(state, tmp)
     os.replace(tmp, path)
     return load_weights(path, model, src=str(path), key="<cached pretrain>")

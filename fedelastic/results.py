@@ -189,6 +189,7 @@ class Recorder:
                 raise FileExistsError(f"{self.folder} is not empty")
         self.clients = _Table(self.folder, "clients")
         self.rounds = _Table(self.folder, "rounds")
+        self.tasks = _Table(self.folder, "tasks")  # continual runs: accuracy per evaluation task per round
         self.started = time.time()
         self.planned_rounds = planned_rounds
         self.empty_rounds: list[int] = []
@@ -271,6 +272,9 @@ class Recorder:
                 self.log_error(f"round {row.get('round')} partition {row.get('partition_id')}:\n{row['error']}")
                 row["error"] = one_line(row["error"])
         self.clients.append(rows)
+
+    def add_tasks(self, rows: list[dict]) -> None:
+        self.tasks.append(rows)
 
     def add_round(self, row: dict) -> None:
         self.rounds.append([row])

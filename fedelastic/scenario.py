@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import check, field, from_dict, read_toml, to_dict
+from .data.shifts import Shift
+from .data.stream import StreamConfig
 from .errors import ConfigError
 
 
@@ -28,14 +30,29 @@ def is_plain_name(value: str) -> bool:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = field("digits", help="dataset name; 'digits' is embedded")
-    partitioner: Literal["iid", "dirichlet", "shards"] = field("dirichlet", help="how client data is split")
+    dataset: str = field(
+        "digits",
+        help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a Hugging Face name, "
+        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
+    )
+    partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
+        "dirichlet", help="how client data is split (pathological and natural_id: Hugging Face sources)"
+    )
     alpha: float = field(0.5, help="Dirichlet concentration over labels (smaller = more skewed)")
     shards_per_partition: int = field(2, help="shards per client for the 'shards' partitioner")
+    classes_per_partition: int = field(2, help="labels per client for the 'pathological' partitioner")
+    partition_by: str = field("", help="column of natural ids for 'natural_id' (e.g. 'writer_id')")
     min_partition_size: int = field(2, help="fewest samples a client may hold")
-    test_fraction: float = field(0.2, help="fraction held out as the server's test set")
+    test_fraction: float = field(
+        0.2, help="fraction held out as the server's test set (if the source has no test split)"
+    )
+    size: int = field(0, help="samples of synth_digits to generate (0: 60,000)")
+    image_column: str = field("", help="image column (or .npz array) of an external dataset (empty: auto-detect)")
+    label_column: str = field("", help="label column (or .npz array) of an external dataset (empty: auto-detect)")
+    image_size: int = field(0, help="resize external images to this square size (0: keep)")
     classes: tuple[int, ...] = field((), help="keep only these labels (empty: all)")
     transform: Literal["none", "rotate90", "noise", "invert"] = field("none", help="domain shift of the images")
+    shift: Shift = field(default_factory=Shift, help="a parameterised domain shift of the target (see data/shifts.py)")
 
     def __post_init__(self):
         check(self.alpha > 0, "alpha", "a positive number")
@@ -43,6 +60,28 @@ class DataConfig:
         check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
         check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
         check(_labels(self.classes), "classes", "distinct non-negative labels")
+        check(self.classes_per_partition >= 1, "classes_per_partition", "an integer >= 1")
+        check(self.size >= 0, "size", "an integer >= 0")
+        check(self.image_size >= 0, "image_size", "an integer >= 0")
+        builtin = self.dataset in ("digits", "synth_digits")
+        check(
+            not (builtin and self.partitioner in ("pathological", "natural_id")),
+            "partitioner",
+            "iid, dirichlet or shards for a built-in dataset (pathological and natural_id come from flwr-datasets)",
+        )
+        check(
+            self.partitioner != "natural_id" or bool(self.partition_by), "partition_by", "a column name for natural_id"
+        )
+        check(
+            not self.partition_by or self.partitioner == "natural_id",
+            "partition_by",
+            "empty unless partitioner = 'natural_id'",
+        )
+        check(self.size == 0 or self.dataset == "synth_digits", "size", "0 unless dataset = 'synth_digits'")
+        for key in ("image_column", "label_column", "image_size"):
+            check(
+                not (builtin and getattr(self, key)), key, "unset for a built-in dataset (it applies to external ones)"
+            )
 
 
 @dataclass(frozen=True)
@@ -78,6 +117,15 @@ class TrainConfig:
     lr: float = field(0.05, help="SGD learning rate")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
+    numerics: Literal["device", "fp32"] = field(
+        "device",
+        help="'device': each client trains in its profile's train_dtype (int8/fp16 emulated); 'fp32': all fp32",
+    )
+    qas: bool = field(True, help="int8 devices: quantisation-aware scaling of gradients (Lin et al. 2022)")
+    quantized_gradients: bool = field(False, help="int8 devices: round weight and input gradients to int8 per channel")
+    master_weights: Literal["fp32", "device"] = field(
+        "fp32", help="int8/fp16 devices: keep an fp32 copy of trained tensors, or store them in the device dtype"
+    )
     optimizer: Literal["sgd", "sgdw"] = field(
         "sgd",
         help="'sgd' (weight decay coupled as L2 in the gradient) or 'sgdw' (decoupled, the ElasticTrainer artifact's)",
@@ -256,6 +304,7 @@ class Scenario:
     availability: AvailabilityConfig = field(default_factory=AvailabilityConfig, help="when clients are online")
     network: NetworkConfig = field(default_factory=NetworkConfig, help="per-client link rates")
     battery: BatteryConfig = field(default_factory=BatteryConfig, help="per-client battery (optional)")
+    stream: StreamConfig | None = field(None, help="a continual stream: tasks, drift, buffers (see data/stream.py)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
@@ -270,6 +319,11 @@ class Scenario:
             "non-negative counts, > 0 in all",
         )
         check(self.server.clients_per_round <= self.num_clients, "server.clients_per_round", "at most the fleet size")
+        check(
+            self.stream is None or self.stream.federated or self.num_clients == 1,
+            "stream.federated",
+            "true unless the fleet is one device",
+        )
 
     @property
     def num_clients(self) -> int:

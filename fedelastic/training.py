@@ -34,6 +34,7 @@ from torch import nn
 from .costmodel import CostModel
 from .data import ArrayDataset
 from .modelinfo import ModelInfo
+from .quant import with_numerics
 from .selection import Selection, SelectionContext, SelectionStrategy
 
 _NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -334,6 +335,7 @@ def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
                 mod.eval()
 
 
+@with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
     info: ModelInfo,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import LocalResult, train_local
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
@@ -57,7 +59,7 @@ def train_partition(
         env.info,
         strategy,
         env.cost(env.devices[pid]),
-        env.data.client(pid),
+        env.client_data(pid, server_round),
         epochs=t.local_epochs,
         batch_size=t.batch_size,
         lr=t.lr,
@@ -65,6 +67,7 @@ def train_partition(
         weight_decay=t.weight_decay,
         max_steps=cap,
         seed=[env.scenario.seed, server_round, pid],
+        numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype),
         bn_mode=env.bn_mode,
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
@@ -96,6 +99,9 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+    if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
+        energy = cost.energy_j(result.train_time_s, 0.0, 0.0, result.macs, 0.0)
+        figures = replace(figures, comm_time_s=0.0, energy_j=energy, bytes_up=0.0, bytes_down=0.0)
     trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
     metrics = {
         "num-examples": result.num_examples,

@@ -19,6 +19,7 @@ from ..data import (
     ArrayDataset,
     FederatedData,
     check_partition_sizes,
+    hf,
     load_dataset,
     partition_dirichlet,
     partition_iid,
@@ -26,6 +27,8 @@ from ..data import (
     train_test_split,
 )
 from ..data import transform as apply_transform
+from ..data.shifts import Shift, apply_shift
+from ..data.stream import Stream
 from ..devices import DeviceProfile, assign_fleet, get_profile
 from ..errors import ConfigError
 from ..modelinfo import ModelInfo, describe
@@ -43,24 +46,41 @@ class RunEnvironment:
         self._profiles: dict[str, DeviceProfile] = {}
 
     @cached_property
+    def external(self) -> FederatedData | None:
+        """A Hugging Face dataset or local copy, partitioned by flwr-datasets (once, then read from the cache)."""
+        sc = self.scenario
+        if not hf.is_external(sc.data.dataset):
+            return None
+        return hf.prepare(sc.data, sc.num_clients, sc.seed, src=sc.source or "<scenario>")
+
+    @cached_property
     def split(self) -> tuple[ArrayDataset, ArrayDataset]:
         """Raw (train, test) split of the whole dataset; the test part is never trained on."""
         sc = self.scenario
-        ds = load_dataset(sc.data.dataset, src=sc.source)
+        if self.external is not None:
+            return self.external.train, self.external.test
+        ds = load_dataset(sc.data.dataset, src=sc.source, size=sc.data.size)
         train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.seed)
         return ds.subset(train_idx), ds.subset(test_idx)
 
-    def view(self, ds: ArrayDataset, classes: tuple[int, ...], kind: str) -> ArrayDataset:
-        """``ds`` restricted to ``classes`` (all if empty) and shifted by the transform ``kind``."""
+    def view(self, ds: ArrayDataset, classes: tuple[int, ...], kind: str, shift: Shift | None = None) -> ArrayDataset:
+        """``ds`` restricted to ``classes`` (all if empty), shifted by the transform ``kind`` and by ``shift``."""
         if classes:
             ds = ds.subset(np.flatnonzero(np.isin(ds.y, classes)))
-        return apply_transform(ds, kind, self.scenario.seed)
+        ds = apply_transform(ds, kind, self.scenario.seed)
+        if shift is not None and not shift.is_identity:
+            ds = ArrayDataset(apply_shift(ds.x, shift, [self.scenario.seed, 0x5F, len(ds)]), ds.y)
+        return ds
 
     @cached_property
     def data(self) -> FederatedData:
         """The target task: client partitions of the training split, and the server's test set."""
         sc, d = self.scenario, self.scenario.data
-        train, test = (self.view(part, d.classes, d.transform) for part in self.split)
+        self._check_hue(d.shift, "data.shift.hue")
+        if self.external is not None:  # classes were kept, and partitions made, by flwr-datasets
+            train, test = (self.view(part, (), d.transform, d.shift) for part in self.split)
+            return FederatedData(train, test, self.external.partitions)
+        train, test = (self.view(part, d.classes, d.transform, d.shift) for part in self.split)
         n, src = sc.num_clients, sc.source or "<scenario>"
         if len(test) == 0:
             raise ConfigError(src, "data.test_fraction", "a fraction that leaves the server some test samples", d.test_fraction)
@@ -83,13 +103,41 @@ class RunEnvironment:
                 ) from None
         return FederatedData(train, test, parts)
 
+    def _check_hue(self, shift: Shift, key: str) -> None:
+        channels = self.split[0].x.shape[1]
+        if shift.hue and channels != 3:
+            raise ConfigError(
+                self.scenario.source or "<scenario>", key, f"no hue shift: the images have {channels} channel(s)"
+            )
+
+    @cached_property
+    def stream(self) -> Stream | None:
+        """The continual stream of the run, if the scenario has one."""
+        sc = self.scenario
+        if sc.stream is None:
+            return None
+        for i, shift in enumerate(sc.stream.domains):
+            self._check_hue(shift, f"stream.domains[{i}].hue")
+        try:
+            return Stream(sc.stream, self.data, sc.server.rounds, sc.seed)
+        except ValueError as exc:
+            key, _, expected = str(exc).partition(": ")
+            raise ConfigError(sc.source or "<scenario>", key, expected) from None
+
+    def client_data(self, pid: int, server_round: int) -> ArrayDataset:
+        """What partition ``pid`` trains on in ``server_round``: its partition, or its stream buffer."""
+        if self.stream is not None:
+            return self.stream.client_data(pid, server_round)
+        return self.data.client(pid)
+
     @cached_property
     def num_classes(self) -> int:
-        return int(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").num_classes)
+        train, test = self.split
+        return int(max(train.y.max(initial=0), test.y.max(initial=0))) + 1
 
     @cached_property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(load_dataset(self.scenario.data.dataset, src=self.scenario.source or "<scenario>").x.shape[1:])
+        return tuple(self.split[0].x.shape[1:])
 
     @cached_property
     def devices(self) -> list[str]:

@@ -25,6 +25,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from ..continual import evaluate_tasks
+from ..continual import report as continual_report
 from ..costmodel import CostModel
 from ..errors import RunFailed
 from ..fleet import (
@@ -674,8 +676,12 @@ class PartialFedAvg(FedAvg):
         """Global test accuracy after every round; writes the round's row."""
         model = self.env.new_model()
         model.load_state_dict(record_to_torch(arrays))
-        test = self.env.data.test
-        accuracy, loss = evaluate_model(model, test.x, test.y)
+        if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+            rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+            self.recorder.add_tasks(rows)
+        else:
+            test = self.env.data.test
+            accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -711,14 +717,16 @@ def server_main(
         if start_round:
             raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
         strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
-        return
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-        num_rounds=scenario.server.rounds - start_round,
-        timeout=timeout,
-        evaluate_fn=strategy.evaluate,
-    )
+    else:
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(torch_state_dict=initial_state),
+            num_rounds=scenario.server.rounds - start_round,
+            timeout=timeout,
+            evaluate_fn=strategy.evaluate,
+        )
+    if scenario.stream is not None:
+        continual_report(recorder.folder, scenario.stream.recover_share)
 
 
 def make_server_app(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable) -> ServerApp:

@@ -1,7 +1,11 @@
 """Datasets and partitioners.
 
-The default dataset is scikit-learn's digits (1,797 8x8 images, shipped inside scikit-learn, so
-no download). Partitioners are pure numpy and deterministic from a seed.
+Built in, with no download: scikit-learn's ``digits`` (1,797 8x8 images, shipped inside
+scikit-learn) and ``synth_digits`` (:mod:`.synth`: 60,000 generated 32x32 RGB digits with
+clutter, the cluttered domain to digits' clean one). Their partitioners here are pure numpy and
+deterministic from a seed; Hugging Face datasets and local copies go through :mod:`.hf` and
+flwr-datasets' partitioners. Domain shifts are in :mod:`.shifts`, continual streams in
+:mod:`.stream`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,13 @@ class FederatedData:
         return self.train.subset(self.partitions[partition_id])
 
 
-def load_dataset(name: str, *, src: str = "<scenario>") -> ArrayDataset:
-    """A dataset by name; ``digits`` (embedded in scikit-learn) is the one built in."""
+def load_dataset(name: str, *, src: str = "<scenario>", size: int = 0) -> ArrayDataset:
+    """A built-in dataset by name: ``digits`` (scikit-learn) or ``synth_digits`` (``size`` samples, 0: 60,000)."""
     if name == "digits":
         return load_digits_dataset()
-    raise ConfigError(src, "data.dataset", "'digits'", name)
+    if name == "synth_digits":
+        from . import synth
+
+        x, y = synth.load(size or synth.DEFAULT_SAMPLES)
+        return ArrayDataset(x.astype(np.float32) / np.float32(255.0), y)
+    raise ConfigError(src, "data.dataset", "'digits' or 'synth_digits' (or use the Hugging Face loader)", name)
