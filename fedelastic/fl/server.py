@@ -137,6 +137,9 @@ class Fleet:
         return self.env.cost(self.env.devices[pid])
 
     def comm_s(self, pid: int, bytes_down: float, bytes_up: float) -> tuple[float, float]:
+        stream = self.env.scenario.stream
+        if stream is not None and not stream.federated:  # a fleet of one: nothing is sent
+            return 0.0, 0.0
         latency = self.env.profile(self.env.devices[pid]).latency_s.value
         return comm_times_s(bytes_down, bytes_up, self.down_bps[pid], self.up_bps[pid], latency)
 
