@@ -137,11 +137,16 @@ def cmd_run(args) -> int:
     if (args.scenario is None) == (args.resume is None):
         raise ConfigError("<command line>", "scenario", "a scenario file, or --resume RUN_DIR (not both)")
     if args.resume is not None:
-        if args.rounds is not None or args.backend or args.output_dir or args.run_id:
+        if args.rounds is not None or args.backend or args.output_dir or args.run_id or args.overrides:
             raise ConfigError("<command line>", "--resume", "no other options (a run resumes with its own config)")
         sc = None
     else:
-        sc = load_scenario(args.scenario)
+        if args.overrides:
+            from .api import load, parse_overrides
+
+            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"))
+        else:
+            sc = load_scenario(args.scenario)
         if args.rounds is not None:
             sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
         if args.backend:
@@ -393,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario file")
     run.add_argument("scenario", nargs="?", help="scenario file (omit with --resume)")
+    run.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="scenario keys to override, values in TOML: train.lr=0.01 server.rounds=20 'train.strategy=\"full\"'",
+    )  # fmt: skip
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last finished round")
     run.add_argument("--rounds", type=int, help="override server.rounds")
     run.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")

@@ -206,3 +206,23 @@ def replace_backend(sc):
     from dataclasses import replace
 
     return replace(sc, simulation=replace(sc.simulation, backend="inprocess"))
+
+
+def test_cli_run_takes_toml_typed_key_value_overrides(tmp_path, capsys):
+    import tomllib
+
+    from fedelastic.cli import main
+    from tests.test_faults import scenario_file
+
+    path = scenario_file(tmp_path)
+    code = main(["run", str(path), "server.rounds=1", "train.lr=1e-3", "--run-id", "ov"])
+    assert code == 0, capsys.readouterr()
+    run_dir = next((tmp_path / "runs").glob("*/ov"))
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    assert config["train"]["lr"] == 0.001 and isinstance(config["train"]["lr"], float)  # not the string '1e-3'
+    assert pd.read_csv(run_dir / "rounds.csv")["round"].tolist() == [0, 1]
+    capsys.readouterr()
+    for bad, key in (("server.rounds=-1", "server.rounds"), ("rounds", "rounds"), ("train.lr=fast", "train.lr")):
+        assert main(["run", str(path), bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("error: ") == 1 and key in err, err
