@@ -69,7 +69,7 @@ def report(run_dir: Path) -> None:
             str(len(g)),
             f"{g.fits.mean():.0%}",
             str(int((g.fits.astype(bool) & (g.steps == 0)).sum())),
-            str(int((g.get("error", pd.Series("", index=g.index)).fillna("") != "").sum())),
+            str(int(_failed(g))),
             f"{g.emulated_train_time_s.mean():.3g} s"
             + (
                 f" ± {g.emulated_train_time_band_s.mean():.2g}"
@@ -91,6 +91,13 @@ def report(run_dir: Path) -> None:
         markup=False,
         highlight=False,
     )
+
+
+def _failed(g) -> int:
+    """Client rows that carry an error (an empty or missing error reads back as '' or NaN)."""
+    if "error" not in g:
+        return 0
+    return int((g.error.notna() & (g.error.astype(str) != "")).sum())
 
 
 def cmd_report(args) -> None:
