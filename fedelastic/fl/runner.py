@@ -360,8 +360,7 @@ def run_scenario(
         run_dir = Path(resume)
         checkpoint = _check_resumable(run_dir)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
-        recorder.clients.load(lambda r: r["round"] <= checkpoint["round"])
-        recorder.rounds.load(lambda r: r["round"] <= checkpoint["round"])
+        recorder.reload(lambda r: r["round"] <= checkpoint["round"])
     else:
         run_dir = new_run_dir(scenario, run_id)
         try:
