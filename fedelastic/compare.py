@@ -290,6 +290,8 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
         if stem == "time_to_target_s":
             lower = t["time_to_target_s_is_lower_bound"].astype(bool)
             cells = [("≥" if lb else "") + c + f" ({n})" for c, lb, n in zip(cells, lower, t.reached_target)]
-            legend.append("t→target: (seeds that reached it); ≥: a lower bound, unreached seeds enter at their end time")
+            legend.append(
+                "t→target: (seeds that reached it); ≥: a lower bound, unreached seeds enter at their end time"
+            )
         frame[header] = cells
     return frame, legend

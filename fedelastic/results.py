@@ -367,7 +367,8 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
     import numpy as np
     import seaborn as sns
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    timeline = "dispatch_s" in clients.columns and clients.dispatch_s.notna().any()
+    fig, axes = plt.subplots(1, 3 if timeline else 2, figsize=(17 if timeline else 11, 4))
     curve = rounds[np.isfinite(rounds.get("sim_time_s", pd.Series(dtype=float)).astype(float))] if len(rounds) else rounds
     if len(curve):
         sns.lineplot(data=curve, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
@@ -375,12 +376,46 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
     times = clients.get("emulated_train_time_s", pd.Series(dtype=float)).astype(float) if len(clients) else None
     ok = clients[np.isfinite(times) & (times > 0)] if times is not None else clients
     if len(ok):
-        sns.barplot(data=ok, x="device", y="emulated_train_time_s", hue="device_class", ax=axes[1])
+        hue_order = sorted(ok.device_class.unique())  # the timeline colours classes in this order
+        sns.barplot(data=ok, x="device", y="emulated_train_time_s", hue="device_class", hue_order=hue_order, ax=axes[1])
         axes[1].tick_params(axis="x", rotation=30)
         axes[1].set_yscale("log")
     else:
         axes[1].text(0.5, 0.5, "no client trained", ha="center", va="center", transform=axes[1].transAxes)
     axes[1].set(xlabel="", ylabel="emulated train time per round (s)", title="per-device train time")
+    if timeline:
+        plot_timeline(rounds, clients, axes[2])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_timeline(rounds: pd.DataFrame, clients: pd.DataFrame, ax, first_rounds: int = 3) -> None:
+    """A Gantt chart of the simulated clock over the first rounds: one line per client.
+
+    Each trip shows its download (light), local training (dark) and upload (light); trips whose
+    update did not count are hatched. Dotted lines mark the aggregations.
+    """
+    from matplotlib.patches import Patch
+
+    end = float(rounds.loc[rounds["round"] <= first_rounds, "sim_time_s"].max())
+    shown = clients[clients.dispatch_s.notna() & (clients.dispatch_s < end)]
+    ids = sorted(shown.partition_id.unique())
+    colors = {c: f"C{i}" for i, c in enumerate(sorted(shown.device_class.unique()))}
+    for _, r in shown.iterrows():
+        y = ids.index(r.partition_id)
+        stop = r.arrival_s if r.arrival_s == r.arrival_s else r.finish_s  # NaN arrival: it went offline
+        hatch = None if r.counted else "///"
+        phases = ((r.dispatch_s, r.start_s, 0.35), (r.start_s, r.finish_s, 0.9), (r.finish_s, stop, 0.35))
+        for a, b, alpha in phases:
+            if b > a:
+                ax.barh(y, b - a, left=a, height=0.7, color=colors[r.device_class], alpha=alpha, hatch=hatch)
+    for t in rounds.loc[(rounds["round"] > 0) & (rounds.sim_time_s <= end), "sim_time_s"]:
+        ax.axvline(t, color="k", linestyle=":", linewidth=0.8)
+    labels = dict(zip(shown.partition_id, shown.device))
+    ax.set_yticks(range(len(ids)), [f"{p} {labels[p]}" for p in ids], fontsize=7)
+    ax.set(xlabel="simulated time (s)", title=f"timeline of the first {first_rounds} aggregations")
+    handles = [Patch(color=c, label=k) for k, c in colors.items()] + [
+        Patch(fill=False, hatch="///", label="not counted")
+    ]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")

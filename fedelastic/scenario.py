@@ -153,14 +153,121 @@ class TrainConfig:
         check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
 
 
+POLICIES = ("wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async")
+DEADLINE_POLICIES = ("deadline_drop", "deadline_fewer_steps", "deadline_elastic")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    rounds: int = field(5, help="federated rounds")
+    rounds: int = field(5, help="federated rounds (aggregations, for policy 'async')")
     clients_per_round: int = field(0, help="clients sampled each round (0: all)")
+    policy: Literal["wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async"] = (
+        field(
+            "wait_all",
+            help="how rounds end: 'wait_all' (the slowest sets the pace), 'deadline_drop' (late updates discarded), "
+            "'deadline_fewer_steps' (each client runs the full-training steps that fit; FedNova-normalised), "
+            "'deadline_elastic' (each client gets its own rho for the train strategy), 'overcommit' (sample "
+            "`overcommit` x clients_per_round, keep the first arrivals), 'async' (FedBuff)",
+        )
+    )
+    deadline: float = field(0.0, help="round deadline in simulated seconds (0: none; or give deadline_quantile)")
+    deadline_quantile: float = field(
+        0.0, help="deadline as this quantile of the sampled clients' full-training round times (0: none)"
+    )
+    min_rho: float = field(
+        0.0,
+        help="policy 'deadline_elastic': a client whose rho would fall below this runs fewer steps at this rho "
+        "or more instead (FedNova-normalised); 0: never (rho alone, down to 'too slow')",
+    )
+    fednova: bool = field(
+        True, help="normalise updates by their local steps (FedNova) when a deadline cuts steps (fewer_steps, min_rho)"
+    )
+    overcommit: float = field(1.3, help="policy 'overcommit': sample this many times clients_per_round")
+    concurrency: int = field(0, help="policy 'async': clients training at once (0: clients_per_round, or all)")
+    buffer_size: int = field(0, help="policy 'async': arrivals per aggregation (0: half the concurrency, >= 1)")
+    staleness: Literal["inverse_sqrt", "none"] = field(
+        "inverse_sqrt", help="policy 'async': weight of an update s versions old: 1/sqrt(1+s), or 1"
+    )
 
     def __post_init__(self):
         check(self.rounds >= 1, "rounds", "an integer >= 1")
         check(self.clients_per_round >= 0, "clients_per_round", "an integer >= 0")
+        check(self.deadline >= 0, "deadline", "a number of seconds >= 0")
+        check(0 <= self.deadline_quantile <= 1, "deadline_quantile", "a quantile in (0, 1], or 0 for none")
+        has_deadline = self.deadline > 0 or self.deadline_quantile > 0
+        check(
+            not (self.deadline > 0 and self.deadline_quantile > 0),
+            "deadline",
+            "either deadline or deadline_quantile, not both",
+        )
+        if self.policy in DEADLINE_POLICIES:
+            check(has_deadline, "deadline", f"a deadline > 0 or a deadline_quantile for policy {self.policy!r}")
+        elif self.policy != "overcommit":
+            check(not has_deadline, "deadline", f"no deadline with policy {self.policy!r} (use a deadline_* policy)")
+        check(self.overcommit >= 1, "overcommit", "a factor >= 1")
+        check(0 <= self.min_rho <= 1, "min_rho", "a number in [0, 1]")
+        check(self.min_rho == 0 or self.policy == "deadline_elastic", "min_rho", "0 unless policy = 'deadline_elastic'")
+        check(self.concurrency >= 0, "concurrency", "an integer >= 0")
+        check(self.buffer_size >= 0, "buffer_size", "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class AvailabilityConfig:
+    model: Literal["profile", "sessions", "diurnal", "trace"] = field(
+        "profile",
+        help="'profile': a per-round draw with the profile's availability.probability (always online without one); "
+        "'sessions': exponential online sessions and offline gaps; 'diurnal': sessions whose gaps follow each "
+        "client's time of day; 'trace': online windows from a file",
+    )
+    mean_session_s: float = field(1800.0, help="mean online session length in seconds (sessions, diurnal)")
+    mean_offline_s: float = field(1800.0, help="mean offline gap in seconds (sessions, diurnal)")
+    diurnal_amplitude: float = field(0.8, help="diurnal: relative swing of the mean offline gap over a day, in [0, 1)")
+    day_s: float = field(86400.0, help="diurnal: length of a day in simulated seconds")
+    trace: str = field("", help="trace: CSV or Parquet with columns client_id, start_s, end_s (online windows)")
+    period_s: float = field(0.0, help="trace: the windows repeat with this period (0: the largest end_s)")
+
+    def __post_init__(self):
+        check(self.mean_session_s > 0, "mean_session_s", "a positive number of seconds")
+        check(self.mean_offline_s > 0, "mean_offline_s", "a positive number of seconds")
+        check(0 <= self.diurnal_amplitude < 1, "diurnal_amplitude", "a number in [0, 1)")
+        check(self.day_s > 0, "day_s", "a positive number of seconds")
+        check(self.period_s >= 0, "period_s", "a number of seconds >= 0")
+        check(self.model != "trace" or bool(self.trace), "trace", "a trace file for model = 'trace'")
+
+
+@dataclass(frozen=True)
+class BatteryConfig:
+    capacity_j: float = field(0.0, help="battery energy per client in joules (0: no battery model)")
+    min_fraction: float = field(0.2, help="a client refuses to train below this fraction of its capacity")
+    recharge_w: float = field(5.0, help="charging power while plugged in, in watts")
+    charge_from_s: float = field(0.0, help="start of the daily charging window, seconds into the day")
+    charge_until_s: float = field(28800.0, help="end of the daily charging window, seconds into the day")
+    day_s: float = field(86400.0, help="length of a day in simulated seconds")
+
+    def __post_init__(self):
+        check(self.capacity_j >= 0, "capacity_j", "a number of joules >= 0")
+        check(0 <= self.min_fraction <= 1, "min_fraction", "a fraction in [0, 1]")
+        check(self.recharge_w >= 0, "recharge_w", "a number of watts >= 0")
+        check(self.day_s > 0, "day_s", "a positive number of seconds")
+        check(
+            0 <= self.charge_from_s <= self.charge_until_s <= self.day_s,
+            "charge_until_s",
+            "0 <= charge_from_s <= charge_until_s <= day_s",
+        )
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    model: Literal["nominal", "lognormal", "trace"] = field(
+        "nominal",
+        help="per-client links: the profile's figures, those times a lognormal factor (median 1), or a trace file",
+    )
+    sigma: float = field(0.7, help="lognormal: log-standard deviation (0.7: the middle 90% of users span 10x)")
+    trace: str = field("", help="trace: CSV or Parquet with columns client_id, uplink_bit_per_s, downlink_bit_per_s")
+
+    def __post_init__(self):
+        check(self.sigma >= 0, "sigma", "a number >= 0")
+        check(self.model != "trace" or bool(self.trace), "trace", "a trace file for model = 'trace'")
 
 
 @dataclass(frozen=True)
@@ -194,6 +301,9 @@ class Scenario:
     train: TrainConfig = field(default_factory=TrainConfig, help="local training")
     server: ServerConfig = field(default_factory=ServerConfig, help="server strategy")
     simulation: SimulationConfig = field(default_factory=SimulationConfig, help="runtime")
+    availability: AvailabilityConfig = field(default_factory=AvailabilityConfig, help="when clients are online")
+    network: NetworkConfig = field(default_factory=NetworkConfig, help="per-client link rates")
+    battery: BatteryConfig = field(default_factory=BatteryConfig, help="per-client battery (optional)")
     stream: StreamConfig | None = field(None, help="a continual stream: tasks, drift, buffers (see data/stream.py)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
@@ -230,7 +340,11 @@ def validate(scenario: Scenario) -> Scenario:
     from .selection import make_strategy
 
     src = scenario.source or "<scenario>"
-    make_strategy(scenario.train.strategy, scenario.train.options, src=src)
+    strategy = make_strategy(scenario.train.strategy, scenario.train.options, src=src)
+    if scenario.server.policy == "deadline_elastic" and not hasattr(strategy.config, "rho"):
+        raise ConfigError(
+            src, "train.strategy", "a strategy with a rho budget for policy 'deadline_elastic'", scenario.train.strategy
+        )
     resolve_factory(scenario.model.name, context=src)
     base = Path(scenario.source).parent if scenario.source else Path(".")
     dirs = tuple(str((base / d).resolve()) for d in scenario.device_dirs)  # absolute: Ray workers, resume
@@ -239,7 +353,22 @@ def validate(scenario: Scenario) -> Scenario:
             raise ConfigError(src, f"device_dirs[{i}]", "an existing folder of device profiles", d)
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
-    return replace(scenario, device_dirs=dirs)
+    scenario = replace(scenario, device_dirs=dirs)
+    return _resolve_traces(scenario, base)
+
+
+def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
+    """Trace paths relative to the scenario file, checked now (a bad trace fails before the run)."""
+    from .fleet import load_availability_trace, load_network_trace
+
+    av, net = scenario.availability, scenario.network
+    if av.model == "trace":
+        av = replace(av, trace=str(base / av.trace))
+        load_availability_trace(av.trace, scenario.num_clients, av.period_s)
+    if net.model == "trace":
+        net = replace(net, trace=str(base / net.trace))
+        load_network_trace(net.trace, scenario.num_clients)
+    return replace(scenario, availability=av, network=net)
 
 
 def parse_scenario(raw: dict, src: str = "<scenario>") -> Scenario:

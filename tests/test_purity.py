@@ -14,3 +14,13 @@ def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_clock_and_fleet_dynamics_load_without_torch_flower_or_ray():
+    code = (
+        "import sys\n"
+        "import fedelastic.fl.clock, fedelastic.fleet, fedelastic.fl.aggregate\n"
+        "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

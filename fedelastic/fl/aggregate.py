@@ -45,3 +45,68 @@ def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[
         merged = np.where(trained, num / np.where(trained, den, 1.0), current)
         new_state[name] = merged.astype(current.dtype, copy=False)
     return new_state
+
+
+def fednova_rescale(
+    global_state: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], steps: Sequence[int], names: set[str]
+) -> list[ClientUpdate]:
+    """FedNova's normalisation of updates made with different numbers of local steps.
+
+    Client i's change of each tensor in ``names`` is divided by its steps ``tau_i`` and scaled by
+    ``tau_eff = sum_i p_i tau_i`` (``p_i``: its share of examples), so that averaging the returned
+    updates with :func:`aggregate_partial` gives ``x + tau_eff * sum_i p_i (x_i - x) / tau_i``
+    (Wang et al., NeurIPS 2020, with plain local SGD). Other arrays (norm statistics) pass unchanged.
+    """
+    total = sum(u.weight for u in updates)
+    if not updates or total <= 0:
+        return list(updates)
+    tau_eff = sum(u.weight / total * t for u, t in zip(updates, steps))
+    out = []
+    for upd, tau in zip(updates, steps):
+        arrays = {}
+        for name, value in upd.arrays.items():
+            if name in names and tau > 0:
+                base = np.asarray(global_state[name], dtype=np.float64)
+                scaled = base + (np.asarray(value, dtype=np.float64) - base) * (tau_eff / tau)
+                arrays[name] = scaled.astype(np.asarray(value).dtype, copy=False)
+            else:
+                arrays[name] = value
+        out.append(ClientUpdate(upd.weight, arrays, upd.channel_masks))
+    return out
+
+
+def aggregate_buffered(
+    global_state: Mapping[str, np.ndarray],
+    updates: Sequence[ClientUpdate],
+    bases: Sequence[Mapping[str, np.ndarray]],
+    discounts: Sequence[float],
+) -> dict[str, np.ndarray]:
+    """FedBuff's step from a buffer of possibly stale partial updates.
+
+    Update i was trained from ``bases[i]`` (the global state it downloaded). Per element,
+    ``x + sum_i d_i w_i m_i (x_i - base_i) / sum_i w_i m_i``: the example-weighted mean change
+    over the clients that trained the element, each change discounted by ``d_i`` (its staleness
+    weight). Fresh updates (all ``d_i = 1``, bases equal to ``x``) give :func:`aggregate_partial`.
+    """
+    new_state = {}
+    for name, current in global_state.items():
+        num = np.zeros(current.shape, dtype=np.float64)
+        den = np.zeros(current.shape, dtype=np.float64)
+        for upd, base, discount in zip(updates, bases, discounts):
+            if name not in upd.arrays:
+                continue
+            value = np.asarray(upd.arrays[name], dtype=np.float64)
+            if value.shape != current.shape:
+                raise ValueError(f"tensor {name!r}: update shape {value.shape} != global {current.shape}")
+            w = np.full(current.shape, float(upd.weight))
+            if name in upd.channel_masks:
+                mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
+                if mask.ndim == 1:
+                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+                w = w * np.broadcast_to(mask, current.shape)
+            num += discount * w * (value - np.asarray(base[name], dtype=np.float64))
+            den += w
+        trained = den > 0
+        merged = np.asarray(current, dtype=np.float64) + np.where(trained, num / np.where(trained, den, 1.0), 0.0)
+        new_state[name] = merged.astype(current.dtype, copy=False)
+    return new_state

@@ -37,6 +37,7 @@ METRIC_KEYS = (
     "emulated-bytes-down",
     "emulated-macs",
     "host-wall-s",
+    "too-slow",
 )
 
 
@@ -44,9 +45,15 @@ def _partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round: int) -> LocalResult:
-    """One round of local training of partition ``pid``, seeded by (seed, round, partition)."""
+def train_partition(
+    env: RunEnvironment, model, strategy, pid: int, server_round: int, max_steps: int | None = None
+) -> LocalResult:
+    """One round of local training of partition ``pid``, seeded by (seed, round, partition).
+
+    ``max_steps`` (from a deadline) caps the steps below the scenario's own cap.
+    """
     t = env.scenario.train
+    cap = t.max_steps if max_steps is None else min(max_steps, t.max_steps or max_steps)
     return train_local(
         model,
         env.info,
@@ -58,7 +65,7 @@ def train_partition(env: RunEnvironment, model, strategy, pid: int, server_round
         lr=t.lr,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
-        max_steps=t.max_steps,
+        max_steps=cap,
         seed=[env.scenario.seed, server_round, pid],
         numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype),
         bn_mode=env.bn_mode,
@@ -72,17 +79,23 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
     env = environment(scenario)
     torch.set_num_threads(scenario.simulation.torch_threads)
     pid = _partition_id(context)
-    server_round = int(msg.content["config"]["server-round"])
+    config = msg.content["config"]
+    server_round = int(config["server-round"])
     device = env.devices[pid]
     cost = env.cost(device)
+    # a deadline policy sends this client its own rho or step cap
+    rho = float(config["rho"]) if "rho" in config else None
+    step_cap = int(config["max-steps"]) if "max-steps" in config else None
+    if (rho is not None and (rho <= 0 or cost.backward_budget_s(rho) <= 0)) or step_cap == 0:
+        return too_slow_reply(env, msg, pid)
     model = env.client_model
     model.load_state_dict(record_to_torch(msg.content["arrays"]))
-    strategy = env.strategy()
+    strategy = env.strategy(rho)
     if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
         strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
     elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
         strategy.load_state(record_to_numpy(context.state["strategy-state"]))
-    result = train_partition(env, model, strategy, pid, server_round)
+    result = train_partition(env, model, strategy, pid, server_round, step_cap)
     context.state["strategy-state"] = record_from_numpy(strategy.state())
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
@@ -109,6 +122,7 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "emulated-bytes-down": figures.bytes_down,
         "emulated-macs": figures.macs,
         "host-wall-s": result.host_wall_s,
+        "too-slow": 0,
     }
     content = RecordDict(
         {
@@ -117,6 +131,34 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
             "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0 (empty when it fits)
+        }
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def too_slow_reply(env: RunEnvironment, msg: Message, pid: int) -> Message:
+    """The deadline leaves this device no time for even a forward pass: it says so and sends no update."""
+    cost = env.cost(env.devices[pid])
+    nothing = np.zeros(env.info.num_tensors)
+    figures = cost.round_figures(0.0, 0.0, nothing, 0.0)
+    metrics = dict.fromkeys(METRIC_KEYS, 0.0)
+    metrics.update(
+        {
+            "num-examples": len(env.data.client(pid)),
+            "partition-id": pid,
+            "fits": 1,
+            "train-loss": float("nan"),
+            "emulated-comm-time-s": figures.comm_time_s,
+            "emulated-energy-j": figures.energy_j,
+            "emulated-bytes-down": figures.bytes_down,
+            "too-slow": 1,
+        }
+    )
+    content = RecordDict(
+        {
+            "arrays": record_from_numpy({}),
+            "masks": record_from_numpy({}),
+            "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
         }
     )
     return Message(content=content, reply_to=msg)

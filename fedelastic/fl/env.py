@@ -190,9 +190,11 @@ class RunEnvironment:
             return sc.train.bn_mode
         return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
-    def strategy(self) -> SelectionStrategy:
+    def strategy(self, rho: float | None = None) -> SelectionStrategy:
+        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option."""
         t = self.scenario.train
-        return make_strategy(t.strategy, t.options, src=self.scenario.source or "<scenario>")
+        options = t.options if rho is None else {**t.options, "rho": rho}
+        return make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
 
 
 _CACHE: dict[str, RunEnvironment] = {}

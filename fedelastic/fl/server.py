@@ -4,12 +4,16 @@
   and sampled with the run's own seeded RNG; replies are sorted by partition id.
 * Aggregation averages each element only over the clients that trained it
   (:func:`~fedelastic.fl.aggregate.aggregate_partial`).
-* The simulated clock is synchronous: a round lasts as long as its slowest client's emulated
-  train time plus communication time. Faster clients idle, and their idle energy is counted.
+* The simulated clock (:mod:`fedelastic.fl.clock`) places every client's download, local
+  training and upload, with its own links (:mod:`fedelastic.fleet`), on one timeline. Under
+  ``policy = "wait_all"`` a round lasts as long as its slowest client; deadline policies close it
+  at the deadline; ``overcommit`` at the K-th arrival; ``async`` runs FedBuff. Clients that
+  wait idle are charged idle power; work whose update is not used is counted as wasted energy.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from logging import WARNING
@@ -23,12 +27,29 @@ from flwr.supercore import log
 
 from ..continual import evaluate_tasks
 from ..continual import report as continual_report
+from ..costmodel import CostModel
 from ..errors import RunFailed
+from ..fleet import (
+    Availability,
+    Batteries,
+    SessionAvailability,
+    comm_times_s,
+    deadline_from_quantile,
+    deadline_rho,
+    deadline_rho_steps,
+    deadline_steps,
+    full_round_time_s,
+    link_factors,
+    load_availability_trace,
+    load_network_trace,
+    local_steps,
+)
 from ..results import Recorder
 from ..scenario import Scenario
-from .aggregate import ClientUpdate, aggregate_partial
+from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
+from .clock import COUNTED, EXTRA, LATE, Arrival, Trip, run_async, staleness_weight, sync_round
 from .env import RunEnvironment, environment
 
 
@@ -81,6 +102,120 @@ def nonfinite_update(reply: Message) -> str:
     return ""
 
 
+class Fleet:
+    """The server's view of its fleet on the clock: who is online, each client's links and deadline plans."""
+
+    def __init__(self, env: RunEnvironment):
+        self.env, sc = env, env.scenario
+        n, av, net = sc.num_clients, sc.availability, sc.network
+        self.windows: Availability | None = None  # None: the profiles' per-round availability draw
+        if av.model in ("sessions", "diurnal"):
+            amplitude = av.diurnal_amplitude if av.model == "diurnal" else 0.0
+            self.windows = SessionAvailability(n, sc.seed, av.mean_session_s, av.mean_offline_s, amplitude, av.day_s)
+        elif av.model == "trace":
+            self.windows = load_availability_trace(av.trace, n, av.period_s)
+        self.probability = [
+            a.value if (a := env.profile(device).availability) is not None else 1.0 for device in env.devices
+        ]
+        profiles = [env.profile(device) for device in env.devices]
+        if net.model == "trace":
+            self.up_bps, self.down_bps = load_network_trace(net.trace, n)
+        else:
+            factor = link_factors(net.model, n, sc.seed, net.sigma)
+            self.up_bps = np.array([p.uplink_bit_per_s.value for p in profiles]) * factor
+            self.down_bps = np.array([p.downlink_bit_per_s.value for p in profiles]) * factor
+        b = sc.battery
+        self.batteries = (
+            Batteries(n, b.capacity_j, b.min_fraction, b.recharge_w, b.charge_from_s, b.charge_until_s, b.day_s)
+            if b.capacity_j > 0
+            else None
+        )
+        t = sc.train
+        self.steps = [local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps) for p in range(n)]
+
+    def cost(self, pid: int) -> CostModel:
+        return self.env.cost(self.env.devices[pid])
+
+    def comm_s(self, pid: int, bytes_down: float, bytes_up: float) -> tuple[float, float]:
+        stream = self.env.scenario.stream
+        if stream is not None and not stream.federated:  # a fleet of one: nothing is sent
+            return 0.0, 0.0
+        latency = self.env.profile(self.env.devices[pid]).latency_s.value
+        return comm_times_s(bytes_down, bytes_up, self.down_bps[pid], self.up_bps[pid], latency)
+
+    def full_comm_s(self, pid: int) -> float:
+        cost = self.cost(pid)
+        return sum(self.comm_s(pid, cost.bytes_down(), cost.bytes_up(np.ones(self.env.info.num_tensors))))
+
+    def full_round_s(self, pid: int) -> float:
+        """Download, full local training and full upload (no probes)."""
+        return full_round_time_s(self.full_comm_s(pid), self.steps[pid], self.cost(pid).full_step_time_s())
+
+    def probe_s(self, pid: int) -> float:
+        """Emulated time of the probes the train strategy runs in one round of ``steps[pid]`` steps."""
+        strategy, cost = self.env.strategy(), self.cost(pid)
+        if strategy.probe is None:
+            return 0.0
+        selections = 1 + sum(strategy.should_reselect(s) for s in range(1, self.steps[pid]))
+        return selections * cost.probe_time_s(strategy.probe)  # one pass over the batch, every tensor
+
+    def rho(self, pid: int, deadline_s: float, min_rho: float = 0.0) -> tuple[float, int]:
+        """The client's rho and steps under ``deadline_s`` (steps are cut only below ``min_rho``)."""
+        full_step = self.cost(pid).full_step_time_s()
+        comm, steps, probe = self.full_comm_s(pid), self.steps[pid], self.probe_s(pid)
+        if min_rho > 0:
+            return deadline_rho_steps(deadline_s, comm, steps, full_step, probe, min_rho)
+        return deadline_rho(deadline_s, comm, steps, full_step, probe), steps
+
+    def step_cap(self, pid: int, deadline_s: float) -> int:
+        return deadline_steps(deadline_s, self.full_comm_s(pid), self.cost(pid).full_step_time_s(), self.steps[pid])
+
+    def online(self, pid: int, t: float) -> bool:
+        return self.windows is None or self.windows.online(pid, t)
+
+    def charged(self, pid: int, t: float) -> bool:
+        """Whether the client's battery (if it has one) lets it train at ``t``."""
+        return self.batteries is None or self.batteries.can_train(pid, t)
+
+    def battery_fraction(self, pid: int, t: float) -> float:
+        return float("nan") if self.batteries is None else self.batteries.fraction(pid, t)
+
+    def ready_at(self, pid: int, t: float) -> float:
+        """The earliest time from ``t`` at which ``pid`` is online and charged (``inf``: never)."""
+        for _ in range(1000):
+            online_t = self.next_online(pid, t)
+            charged_t = online_t if self.batteries is None else self.batteries.ready_at(pid, online_t)
+            if math.isinf(charged_t) or (charged_t == online_t and self.online(pid, charged_t)):
+                return charged_t
+            t = charged_t
+        return math.inf
+
+    def drain(self, pid: int, t: float, energy_j: float) -> None:
+        if self.batteries is not None:
+            self.batteries.drain(pid, t, energy_j)
+
+    def offline_at(self, pid: int, t: float) -> float:
+        return math.inf if self.windows is None else self.windows.offline_at(pid, t)
+
+    def next_online(self, pid: int, t: float) -> float:
+        return t if self.windows is None else self.windows.next_online(pid, t)
+
+
+def _fits_reason(m: Message) -> str:
+    """Why the client's selection did not fit (empty when it fit, or from a too-slow reply)."""
+    return str(m.content["info"]["fits-reason"]) if "info" in m.content else ""
+
+
+def trip_energy_j(cost: CostModel, trip: Trip, until_s: float, metrics: dict) -> float:
+    """Energy a trip spent up to ``until_s`` (or until it went offline), each phase pro rata."""
+    down, train, up = trip.busy_until(until_s)
+    share = lambda done, whole: done / whole if whole > 0 else 1.0  # noqa: E731
+    moved = metrics["emulated-bytes-down"] * share(down, trip.down_s) + metrics["emulated-bytes-up"] * share(
+        up, trip.up_s
+    )
+    return cost.energy_j(train, up, down, metrics["emulated-macs"] * share(train, trip.train_s), moved)
+
+
 # numeric columns of a client row (NaN in the row of a client that failed)
 _CLIENT_FIGURES = (
     "num_examples",
@@ -102,6 +237,21 @@ _CLIENT_FIGURES = (
     "emulated_macs",
     "host_wall_s",
 )
+# the client's trip on the simulated clock (NaN where it has none)
+_CLOCK_FIGURES = (
+    "rho",
+    "step_cap",
+    "model_version",
+    "staleness",
+    "dispatch_s",
+    "start_s",
+    "finish_s",
+    "arrival_s",
+    "wasted_energy_j",
+    "uplink_bit_per_s",
+    "downlink_bit_per_s",
+    "battery_fraction",
+)
 
 _ROUND_KEYS = (
     "clients",
@@ -112,11 +262,25 @@ _ROUND_KEYS = (
     "mean_train_loss",
     "round_energy_j",
     "max_peak_memory_bytes",
+    "policy",
+    "round_start_s",
+    "deadline_s",
+    "clients_counted",
+    "clients_late",
+    "clients_offline",
+    "clients_too_slow",
+    "mean_staleness",
+    "wasted_energy_j",
 )
 
 
 class PartialFedAvg(FedAvg):
-    """FedAvg over partial updates, with reproducible sampling and a simulated synchronous clock."""
+    """FedAvg over partial updates, with reproducible sampling and a simulated clock.
+
+    Synchronous policies run in Flower's round loop (:meth:`start`); ``policy = "async"`` runs
+    FedBuff's loop (:meth:`run_buffered`). Either way the clients are reached only with Flower
+    messages, and every reply becomes a :class:`~fedelastic.fl.clock.Trip` on the clock.
+    """
 
     def __init__(self, env: RunEnvironment, node_of_partition: dict[int, int], recorder: Recorder, progress: Callable):
         super().__init__(min_available_nodes=len(node_of_partition))  # evaluation is central: see configure_evaluate
@@ -124,27 +288,49 @@ class PartialFedAvg(FedAvg):
         self.node_of_partition = node_of_partition
         self.partition_of_node = {n: p for p, n in node_of_partition.items()}
         self.recorder, self.progress = recorder, progress
+        self.fleet = Fleet(env)
+        self.policy = self.sc.server.policy
         self.sim_time_s = 0.0
         self.total_energy_j = 0.0
         self._arrays: ArrayRecord | None = None
-        self._round: dict = dict.fromkeys(_ROUND_KEYS, 0)  # round 0: the initial model
+        self._round: dict = {  # round 0: the initial model
+            **dict.fromkeys(_ROUND_KEYS, 0),
+            "policy": self.policy,
+            "deadline_s": float("nan"),
+            "mean_staleness": float("nan"),
+        }
         self._round_start = time.perf_counter()
         self._unavailable = 0
-        self._availability = [
-            a.value if (a := env.profile(device).availability) is not None else 1.0 for device in env.devices
-        ]
+        self._deadline: float | None = None
+        self._plan: dict[int, tuple[float, int]] = {}  # partition -> (rho, step cap) sent in this round
 
+    # ---- synchronous rounds -----------------------------------------------------------------
     def sample(self, server_round: int) -> list[int]:
         """Partition ids trained in ``server_round``: available devices, then a seeded sample of them.
 
-        A device whose profile declares ``availability.probability = p`` is reachable in a round
-        with probability p (a seeded draw per round and partition).
+        With the 'profile' availability model a device whose profile declares
+        ``availability.probability = p`` is reachable in a round with probability p (a seeded draw
+        per round and partition); with online windows, the devices online at the round's start.
+        With batteries, only devices charged above their floor. If no device is online and
+        charged, the clock first moves to the next time one is.
         """
+        n = self.sc.num_clients
         rng = np.random.default_rng([self.sc.seed, server_round, 0x5A])
-        draws = rng.random(self.sc.num_clients)
-        available = [p for p in range(self.sc.num_clients) if draws[p] < self._availability[p]]
-        self._unavailable = self.sc.num_clients - len(available)
-        k = self.sc.server.clients_per_round or self.sc.num_clients
+        t = self.sim_time_s
+        if not any(self.fleet.online(p, t) and self.fleet.charged(p, t) for p in range(n)):
+            t = min(self.fleet.ready_at(p, t) for p in range(n))
+            if math.isinf(t):
+                raise RuntimeError(f"no client is online and charged at {self.sim_time_s:.1f} s or later")
+            self.sim_time_s = float(t)
+        if self.fleet.windows is None:
+            draws = rng.random(n)
+            available = [p for p in range(n) if draws[p] < self.fleet.probability[p] and self.fleet.charged(p, t)]
+        else:
+            available = [p for p in range(n) if self.fleet.online(p, t) and self.fleet.charged(p, t)]
+        self._unavailable = n - len(available)
+        k = self.sc.server.clients_per_round or n
+        if self.policy == "overcommit":
+            k = min(n, math.ceil(k * self.sc.server.overcommit))
         if k >= len(available):
             return available
         return sorted(rng.choice(available, size=k, replace=False).tolist())
@@ -153,19 +339,130 @@ class PartialFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._arrays, self._round_start = arrays, time.perf_counter()
-        config["server-round"] = server_round
-        record = RecordDict({"arrays": arrays, "config": config})
-        self._sampled = self.sample(server_round)
-        return [
-            Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
-            for p in self._sampled
-        ]
+        chosen = self._sampled = self.sample(server_round)
+        server = self.sc.server
+        self._deadline = None
+        if server.deadline > 0:
+            self._deadline = server.deadline
+        elif server.deadline_quantile > 0 and chosen:
+            self._deadline = deadline_from_quantile(
+                [self.fleet.full_round_s(p) for p in chosen], server.deadline_quantile
+            )
+        messages, self._plan = [], {}
+        for p in chosen:
+            cfg = ConfigRecord({**config, "server-round": server_round})
+            rho, cap = float("nan"), -1
+            if self.policy == "deadline_elastic":
+                assert self._deadline is not None
+                rho, steps = self.fleet.rho(p, self._deadline, server.min_rho)
+                cfg["rho"] = rho
+                if steps < self.fleet.steps[p]:
+                    cap = cfg["max-steps"] = steps
+            elif self.policy == "deadline_fewer_steps":
+                assert self._deadline is not None
+                cap = cfg["max-steps"] = self.fleet.step_cap(p, self._deadline)
+            self._plan[p] = (rho, cap)
+            record = RecordDict({"arrays": arrays, "config": cfg})
+            messages.append(
+                Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
+            )
+        return messages
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
-        failures = {self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()}
+    def _trip(self, metrics: dict, dispatch_s: float, version: int) -> Trip:
+        pid = int(metrics["partition-id"])
+        down_s, up_s = self.fleet.comm_s(pid, metrics["emulated-bytes-down"], metrics["emulated-bytes-up"])
+        return Trip(
+            pid,
+            dispatch_s,
+            down_s,
+            metrics["emulated-train-time-s"],
+            up_s,
+            offline_s=self.fleet.offline_at(pid, dispatch_s),
+            version=version,
+            carries_update=bool(metrics["fits"]) and not metrics["too-slow"],
+        )
+
+    def _row(
+        self, rnd: int, metrics: dict, trip: Trip, status: str, energy: float, idle: float, staleness: int, reason: str
+    ):
+        pid = trip.partition_id
+        device = self.env.devices[pid]
+        profile = self.env.profile(device)
+        rho, cap = self._plan.get(pid, (float("nan"), -1))
+        if metrics["too-slow"]:
+            status = "too_slow"
+        elif not metrics["fits"]:
+            status = "not_fitting"
+        counted = status == "counted"
+        return {
+            "round": rnd,
+            "partition_id": pid,
+            "device": device,
+            "device_class": profile.device_class,
+            "strategy": self.sc.train.strategy,
+            "fits": bool(metrics["fits"]),
+            "num_examples": int(metrics["num-examples"]),
+            "steps": int(metrics["steps"]),
+            "selections": int(metrics["selections"]),
+            "train_loss": metrics["train-loss"],
+            "fraction_params_trained": metrics["fraction-params-trained"],
+            "emulated_train_time_s": trip.train_s,
+            "emulated_train_time_band_s": metrics["emulated-train-time-band-s"],
+            "emulated_overhead_time_s": metrics["emulated-overhead-time-s"],
+            "emulated_comm_time_s": trip.down_s + trip.up_s,
+            "emulated_energy_j": energy,
+            "emulated_idle_energy_j": idle,
+            "emulated_peak_memory_bytes": metrics["emulated-peak-memory-bytes"],
+            "emulated_probe_peak_memory_bytes": metrics["emulated-probe-peak-memory-bytes"],
+            "device_memory_bytes": profile.memory_train_bytes.value,
+            "emulated_bytes_up": metrics["emulated-bytes-up"],
+            "emulated_bytes_down": metrics["emulated-bytes-down"],
+            "emulated_macs": metrics["emulated-macs"],
+            "host_wall_s": metrics["host-wall-s"],
+            "policy": self.policy,
+            "status": status,
+            "counted": counted,
+            "rho": rho,
+            "step_cap": cap,
+            "model_version": trip.version,
+            "staleness": staleness,
+            "dispatch_s": trip.dispatch_s,
+            "start_s": trip.start_s,
+            "finish_s": trip.finish_s,
+            "arrival_s": trip.arrival_s if trip.completes else float("nan"),
+            "wasted_energy_j": 0.0 if counted else energy,
+            "uplink_bit_per_s": self.fleet.up_bps[pid],
+            "downlink_bit_per_s": self.fleet.down_bps[pid],
+            "battery_fraction": self.fleet.battery_fraction(pid, trip.dispatch_s),
+            "fits_reason": reason,
+            "error": "",
+        }
+
+    def _failed_row(self, rnd: int, pid: int, reason: str) -> dict:
+        """A failed client is a row too: nothing is silently dropped."""
+        log(WARNING, "client %s failed: %s", pid, reason)
+        device = self.env.devices[pid] if pid >= 0 else ""
+        return {
+            "round": rnd,
+            "partition_id": pid,
+            "device": device,
+            "device_class": self.env.profile(device).device_class if device else "",
+            "strategy": self.sc.train.strategy,
+            "fits": False,
+            **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
+            "policy": self.policy,
+            "status": "failed",
+            "counted": False,
+            **dict.fromkeys(_CLOCK_FIGURES, float("nan")),
+            "fits_reason": "",
+            "error": reason,
+        }
+
+    def _failures(self, replies: list[Message], sampled: list[int]) -> tuple[list[Message], dict[int, str]]:
+        """Replies that can be used, and partition -> reason for the rest (errors, NaN/inf, no reply)."""
+        failures = {
+            self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
+        }
         ok = []
         for m in replies:
             if m.has_error():
@@ -176,101 +473,199 @@ class PartialFedAvg(FedAvg):
             else:
                 ok.append(m)
         replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
-        for p in getattr(self, "_sampled", []):  # no reply within the round's timeout: a row, not a gap
+        for p in sampled:  # no reply within the round's timeout: a row, not a gap
             if p not in replied:
                 failures[p] = f"timeout: no reply within simulation.timeout_s = {self.sc.simulation.timeout_s:g} s"
-        for pid, reason in failures.items():
-            log(WARNING, "client %s failed: %s", pid, reason)
+        return ok, failures
+
+    def _update(self, m: Message) -> ClientUpdate:
+        return ClientUpdate(
+            float(m.content["metrics"]["num-examples"]),
+            record_to_numpy(m.content["arrays"]),
+            record_to_numpy(m.content["masks"]),
+        )
+
+    def _summary(self, rows: list[dict], failed: int, start_s: float, end_s: float) -> dict:
+        fitted = [r for r in rows if r["fits"] and r["status"] != "too_slow"]
+        status = [r["status"] for r in rows]
+        counted = [r for r in rows if r["counted"]]
+        return {
+            "clients": len(rows) + failed,
+            "clients_failed": failed,
+            "clients_unavailable": self._unavailable,
+            "clients_not_fitting": status.count("not_fitting"),
+            "round_time_s": end_s - start_s,
+            "mean_train_loss": float(np.nanmean([r["train_loss"] for r in fitted])) if fitted else float("nan"),
+            "round_energy_j": sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows),
+            "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
+            "policy": self.policy,
+            "round_start_s": start_s,
+            "deadline_s": self._deadline if self._deadline is not None else float("nan"),
+            "clients_counted": len(counted),
+            "clients_late": status.count("late") + status.count("extra"),
+            "clients_offline": status.count("offline"),
+            "clients_too_slow": status.count("too_slow"),
+            "mean_staleness": float(np.mean([r["staleness"] for r in counted])) if counted else float("nan"),
+            "wasted_energy_j": sum(r["wasted_energy_j"] for r in rows),
+        }
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
+        ok, failures = self._failures(replies, getattr(self, "_sampled", []))
         metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
-        round_time = max((r["emulated-train-time-s"] + r["emulated-comm-time-s"] for r in metrics), default=0.0)
-        reasons = [str(m.content["info"]["fits-reason"]) if "info" in m.content else "" for m in ok]
+        start = self.sim_time_s
+        trips = [self._trip(r, start, server_round - 1) for r in metrics]
+        deadline = self._deadline if self.policy != "wait_all" else None
+        keep = (self.sc.server.clients_per_round or self.sc.num_clients) if self.policy == "overcommit" else None
+        end, status = sync_round(trips, start, deadline, keep)
         rows = []
-        for r, reason in zip(metrics, reasons):
-            device = self.env.devices[int(r["partition-id"])]
-            profile = self.env.profile(device)
-            busy = r["emulated-train-time-s"] + r["emulated-comm-time-s"]
-            idle_j = profile.power_idle_w.value * (round_time - busy)
-            rows.append(
-                {
-                    "round": server_round,
-                    "partition_id": int(r["partition-id"]),
-                    "device": device,
-                    "device_class": profile.device_class,
-                    "strategy": self.sc.train.strategy,
-                    "fits": bool(r["fits"]),
-                    "num_examples": int(r["num-examples"]),
-                    "steps": int(r["steps"]),
-                    "selections": int(r["selections"]),
-                    "train_loss": r["train-loss"],
-                    "fraction_params_trained": r["fraction-params-trained"],
-                    "emulated_train_time_s": r["emulated-train-time-s"],
-                    "emulated_train_time_band_s": r["emulated-train-time-band-s"],
-                    "emulated_overhead_time_s": r["emulated-overhead-time-s"],
-                    "emulated_comm_time_s": r["emulated-comm-time-s"],
-                    "emulated_energy_j": r["emulated-energy-j"],
-                    "emulated_idle_energy_j": idle_j,
-                    "emulated_peak_memory_bytes": r["emulated-peak-memory-bytes"],
-                    "emulated_probe_peak_memory_bytes": r["emulated-probe-peak-memory-bytes"],
-                    "device_memory_bytes": profile.memory_train_bytes.value,
-                    "emulated_bytes_up": r["emulated-bytes-up"],
-                    "emulated_bytes_down": r["emulated-bytes-down"],
-                    "emulated_macs": r["emulated-macs"],
-                    "host_wall_s": r["host-wall-s"],
-                    "fits_reason": reason,
-                    "error": "",
-                }
-            )
-        failed_rows = []
-        for pid, reason in sorted(failures.items()):  # a failed client is a row too: nothing is silently dropped
-            device = self.env.devices[pid] if pid >= 0 else ""
-            failed_rows.append(
-                {
-                    "round": server_round,
-                    "partition_id": pid,
-                    "device": device,
-                    "device_class": self.env.profile(device).device_class if device else "",
-                    "strategy": self.sc.train.strategy,
-                    "fits": False,
-                    **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
-                    "fits_reason": "",
-                    "error": reason,
-                }
-            )
-        self.recorder.add_clients(rows + failed_rows)
+        for m, r, trip in zip(ok, metrics, trips):
+            state = status[trip.partition_id]
+            cost = self.fleet.cost(trip.partition_id)
+            # a late or surplus client is told to stop when the round closes
+            energy = trip_energy_j(cost, trip, end if state in (LATE, EXTRA) else math.inf, r)
+            waited = end - trip.arrival_s if trip.completes and trip.arrival_s <= end else 0.0
+            idle = cost.device.power_idle_w.value * waited
+            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m)))
+            self.fleet.drain(trip.partition_id, end, energy + idle)
+        self.recorder.add_clients(
+            rows + [self._failed_row(server_round, p, why) for p, why in sorted(failures.items())]
+        )
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
-        updates = [
-            ClientUpdate(
-                float(m.content["metrics"]["num-examples"]),
-                record_to_numpy(m.content["arrays"]),
-                record_to_numpy(m.content["masks"]),
+        counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
+        updates = [self._update(m) for m, _ in counted]
+        if self.sc.server.fednova and (self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0):
+            updates = fednova_rescale(
+                current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
             )
-            for m, r in zip(ok, metrics)
-            if r["fits"]
-        ]
         new_state = aggregate_partial(current, updates)
-        for name, value in new_state.items():
+        self._check_finite(server_round, new_state)
+        self.sim_time_s = float(end)  # plain floats: the checkpoint keeps them (torch weights_only load)
+        self._round = self._summary(rows, len(failures), start, end)
+        self.total_energy_j += float(self._round["round_energy_j"])
+        return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
+
+    @staticmethod
+    def _check_finite(version: int, state: dict[str, np.ndarray]) -> None:
+        for name, value in state.items():
             if not np.isfinite(value).all():
                 raise RunFailed(
-                    f"round {server_round}: the global model became non-finite (tensor {name!r}); "
+                    f"round {version}: the global model became non-finite (tensor {name!r}); "
                     "lower train.lr or check the model and its starting weights"
                 )
-        self.sim_time_s += round_time
-        energy = sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)
-        self.total_energy_j += energy
-        fitted = [r for r in rows if r["fits"]]
-        self._round = {
-            "clients": len(replied | set(failures)),
-            "clients_failed": len(failures),
-            "clients_unavailable": self._unavailable,
-            "clients_not_fitting": len(rows) - len(fitted),
-            "round_time_s": round_time,
-            "mean_train_loss": float(np.nanmean([r["train_loss"] for r in fitted])) if fitted else float("nan"),
-            "round_energy_j": energy,
-            "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
-        }
-        arrays = record_from_numpy(new_state)
-        return arrays, MetricRecord({"round-time-s": round_time})
+
+    # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
+    def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
+        """FedBuff on the clock: up to ``concurrency`` clients in flight, an aggregation every ``buffer_size`` arrivals."""
+        sc, n = self.sc, self.sc.num_clients
+        concurrency = sc.server.concurrency or sc.server.clients_per_round or n
+        buffer_size = sc.server.buffer_size or max(1, concurrency // 2)
+        rng = np.random.default_rng([sc.seed, 0xA5])
+        self.evaluate(0, initial_arrays)
+        states = {0: record_to_numpy(initial_arrays)}
+        version, last_t, dispatched = 0, 0.0, 0
+        replies: dict[Trip, tuple[dict, Message]] = {}
+        pending: list[dict] = []  # rows since the last aggregation
+        failures = 0
+
+        def pick(t: float, busy: frozenset[int], free: int) -> tuple[list[int], float]:
+            idle = [p for p in range(n) if p not in busy]
+            ready = [p for p in idle if self.fleet.online(p, t) and self.fleet.charged(p, t)]
+            later = min((self.fleet.ready_at(p, t) for p in idle if p not in ready), default=math.inf)
+            if self.fleet.windows is None:  # the profile's probability, drawn per dispatch; re-drawn a minute later
+                draws = rng.random(len(idle))
+                drawn = {p for p, d in zip(idle, draws) if d < self.fleet.probability[p]}
+                if any(p not in drawn for p in ready):
+                    later = min(later, t + 60.0)
+                ready = [p for p in ready if p in drawn]
+            self._unavailable = n - len(busy) - len(ready)
+            if len(ready) > free:
+                ready = sorted(rng.choice(ready, size=free, replace=False).tolist())
+            return ready, later
+
+        def launch(ids: list[int], t: float, v: int) -> list[Trip]:
+            nonlocal dispatched, failures
+            arrays = record_from_numpy(states[v])
+            messages = []
+            for p in ids:
+                dispatched += 1  # a unique training seed per dispatch
+                cfg = ConfigRecord({"server-round": dispatched, "model-version": v})
+                messages.append(
+                    Message(
+                        content=RecordDict({"arrays": arrays, "config": cfg}),
+                        message_type=MessageType.TRAIN,
+                        dst_node_id=self.node_of_partition[p],
+                    )
+                )
+            trips = []
+            got = sorted(
+                grid.send_and_receive(messages, timeout=timeout),
+                key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
+            )
+            ok, failed = self._failures(got, ids)
+            for p, why in sorted(failed.items()):
+                failures += 1
+                if failures > 10 * n + sc.server.rounds * buffer_size:
+                    raise RuntimeError("asynchronous run: clients keep failing")
+                pending.append(self._failed_row(version + 1, p, why))
+            for m in ok:
+                r = {k: m.content["metrics"][k] for k in METRIC_KEYS}
+                trip = self._trip(r, t, v)
+                replies[trip] = (r, m)
+                trips.append(trip)
+            return trips
+
+        def discard(trip: Trip, t: float, why: str) -> None:
+            r, m = replies.pop(trip)
+            energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
+            pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m)))
+            self.fleet.drain(trip.partition_id, t, energy)
+
+        def aggregate(v: int, t: float, buffer: list[Arrival]) -> None:
+            nonlocal version, last_t
+            rows, updates, bases, discounts = [], [], [], []
+            for a in buffer:
+                r, m = replies.pop(a.trip)
+                energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
+                rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness, _fits_reason(m)))
+                self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
+                updates.append(self._update(m))
+                bases.append(states[a.trip.version])
+                discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
+            states[v] = aggregate_buffered(states[version], updates, bases, discounts)
+            self._check_finite(v, states[v])
+            in_use = {trip.version for trip in replies} | {v}
+            for old in [k for k in states if k not in in_use]:
+                del states[old]
+            rows = pending + rows
+            self.recorder.add_clients(rows)
+            pending.clear()
+            self._deadline = None
+            failed = sum(r["status"] == "failed" for r in rows)
+            self._round = self._summary([r for r in rows if r["status"] != "failed"], failed, last_t, t)
+            self.total_energy_j += float(self._round["round_energy_j"])
+            self.sim_time_s, last_t, version = float(t), t, v
+            self.evaluate(v, record_from_numpy(states[v]))
+            self._round_start = time.perf_counter()
+
+        end = run_async(
+            concurrency=concurrency,
+            buffer_size=buffer_size,
+            aggregations=sc.server.rounds,
+            pick=pick,
+            launch=launch,
+            aggregate=aggregate,
+            discard=discard,
+        )
+        if pending:  # updates still in flight or buffered at the end: their work so far is wasted
+            for row in pending:
+                row["round"] = version
+            self.recorder.add_clients(pending)
+            self.total_energy_j += float(sum(r["emulated_energy_j"] for r in pending if r["status"] != "failed"))
+        assert end == self.sim_time_s
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -321,13 +716,18 @@ def server_main(
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-        num_rounds=scenario.server.rounds - start_round,
-        timeout=timeout,
-        evaluate_fn=strategy.evaluate,
-    )
+    if scenario.server.policy == "async":
+        if start_round:
+            raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
+        strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
+    else:
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(torch_state_dict=initial_state),
+            num_rounds=scenario.server.rounds - start_round,
+            timeout=timeout,
+            evaluate_fn=strategy.evaluate,
+        )
     if scenario.stream is not None:
         continual_report(recorder.folder, scenario.stream.recover_share)
 
