@@ -146,7 +146,9 @@ class GuardedGrid(Grid):
         return self.grid.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
+        ids = self.grid.push_messages(messages)
+        notify_pushed()  # the dispatch loop sweeps now rather than at its next 0.1 s tick
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self.grid.pull_messages(message_ids)
