@@ -107,8 +107,9 @@ class _Table:
         self.rows: list[dict] = []
         self.n_rows = 0
         self.columns: list[str] | None = None
-        self._schema = None  # the parts' Arrow schema (metadata ignored)
-        self._parts = 0
+        self._schema = None  # the parts' Arrow schema
+        # never overwrite a part already there (a resumed run's table that was not reloaded)
+        self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
     def load(self, keep) -> list[dict]:
         """Read back an earlier run's rows (resume), keeping those where ``keep(row)``, and rewrite both files."""
@@ -339,6 +340,7 @@ class Recorder:
             if isinstance(row.get("error"), str) and row["error"]:
                 self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
         self.rounds.load(keep)
+        self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
     def add_tasks(self, rows: list[dict]) -> None:
         self.tasks.append(rows)

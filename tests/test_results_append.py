@@ -63,6 +63,7 @@ def test_recorder_counts_errors_without_keeping_client_rows(tmp_path):
     rec = Recorder(tmp_path / "run", {"x": 1})
     rec.add_clients(_rows(1) + _rows(3))
     rec.add_clients([{**_rows(4)[0], "error": "Traceback...\nValueError: bad"}])
+    rec.add_tasks([{"round": r, "task": 0, "accuracy": r / 10} for r in (1, 3, 4)])
     counts = rec.counts()
     rec.close()
     assert counts["client_results"] == 7 and counts["clients_failed"] == 2
@@ -71,4 +72,7 @@ def test_recorder_counts_errors_without_keeping_client_rows(tmp_path):
     rec2 = Recorder(tmp_path / "run", {}, resume=True)
     rec2.reload(lambda r: r["round"] <= 3)
     assert rec2.counts()["errors"] == {"boom": 1} and rec2.counts()["client_results"] == 6
+    rec2.add_tasks([{"round": 4, "task": 0, "accuracy": 0.45}])  # round 4 again, after the resume
     rec2.close()
+    tasks = pd.read_parquet(tmp_path / "run" / "tasks.parquet")
+    assert tasks["round"].tolist() == [1, 3, 4] and tasks.accuracy.tolist() == [0.1, 0.3, 0.45]
