@@ -11,6 +11,8 @@ _API = {
     "run": ("fedelastic.api", "run"),
     "compare": ("fedelastic.api", "compare"),
     "load": ("fedelastic.api", "load"),
+    "stop_at_accuracy": ("fedelastic.api", "stop_at_accuracy"),
+    "StopRun": ("fedelastic.errors", "StopRun"),
     "RunResult": ("fedelastic.api", "RunResult"),
     "ComparisonResult": ("fedelastic.api", "ComparisonResult"),
     "Scenario": ("fedelastic.scenario", "Scenario"),

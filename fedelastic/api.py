@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 
 from .config import read_toml, to_dict
-from .errors import ConfigError
+from .errors import ConfigError, StopRun
 from .scenario import Scenario, parse_scenario
 
 
@@ -108,22 +108,38 @@ class RunResult:
         return out
 
 
+def stop_at_accuracy(target: float) -> Callable[[dict], bool]:
+    """A callback that stops the run at the first round whose test accuracy reaches ``target``."""
+    return lambda row: row["round"] > 0 and row["test_accuracy"] >= target
+
+
 def run(
     scenario: Scenario | str | Path | Mapping,
     *,
     overrides: Mapping[str, Any] | None = None,
     run_id: str | None = None,
-    progress=None,
+    progress: Callable[[dict], None] | None = None,
+    callbacks: Sequence[Callable[[dict], Any]] = (),
     **kw: Any,
 ) -> RunResult:
     """Run a scenario (object, TOML path or dict) and return its results.
 
-    ``progress(row)`` is called with each round's row as it reaches disk.
+    ``progress(row)`` is called with each round's row as it reaches disk. Each of ``callbacks``
+    is called the same way (log to TensorBoard, W&B, ...); one that returns a true value stops
+    the run after that round (early stopping, e.g. :func:`stop_at_accuracy`): the round is kept,
+    the run ends normally and its status records ``stopped_after_round``.
     """
     from .fl.runner import run_scenario
 
     sc = load(scenario, overrides, **kw)
-    return RunResult(run_scenario(sc, run_id=run_id, progress=progress))
+
+    def on_round(row: dict) -> None:
+        if progress is not None:
+            progress(row)
+        if any([bool(cb(row)) for cb in callbacks]):  # every callback sees every round
+            raise StopRun(f"a callback stopped the run after round {row['round']}")
+
+    return RunResult(run_scenario(sc, run_id=run_id, progress=on_round))
 
 
 @dataclass

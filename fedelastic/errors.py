@@ -38,3 +38,10 @@ class RunFailed(Exception):
 
     The CLI prints it in one line and exits 1; the run's status.json says 'failed'.
     """
+
+
+class StopRun(Exception):
+    """Raised by a progress callback to end a run after the round it was shown (early stopping).
+
+    The round is kept, the run ends normally, and ``status.json`` records ``stopped_after_round``.
+    """

@@ -59,3 +59,17 @@ def test_notebook_example(tmp_path):
     # a Scenario object works too, and overrides apply to it
     sc = fe.load(path, overrides={"train.lr": 0.01})
     assert isinstance(sc, fe.Scenario) and sc.train.lr == 0.01
+
+
+def test_callback_stops_the_run_early_and_keeps_its_rounds(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 4})))
+    seen = []
+    result = fe.run(path, callbacks=[seen.append, lambda row: row["round"] == 2])
+    assert [r["round"] for r in seen] == [0, 1, 2]  # every callback saw every round up to the stop
+    assert list(result.rounds["round"]) == [0, 1, 2]
+    status = result.status
+    assert status["status"] == "completed" and status["stopped_after_round"] == 2
+    # a target that round 0 already meets does not stop before any training
+    again = fe.run(path, server__rounds=1, callbacks=[fe.stop_at_accuracy(0.0)])
+    assert list(again.rounds["round"]) == [0, 1] and again.status["stopped_after_round"] == 1

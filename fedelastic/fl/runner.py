@@ -27,7 +27,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml, to_dict
-from ..errors import ConfigError, FedelasticError, RunFailed
+from ..errors import ConfigError, FedelasticError, RunFailed, StopRun
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..scenario import Scenario, is_plain_name, parse_scenario
@@ -393,6 +393,8 @@ def run_scenario(
                     scenario, state, recorder, progress, grid,
                     strategy_cls=partial(Resumable, checkpoint=checkpoint), start_round=start_round,
                 )  # fmt: skip
+            except StopRun:  # a callback asked to stop after the round it saw: a normal end
+                recorder.notes["stopped_after_round"] = max((r["round"] for r in recorder.rounds.rows), default=0)
             except BaseException as exc:
                 failure.append(exc)
                 raise
@@ -408,7 +410,7 @@ def run_scenario(
         if failure:
             raise failure[0]
         done = max((r["round"] for r in recorder.rounds.rows), default=0)
-        if done < scenario.server.rounds:
+        if done < scenario.server.rounds and "stopped_after_round" not in recorder.notes:
             raise RunFailed(f"the simulation stopped after {done} of {scenario.server.rounds} rounds")
     except BaseException as exc:
         cause = failure[0] if failure and not isinstance(failure[0], RunAborted) else exc
