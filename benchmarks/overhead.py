@@ -15,6 +15,8 @@ numbers from the same invocation):
 (c) ``inprocess``: ``run_scenario`` with backend "inprocess" (same apps, no Ray).
 (d) ``ray-flower-dispatch``: (b) with Flower's own message dispatch loop instead of the
     engine's linear one (fedelastic/fl/dispatch.py), to show what that fix is worth.
+(e) ``ray-polling``: (b) as before issue 10: the dispatch loop not woken by a push (it sweeps
+    every 0.1 s) and the ServerApp pulling replies every 0.05 s instead of 0.01 s.
 
 Every variant uses the same torch thread count (``simulation.torch_threads``), and the per-client
 train losses of every variant are checked against (a): the work is identical.
@@ -244,6 +246,11 @@ def worker_main(args) -> None:
         import fedelastic.fl.runner as runner
 
         runner.fast_dispatch = contextlib.nullcontext
+    if args.worker == "ray-polling":  # the engine before issue 10: no wake-up on push, replies pulled every 0.05 s
+        import fedelastic.fl.runner as runner
+
+        runner.notify_pushed = lambda: None
+        runner.PULL_PERIOD_S = 0.05
     out = worker_bare(sc) if args.worker == "bare" else worker_fl(sc)
     out.update(variant=args.worker, clients=sc.num_clients, fleet=sc.fleet, torch_threads=sc.simulation.torch_threads)
     Path(args.result).write_text(json.dumps(out))
@@ -252,7 +259,7 @@ def worker_main(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # driver
 
-VARIANTS = ("bare", "inprocess", "ray", "ray-flower-dispatch")
+VARIANTS = ("bare", "inprocess", "ray", "ray-flower-dispatch", "ray-polling")
 
 
 def run_worker(variant: str, clients: int, args, tmp: str, tag: str) -> dict:

@@ -3,8 +3,9 @@
 A run folder holds ``config.toml`` (the resolved scenario), ``versions.json``, ``clients.csv``
 and ``clients.parquet`` (one row per client per round), ``rounds.csv`` and ``rounds.parquet``
 (one row per round), ``status.json``, and at the end a figure and a summary. CSV rows are
-appended and flushed every round; each Parquet file is rewritten atomically every round, so a
-killed run leaves every finished round readable.
+appended and flushed every round; each ``.parquet`` is a folder that gains one part file per
+round (written atomically; ``pd.read_parquet`` reads the folder as one table), so a killed run
+leaves every finished round readable and a round's write does not grow with the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -88,40 +90,73 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class _Table:
-    """One table appended row by row to CSV and mirrored to Parquet.
+    """One table appended row by row to CSV and to a Parquet dataset folder.
 
-    An append is all or nothing: if the disk fails (full, read-only) the CSV is cut back to its
-    previous length and no ``.parquet.tmp`` is left behind, so CSV and Parquet always agree.
+    ``<name>.parquet`` is a folder of part files, one per append (``part-000001.parquet``, ...),
+    which ``pd.read_parquet`` reads as one table; an append writes only its own rows, so the cost
+    of a round does not grow with the run. When an append's column types differ from the earlier
+    parts' (a column that was all empty gets values), the parts are merged into one, so the folder
+    always reads back as one consistent table. An append is all or nothing: if the disk fails
+    (full, read-only) the CSV is cut back to its previous length and no temporary part is left
+    behind, so CSV and Parquet always agree. ``keep_rows=False`` keeps only a row count in memory.
     """
 
-    def __init__(self, folder: Path, name: str):
+    def __init__(self, folder: Path, name: str, keep_rows: bool = True):
         self.csv, self.parquet = folder / f"{name}.csv", folder / f"{name}.parquet"
+        self.keep_rows = keep_rows
         self.rows: list[dict] = []
+        self.n_rows = 0
         self.columns: list[str] | None = None
+        self._schema = None  # the parts' Arrow schema
+        # never overwrite a part already there (a resumed run's table that was not reloaded)
+        self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
-    def load(self, keep) -> None:
+    def load(self, keep) -> list[dict]:
         """Read back an earlier run's rows (resume), keeping those where ``keep(row)``, and rewrite both files."""
         if not self.parquet.exists():
-            return
+            return []
         frame = pd.read_parquet(self.parquet)
         self.columns = list(frame.columns)
         rows = [r for r in frame.to_dict("records") if keep(r)]
-        self.rows = []
+        self.rows, self.n_rows, self._schema, self._parts = [], 0, None, 0
         self.csv.unlink(missing_ok=True)
-        self.parquet.unlink()
+        _remove(self.parquet)
         if rows:
             self.append(rows)
+        return rows
+
+    def _write_part(self, frame: pd.DataFrame, schema=None) -> tuple[Path, Path]:
+        """Write ``frame`` (cast to ``schema`` if given) as a hidden temporary part; returns (temporary, final)."""
+        self.parquet.mkdir(exist_ok=True)
+        final = self.parquet / f"part-{self._parts + 1:06d}.parquet"
+        tmp = self.parquet / f".{final.name}.tmp"
+        try:
+            frame.to_parquet(tmp, index=False, schema=schema)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp, final
 
     def append(self, rows: list[dict]) -> None:
+        import pyarrow as pa
+
         if not rows:
             return
         if self.columns is None:
             self.columns = list(rows[0])
         new = not self.csv.exists()
         size = 0 if new else self.csv.stat().st_size
-        tmp = self.parquet.with_suffix(".parquet.tmp")
+        frame = pd.DataFrame(rows, columns=self.columns)
+        tmp, merged = None, False
         try:
-            pd.DataFrame(self.rows + rows, columns=self.columns).to_parquet(tmp, index=False)
+            try:  # the earlier parts' types (e.g. an all-empty column takes their string type)
+                tmp, final = self._write_part(frame, self._schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                # the types changed (a column that was all empty gets values, ints get a NaN): one
+                # part holding every row, typed as one frame of all rows would be
+                every = pd.read_parquet(self.parquet).to_dict("records") + rows
+                tmp, final = self._write_part(pd.DataFrame(every, columns=self.columns))
+                merged = True
             with self.csv.open("a", newline="") as fh:
                 writer = csv.DictWriter(fh, fieldnames=self.columns)
                 if new:
@@ -129,17 +164,41 @@ class _Table:
                 writer.writerows(rows)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, self.parquet)
+            os.replace(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             if self.csv.exists():
                 with self.csv.open("r+b") as fh:
                     fh.truncate(size)
             raise
-        self.rows.extend(rows)
+        if merged:  # the merged part replaces the old ones: it is complete before they go
+            for part in self.parquet.glob("part-*.parquet"):
+                if part != final:
+                    part.unlink()
+            final.rename(self.parquet / "part-000001.parquet")
+            self._parts = 1
+        else:
+            self._parts += 1
+        if self._schema is None or merged:
+            import pyarrow.parquet as pq
+
+            self._schema = pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet")
+        self.n_rows += len(rows)
+        if self.keep_rows:
+            self.rows.extend(rows)
 
     def frame(self) -> pd.DataFrame:
+        if not self.keep_rows:
+            return pd.read_parquet(self.parquet) if self.parquet.exists() else pd.DataFrame(columns=self.columns)
         return pd.DataFrame(self.rows, columns=self.columns)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -187,7 +246,8 @@ class Recorder:
             self.folder.mkdir(parents=True, exist_ok=True)
             if any(self.folder.iterdir()):
                 raise FileExistsError(f"{self.folder} is not empty")
-        self.clients = _Table(self.folder, "clients")
+        self.clients = _Table(self.folder, "clients", keep_rows=False)  # the driver keeps counts, not rows
+        self._errors: dict[str, int] = {}
         self.rounds = _Table(self.folder, "rounds")
         self.tasks = _Table(self.folder, "tasks")  # continual runs: accuracy per evaluation task per round
         self.started = time.time()
@@ -215,11 +275,8 @@ class Recorder:
 
     def counts(self) -> dict:
         """Client rows, failed ones and the distinct error messages with their counts."""
-        errors: dict[str, int] = {}
-        for row in self.clients.rows:
-            if row.get("error"):
-                errors[row["error"]] = errors.get(row["error"], 0) + 1
-        total = len(self.clients.rows)
+        errors = dict(self._errors)
+        total = self.clients.n_rows
         failed = sum(errors.values())
         return {
             "client_results": total,
@@ -272,6 +329,18 @@ class Recorder:
                 self.log_error(f"round {row.get('round')} partition {row.get('partition_id')}:\n{row['error']}")
                 row["error"] = one_line(row["error"])
         self.clients.append(rows)
+        for row in rows:
+            if row.get("error"):
+                self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+
+    def reload(self, keep) -> None:
+        """Resume: keep an earlier run's client and round rows where ``keep(row)``."""
+        self._errors = {}
+        for row in self.clients.load(keep):
+            if isinstance(row.get("error"), str) and row["error"]:
+                self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+        self.rounds.load(keep)
+        self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
     def add_tasks(self, rows: list[dict]) -> None:
         self.tasks.append(rows)

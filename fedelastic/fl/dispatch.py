@@ -13,6 +13,10 @@ delivered and hand it to the workers. Same messages, same validity rules, same 0
 only the order within a sweep may differ, and the results never depend on it (the server
 sorts replies and every client is seeded by (seed, round, partition)). Anything unexpected
 (another LinkState class, a Flower without these internals) runs Flower's own loop.
+
+The loop also wakes as soon as the ServerApp pushes messages (:func:`notify_pushed`, called by
+the runner's grid after each push) instead of waiting out the rest of its 0.1 s period: a round
+no longer starts up to 0.1 s late (issue 10). Without a push it sweeps every 0.1 s as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from contextlib import contextmanager
 from queue import Queue
 
 _PERIOD_S = 0.1  # Flower's own polling period
+_pushed = threading.Event()  # set when the ServerApp pushed messages: sweep now
+
+
+def notify_pushed() -> None:
+    """Wake the dispatch loop: messages were just pushed."""
+    _pushed.set()
 
 
 def _linear_dispatch(original):
@@ -49,7 +59,8 @@ def _linear_dispatch(original):
                     msg.metadata.delivered_at = delivered_at
             for msg in picked.values():
                 queue.put(msg)
-            f_stop.wait(_PERIOD_S)
+            _pushed.wait(_PERIOD_S)  # a push in the meantime (or during the sweep) returns at once
+            _pushed.clear()
 
     return add_messages_to_queue
 

@@ -1,0 +1,78 @@
+"""Results tables are appended per round (issue 10): same frame as one table of all rows, a part per append."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from fedelastic.results import Recorder, _Table
+
+
+def _rows(r: int) -> list[dict]:
+    # types that change across rounds: an error string first in round 3, a NaN in an int column in
+    # round 5, an all-missing bool column in round 6
+    return [
+        {
+            "round": r,
+            "partition_id": i,
+            "loss": 0.5 + r + i / 8,
+            "error": "boom" if (r == 3 and i == 1) else None,
+            "n": math.nan if (r == 5 and i == 0) else i,
+            "fits": None if r == 6 else bool(i % 2),
+        }
+        for i in range(3)
+    ]
+
+
+def test_parquet_folder_reads_back_as_one_frame_of_all_rows(tmp_path):
+    table, every = _Table(tmp_path, "clients", keep_rows=False), []
+    for r in range(1, 9):
+        table.append(_rows(r))
+        every += _rows(r)
+        # the old writer's definition: one DataFrame of every row so far
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "clients.parquet"), pd.DataFrame(every))
+        assert pd.read_csv(tmp_path / "clients.csv")["round"].tolist() == [row["round"] for row in every]
+    assert table.rows == [] and table.n_rows == 24
+    parts = sorted(p.name for p in (tmp_path / "clients.parquet").iterdir())
+    # round 3 gave the all-empty error column strings: rounds 1-3 merged into one part; the NaN of
+    # round 5 fits the int column as a null and the empty bools of round 6 as nulls: appended
+    assert parts == [f"part-{k:06d}.parquet" for k in range(1, 7)]
+    assert len(pd.read_parquet(tmp_path / "clients.parquet" / parts[-1])) == 3  # only its own rows
+
+
+def test_a_leftover_temporary_part_is_not_read(tmp_path):
+    table = _Table(tmp_path, "rounds")
+    table.append(_rows(1))
+    (tmp_path / "rounds.parquet" / ".part-000002.parquet.tmp").write_bytes(b"half a file")
+    assert pd.read_parquet(tmp_path / "rounds.parquet")["round"].tolist() == [1, 1, 1]
+
+
+def test_failed_part_write_leaves_csv_and_parquet_agreeing(tmp_path, monkeypatch):
+    table = _Table(tmp_path, "t")
+    table.append(_rows(1))
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(OSError):
+        table.append(_rows(2))
+    assert len(pd.read_csv(tmp_path / "t.csv")) == 3 and len(pd.read_parquet(tmp_path / "t.parquet")) == 3
+    assert not list((tmp_path / "t.parquet").glob(".*"))
+
+
+def test_recorder_counts_errors_without_keeping_client_rows(tmp_path):
+    rec = Recorder(tmp_path / "run", {"x": 1})
+    rec.add_clients(_rows(1) + _rows(3))
+    rec.add_clients([{**_rows(4)[0], "error": "Traceback...\nValueError: bad"}])
+    rec.add_tasks([{"round": r, "task": 0, "accuracy": r / 10} for r in (1, 3, 4)])
+    counts = rec.counts()
+    rec.close()
+    assert counts["client_results"] == 7 and counts["clients_failed"] == 2
+    assert counts["errors"] == {"boom": 1, "ValueError: bad": 1}
+    assert rec.clients.rows == []
+    rec2 = Recorder(tmp_path / "run", {}, resume=True)
+    rec2.reload(lambda r: r["round"] <= 3)
+    assert rec2.counts()["errors"] == {"boom": 1} and rec2.counts()["client_results"] == 6
+    rec2.add_tasks([{"round": 4, "task": 0, "accuracy": 0.45}])  # round 4 again, after the resume
+    rec2.close()
+    tasks = pd.read_parquet(tmp_path / "run" / "tasks.parquet")
+    assert tasks["round"].tolist() == [1, 3, 4] and tasks.accuracy.tolist() == [0.1, 0.3, 0.45]
