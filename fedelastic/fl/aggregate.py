@@ -21,6 +21,20 @@ class ClientUpdate:
     channel_masks: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
+def _value_and_weight(upd: ClientUpdate, name: str, current: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``upd``'s value of tensor ``name`` and its per-element weight (examples x channel mask)."""
+    value = np.asarray(upd.arrays[name], dtype=np.float64)
+    if value.shape != current.shape:
+        raise ValueError(f"tensor {name!r}: update shape {value.shape} != global {current.shape}")
+    w = np.full(current.shape, float(upd.weight))
+    if name in upd.channel_masks:
+        mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
+        if mask.ndim == 1:
+            mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+        w = w * np.broadcast_to(mask, current.shape)
+    return value, w
+
+
 def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
     """New global state: per element, the weighted mean over the clients that trained it."""
     new_state = {}
@@ -30,15 +44,7 @@ def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[
         for upd in updates:
             if name not in upd.arrays:
                 continue
-            value = np.asarray(upd.arrays[name], dtype=np.float64)
-            if value.shape != current.shape:
-                raise ValueError(f"tensor {name!r}: update shape {value.shape} != global {current.shape}")
-            w = np.full(current.shape, float(upd.weight))
-            if name in upd.channel_masks:
-                mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
-                if mask.ndim == 1:
-                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
-                w = w * np.broadcast_to(mask, current.shape)
+            value, w = _value_and_weight(upd, name, current)
             num += w * value
             den += w
         trained = den > 0
@@ -95,15 +101,7 @@ def aggregate_buffered(
         for upd, base, discount in zip(updates, bases, discounts):
             if name not in upd.arrays:
                 continue
-            value = np.asarray(upd.arrays[name], dtype=np.float64)
-            if value.shape != current.shape:
-                raise ValueError(f"tensor {name!r}: update shape {value.shape} != global {current.shape}")
-            w = np.full(current.shape, float(upd.weight))
-            if name in upd.channel_masks:
-                mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
-                if mask.ndim == 1:
-                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
-                w = w * np.broadcast_to(mask, current.shape)
+            value, w = _value_and_weight(upd, name, current)
             num += discount * w * (value - np.asarray(base[name], dtype=np.float64))
             den += w
         trained = den > 0
