@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated
 
+import click
+import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -400,82 +403,24 @@ def cmd_profile(args) -> None:
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedelastic", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a scenario file")
-    run.add_argument("scenario", nargs="?", help="scenario file (omit with --resume)")
-    run.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE",
-        help="scenario keys to override, values in TOML: train.lr=0.01 server.rounds=20 'train.strategy=\"full\"'",
-    )  # fmt: skip
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last finished round")
-    run.add_argument("--rounds", type=int, help="override server.rounds")
-    run.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")
-    run.add_argument("--output-dir", help="override output_dir")
-    run.add_argument("--run-id", help="name of the run folder (default: a timestamp)")
-    run.set_defaults(fn=cmd_run)
-    cmp = sub.add_parser("compare", help="run a comparison scenario (strategies x fleets x seeds)")
-    cmp.add_argument("scenario")
-    cmp.add_argument("--rounds", type=int, help="override server.rounds")
-    cmp.add_argument("--backend", choices=["ray", "inprocess"], help="override simulation.backend")
-    cmp.add_argument("--output", type=Path, help="comparison folder (default: under the scenario's output_dir)")
-    cmp.add_argument("--resume", type=Path, metavar="COMPARE_DIR", help="continue an interrupted comparison")
-    cmp.set_defaults(fn=cmd_compare)
-    rep = sub.add_parser("report", help="summarise a run folder")
-    rep.add_argument("run_dir", type=Path)
-    rep.add_argument("--html", action="store_true", help="write RUN_DIR/report.html (a run or a comparison folder)")
-    rep.set_defaults(fn=cmd_report)
-    dev = sub.add_parser("devices", help="list, show or validate device profiles")
-    dev.add_argument("action", choices=["list", "show", "validate"])
-    dev.add_argument("target", nargs="?", help="device name (show) or profile file (validate)")
-    dev.add_argument("--dir", action="append", default=[], help="extra profile folder")
-    dev.set_defaults(fn=cmd_devices)
-    st = sub.add_parser("strategies", help="list the registered selection strategies, or show one's options")
-    st.add_argument("name", nargs="?", help="a strategy: show its options with their help")
-    st.set_defaults(fn=cmd_strategies)
-    mod = sub.add_parser("models", help="list the built-in models with their options")
-    mod.set_defaults(fn=cmd_models)
-    pre = sub.add_parser("pretrain", help="pretrain (and cache) a scenario's starting weights")
-    pre.add_argument("scenario")
-    pre.set_defaults(fn=cmd_pretrain)
-    prof = sub.add_parser("profile", help="measure this device, or import a measured trace into a profile")
-    prof_sub = prof.add_subparsers(dest="action", required=True)
-    meas = prof_sub.add_parser("measure", help="measure this machine with torch and write its device profile")
-    meas.add_argument("--model", required=True, help="registry model name or package.module:callable")
-    meas.add_argument("--out", required=True, type=Path, help="profile file to write (its stem is the device name)")
-    meas.add_argument("--batch-size", type=int, default=8)
-    meas.add_argument("--input-size", type=int, help="input height and width (default: the factory's)")
-    meas.add_argument("--num-classes", type=int, help="classifier size (default: the factory's)")
-    meas.add_argument("--in-channels", type=int, help="input channels (default: the factory's, else 3)")
-    meas.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra factory argument")
-    meas.add_argument("--name", help="device name (default: the --out file stem; must equal it)")
-    meas.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (medians)")
-    meas.add_argument("--warmup", type=int, default=2, help="untimed runs before each measurement")
-    meas.add_argument("--threads", type=int, help="torch threads (default: torch's default); recorded")
-    meas.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: thread CPU time (1 thread)")
-    meas.add_argument("--like", help="profile (name or file) to copy [power] and [network] from")
-    meas.add_argument("--device-class", choices=["mcu", "sbc", "gpu-edge", "phone"], default="sbc")
-    imp = prof_sub.add_parser("import-trace", help="turn a Chrome trace into a [measured.<model>] table")
-    imp.add_argument("file", type=Path, help="Chrome-trace file (.json or .json.gz)")
-    imp.add_argument("--model", required=True, help="model registry name the table is for (e.g. resnet50)")
-    imp.add_argument("--batch-size", type=int, default=4)
-    imp.add_argument("--profile", type=Path, help="profile to write the table into (else print it)")
-    imp.add_argument("--fit", action="store_true", help="also refit the profile's roofline to its measured tables")
-    imp.add_argument("--input-size", type=int, help="input size of --model for the fit (default: the factory's)")
-    imp.add_argument("--num-classes", type=int, help="classes of --model for the fit (default: the factory's)")
-    imp.add_argument("--source", help="source text of the table (default: the file name)")
-    prof.set_defaults(fn=cmd_profile)
-    return parser
+_Backend = click.Choice(["ray", "inprocess"])
+app = typer.Typer(
+    name="fedelastic",
+    help=__doc__,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+devices_app = typer.Typer(help="list, show or validate device profiles", no_args_is_help=True)
+profile_app = typer.Typer(help="measure this device, or import a measured trace into a profile", no_args_is_help=True)
+app.add_typer(devices_app, name="devices")
+app.add_typer(profile_app, name="profile")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "devices" and args.action != "list" and not args.target:
-        parser.error(f"devices {args.action} needs a target")
+def _call(command: str, fn, **args) -> int:
+    """Run one command; map its errors to one line on stderr and the exit code."""
     try:
-        code = args.fn(args)
+        return fn(SimpleNamespace(command=command, **args)) or 0
     except FedelasticError as exc:  # bad input: one line naming the file and key
         _error(str(exc))
         return 2
@@ -488,9 +433,172 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)
         from .results import one_line
 
-        _error(f"{args.command} failed: {one_line(f'{type(exc).__name__}: {exc}')} (traceback in the run folder's errors.log)")
+        _error(f"{command} failed: {one_line(f'{type(exc).__name__}: {exc}')} (traceback in the run folder's errors.log)")
         return 1
-    return code or 0
+
+
+@app.command("run")
+def run_command(
+    scenario: Annotated[str | None, typer.Argument(help="scenario file (omit with --resume)")] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="scenario keys to override, values in TOML: train.lr=0.01 server.rounds=20 'train.strategy=\"full\"'",
+        ),
+    ] = None,
+    resume: Annotated[
+        str | None, typer.Option(metavar="RUN_DIR", help="continue a killed run from its last finished round")
+    ] = None,
+    rounds: Annotated[int | None, typer.Option(help="override server.rounds")] = None,
+    backend: Annotated[str | None, typer.Option(click_type=_Backend, help="override simulation.backend")] = None,
+    output_dir: Annotated[str | None, typer.Option(help="override output_dir")] = None,
+    run_id: Annotated[str | None, typer.Option(help="name of the run folder (default: a timestamp)")] = None,
+) -> int:
+    """run a scenario file (SCENARIO; omit it with --resume), with KEY=VALUE overrides typed as TOML"""
+    return _call(
+        "run", cmd_run, scenario=scenario, overrides=overrides or [], resume=resume, rounds=rounds,
+        backend=backend, output_dir=output_dir, run_id=run_id,
+    )  # fmt: skip
+
+
+@app.command("compare")
+def compare_command(
+    scenario: Annotated[str, typer.Argument(help="comparison scenario file")],
+    rounds: Annotated[int | None, typer.Option(help="override server.rounds")] = None,
+    backend: Annotated[str | None, typer.Option(click_type=_Backend, help="override simulation.backend")] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="comparison folder (default: under the scenario's output_dir)")
+    ] = None,
+    resume: Annotated[
+        Path | None, typer.Option(metavar="COMPARE_DIR", help="continue an interrupted comparison")
+    ] = None,
+) -> int:
+    """run a comparison scenario (strategies x fleets x seeds), with a progress bar over its cells"""
+    return _call("compare", cmd_compare, scenario=scenario, rounds=rounds, backend=backend, output=output, resume=resume)
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="a run folder (or, with --html, a comparison folder)")],
+    html: Annotated[bool, typer.Option("--html", help="write RUN_DIR/report.html (a run or a comparison folder)")] = False,
+) -> int:
+    """summarise a run folder (with --html: a run or a comparison folder)"""
+    return _call("report", cmd_report, run_dir=run_dir, html=html)
+
+
+_DirOption = Annotated[list[str] | None, typer.Option("--dir", help="extra profile folder (repeatable)")]
+
+
+@devices_app.command("list")
+def devices_list(dir: _DirOption = None) -> int:
+    """list the device profiles"""
+    return _call("devices", cmd_devices, action="list", target=None, dir=dir or [])
+
+
+@devices_app.command("show")
+def devices_show(
+    target: Annotated[str, typer.Argument(metavar="NAME", help="device name")], dir: _DirOption = None
+) -> int:
+    """show one device profile with the source of every value"""
+    return _call("devices", cmd_devices, action="show", target=target, dir=dir or [])
+
+
+@devices_app.command("validate")
+def devices_validate(target: Annotated[str, typer.Argument(metavar="FILE", help="profile file")]) -> int:
+    """check a device profile file"""
+    return _call("devices", cmd_devices, action="validate", target=target, dir=[])
+
+
+@app.command("strategies")
+def strategies_command(
+    name: Annotated[str | None, typer.Argument(help="a strategy: show its options with their help")] = None,
+) -> int:
+    """list the registered selection strategies, or show one's options (NAME)"""
+    return _call("strategies", cmd_strategies, name=name)
+
+
+@app.command("models")
+def models_command() -> int:
+    """list the built-in models with their options"""
+    return _call("models", cmd_models)
+
+
+@app.command("pretrain")
+def pretrain_command(scenario: Annotated[str, typer.Argument(help="scenario file")]) -> int:
+    """pretrain (and cache) a scenario's starting weights"""
+    return _call("pretrain", cmd_pretrain, scenario=scenario)
+
+
+@profile_app.command("measure")
+def profile_measure(
+    model: Annotated[str, typer.Option(help="registry model name or package.module:callable")],
+    out: Annotated[Path, typer.Option(help="profile file to write (its stem is the device name)")],
+    batch_size: Annotated[int, typer.Option()] = 8,
+    input_size: Annotated[int | None, typer.Option(help="input height and width (default: the factory's)")] = None,
+    num_classes: Annotated[int | None, typer.Option(help="classifier size (default: the factory's)")] = None,
+    in_channels: Annotated[int | None, typer.Option(help="input channels (default: the factory's, else 3)")] = None,
+    option: Annotated[
+        list[str] | None, typer.Option(metavar="KEY=VALUE", help="extra factory argument (repeatable)")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="device name (default: the --out file stem; must equal it)")] = None,
+    repeats: Annotated[int, typer.Option(help="timed runs per measurement (medians)")] = 10,
+    warmup: Annotated[int, typer.Option(help="untimed runs before each measurement")] = 2,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's default); recorded")] = None,
+    clock: Annotated[
+        str, typer.Option(click_type=click.Choice(["wall", "cpu"]), help="cpu: thread CPU time (1 thread)")
+    ] = "wall",
+    like: Annotated[str | None, typer.Option(help=r"profile (name or file) to copy \[power] and \[network] from")] = None,
+    device_class: Annotated[str, typer.Option(click_type=click.Choice(["mcu", "sbc", "gpu-edge", "phone"]))] = "sbc",
+) -> int:
+    """measure this machine with torch and write its device profile"""
+    return _call(
+        "profile", cmd_profile, action="measure", model=model, out=out, batch_size=batch_size,
+        input_size=input_size, num_classes=num_classes, in_channels=in_channels, option=option or [], name=name,
+        repeats=repeats, warmup=warmup, threads=threads, clock=clock, like=like, device_class=device_class,
+    )  # fmt: skip
+
+
+@profile_app.command("import-trace")
+def profile_import_trace(
+    file: Annotated[Path, typer.Argument(help="Chrome-trace file (.json or .json.gz)")],
+    model: Annotated[str, typer.Option(help="model registry name the table is for (e.g. resnet50)")],
+    batch_size: Annotated[int, typer.Option()] = 4,
+    profile: Annotated[Path | None, typer.Option(help="profile to write the table into (else print it)")] = None,
+    fit: Annotated[bool, typer.Option("--fit", help="also refit the profile's roofline to its measured tables")] = False,
+    input_size: Annotated[
+        int | None, typer.Option(help="input size of --model for the fit (default: the factory's)")
+    ] = None,
+    num_classes: Annotated[int | None, typer.Option(help="classes of --model for the fit (default: the factory's)")] = None,
+    source: Annotated[str | None, typer.Option(help="source text of the table (default: the file name)")] = None,
+) -> int:
+    r"""turn a Chrome trace into a \[measured.<model>] table (FILE: a .json or .json.gz Chrome trace)"""
+    return _call(
+        "profile", cmd_profile, action="import-trace", file=file, model=model, batch_size=batch_size,
+        profile=profile, fit=fit, input_size=input_size, num_classes=num_classes, source=source,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: run one command, return its exit code (2 for a usage error, with one line)."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="fedelastic", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "fedelastic"
+        _error(f"{where}: a command is needed (see `{where} --help`)")
+        return 2
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "fedelastic"
+        _error(f"{where}: {exc.format_message()} (see `{where} --help`)")
+        return 2
+    except click.ClickException as exc:
+        _error(exc.format_message())
+        return exc.exit_code
+    except click.Abort:
+        _error("interrupted")
+        return 130
+    return code if isinstance(code, int) else 0
 
 
 def _error(text: str) -> None:

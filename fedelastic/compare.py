@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import check, field, from_dict, read_toml
 from .errors import ConfigError, FedelasticError
@@ -201,11 +203,6 @@ def run_comparison(
     ``resume``: the folder of an interrupted comparison; finished cells are read back, a killed
     cell continues from its checkpoint, and the rest run.
     """
-    from dataclasses import replace
-
-    from .fl.runner import run_scenario
-    from .results import read_status
-
     path = Path(path)
     raw = read_toml(path, "scenario")
     cfg, variants = expand(raw, str(path))
@@ -224,34 +221,53 @@ def run_comparison(
             out.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
             raise FedelasticError(f"{out}: exists; continue it with `fedelastic compare --resume {out}`") from None
-    all_rounds, summary = [], []
-    for i, v in enumerate(variants):
-        sc = replace(v.scenario, output_dir=str(out / "runs"))  # a comparison's runs live under its folder
-        if backend:
-            sc = replace(sc, simulation=replace(sc.simulation, backend=backend))
-        if rounds:
-            sc = replace(sc, server=replace(sc.server, rounds=rounds))
-        print(f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}", flush=True)
-        run_dir = Path(sc.output_dir) / sc.name / f"s{v.seed}"
-        state = read_status(run_dir)["status"] if run_dir.exists() else "new"
-        if state in ("completed", "completed_with_errors"):
-            print(f"    finished earlier: {run_dir}", flush=True)
-        elif state != "new" and (run_dir / "checkpoint.pt").exists():
-            print(f"    resuming {run_dir} ({state})", flush=True)
-            run_scenario(sc, resume=run_dir)
-        else:
-            if state != "new":  # died before its first checkpoint: nothing finished to keep
-                shutil.rmtree(run_dir)
-            run_dir = run_scenario(sc, run_id=f"s{v.seed}")
-        r, c = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
-        keys = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed}
-        all_rounds.append(r.assign(**keys))
-        summary.append({**keys, **summarise(r, c, cfg.target_accuracy), "run_dir": str(run_dir)})
-        pd.concat(all_rounds).to_csv(out / "runs.csv", index=False)
-        pd.DataFrame(summary).to_csv(out / "summary.csv", index=False)
+    all_rounds: list[pd.DataFrame] = []
+    summary: list[dict] = []
+    console = Console()
+    bar = Progress(
+        TextColumn("[bold]compare"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"), TimeElapsedColumn(),
+        console=console, disable=not console.is_terminal,
+    )  # fmt: skip
+    with bar:
+        task = bar.add_task("cells", total=len(variants))
+        for i, v in enumerate(variants):
+            _run_cell(i, v, variants, out, backend, rounds, cfg, all_rounds, summary)
+            bar.advance(task)
     aggregate(pd.DataFrame(summary)).to_csv(out / "summary_by_strategy.csv", index=False)
     plot(pd.concat(all_rounds), out / "comparison.png", cfg.target_accuracy)
     return out
+
+
+def _run_cell(i, v, variants, out: Path, backend, rounds, cfg, all_rounds: list, summary: list) -> None:
+    """Run (or read back, or resume) one cell of a comparison and write the tables so far."""
+    from dataclasses import replace
+
+    from .fl.runner import run_scenario
+    from .results import read_status
+
+    sc = replace(v.scenario, output_dir=str(out / "runs"))  # a comparison's runs live under its folder
+    if backend:
+        sc = replace(sc, simulation=replace(sc.simulation, backend=backend))
+    if rounds:
+        sc = replace(sc, server=replace(sc.server, rounds=rounds))
+    print(f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}", flush=True)
+    run_dir = Path(sc.output_dir) / sc.name / f"s{v.seed}"
+    state = read_status(run_dir)["status"] if run_dir.exists() else "new"
+    if state in ("completed", "completed_with_errors"):
+        print(f"    finished earlier: {run_dir}", flush=True)
+    elif state != "new" and (run_dir / "checkpoint.pt").exists():
+        print(f"    resuming {run_dir} ({state})", flush=True)
+        run_scenario(sc, resume=run_dir)
+    else:
+        if state != "new":  # died before its first checkpoint: nothing finished to keep
+            shutil.rmtree(run_dir)
+        run_dir = run_scenario(sc, run_id=f"s{v.seed}")
+    r, c = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
+    keys = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed}
+    all_rounds.append(r.assign(**keys))
+    summary.append({**keys, **summarise(r, c, cfg.target_accuracy), "run_dir": str(run_dir)})
+    pd.concat(all_rounds).to_csv(out / "runs.csv", index=False)
+    pd.DataFrame(summary).to_csv(out / "summary.csv", index=False)
 
 
 # columns of the printed table: (column stem, short header, how a value is shown)
