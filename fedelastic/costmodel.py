@@ -18,7 +18,10 @@ Conventions (documented in the README):
 
       T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
 
-  The deepest tensor's own dx is not charged: autograd computes no gradient below it.
+  The deepest tensor's own dx is not charged: autograd computes no gradient below it. When
+  ``k_min`` lies on a projection shortcut, the dx of the block's main branch (the layers
+  :attr:`ModelInfo.parallel` names, between it and the residual add) is not charged either
+  (``dx_skip[k_min]``): autograd reaches the shortcut through the add, not through them.
 * Roofline per kernel, by kernel class (:data:`fedelastic.devices.KERNEL_CLASSES`: dense GEMM/conv
   forward, dX and dW; depthwise conv and its two backprops; element-wise and norm ops;
   reductions; layout copies)::
@@ -227,10 +230,13 @@ class CostModel:
             self._apply_measured(layer_fwd)
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
         # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
-        self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
+        # minus, when the deepest tensor sits on a projection shortcut, the main branch's dX it skips
+        self.dx_skip = np.array([self.t_dx[p].sum() for p in info.parallel_of_tensor()], float)
+        self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]]) - self.dx_skip
         layer_macs = b * np.array([layer.macs for layer in info.layers], float)
         self._fwd_macs = float(layer_macs.sum())
-        self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
+        skip_macs = np.array([layer_macs[list(p)].sum() for p in info.parallel], float) if info.parallel else 0.0
+        self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]]) - skip_macs
         self._prepare_memory()
 
     def _gather(self, slot: int, times: np.ndarray, size: int) -> np.ndarray:
