@@ -10,7 +10,7 @@ Conventions
   the error-gradient chain costs ``t_dx`` of every tensor above the deepest selected one, the
   deepest tensor's own ``t_dx`` excluded. This is exactly :meth:`CostModel.backward_time_s` of a
   0/1 selection, except when the deepest tensor lies on a projection shortcut: the cost model
-  then drops the main branch's dx (``CostModel.dx_skip``) and the solvers, which still charge it,
+  then drops the main branch's dx it does not need and the solvers, which still charge it,
   over-estimate. Either way a selection within the budget has
   ``step_time_s(ratios) <= rho * full_step_time_s()``.
 * **No budget.** When ``rho`` is at or below the device's forward share of a step

@@ -311,6 +311,19 @@ def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():
     r2[k2] = 1.0
     hand2 = cost.t_dw[k2] + cost.t_opt[k2] + cost.t_dx[k2 + 1 :].sum() + cost.t_bwd_fixed
     assert cost.backward_time_s(r2) == pytest.approx(hand2, rel=1e-12)
+    # shortcut and the main branch's 2nd conv: the dX from the add down to that conv's output is paid
+    both = r.copy()
+    k3 = info.layers[main + 2].tensors[0]
+    both[k3] = 1.0
+    paid = {t for li in range(main + 3, main + 6) for t in info.layers[li].tensors}
+    chain3 = sum(cost.t_dx[t] for t in range(k + 1, info.num_tensors) if t not in skipped or t in paid)
+    hand3 = cost.t_dw[[k, k3]].sum() + cost.t_opt[[k, k3]].sum() + chain3 + cost.t_bwd_fixed
+    assert cost.backward_time_s(both) == pytest.approx(hand3, rel=1e-12)
+    assert chain < chain3
+    # MACs: the main branch's layers are not charged dX MACs either
+    macs = 4 * np.array([layer.macs for layer in info.layers], float)
+    dx_macs = sum(macs[li] for li in range(info.tensor_layer[k] + 1, len(info.layers)) if not main <= li < main + 6)
+    assert cost.step_macs(r) == pytest.approx(4 * info.hooked_macs + dx_macs + cost.tensor_macs[k], rel=1e-12)
 
     # models without projection shortcuts: nothing changes
     for m, sample in (
@@ -320,4 +333,5 @@ def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():
     ):
         other = describe(m, sample)
         assert other.parallel == ()
-        assert not CostModel(other, get_profile("jetson_nano"), batch_size=2).dx_skip.any()
+        plain = CostModel(other, get_profile("jetson_nano"), batch_size=2)
+        assert not (plain.branch_hi > plain.branch_lo).any()
