@@ -18,7 +18,11 @@ Conventions (documented in the README):
 
       T_bp = sum_k r_k * t_dw[k] + sum_{k > k_min} t_dx[k]
 
-  The deepest tensor's own dx is not charged: autograd computes no gradient below it.
+  The deepest tensor's own dx is not charged: autograd computes no gradient below it. When
+  ``k_min`` lies on a projection shortcut, the dx of the block's main branch (the layers
+  :attr:`ModelInfo.parallel` names, between it and the residual add) is not charged either, at
+  and below the branch's deepest selected tensor (all of it when none is selected): autograd
+  reaches the shortcut through the add, not through them.
 * Roofline per kernel, by kernel class (:data:`fedelastic.devices.KERNEL_CLASSES`: dense GEMM/conv
   forward, dX and dW; depthwise conv and its two backprops; element-wise and norm ops;
   reductions; layout copies)::
@@ -228,8 +232,13 @@ class CostModel:
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
         # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
         self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
+        # per tensor, the tensor range [lo, hi) of a parallel branch (ModelInfo.parallel; lo == hi: none)
+        branch = info.parallel_of_tensor()
+        self.branch_lo = np.array([p[0] if p.size else 0 for p in branch], dtype=np.int64)
+        self.branch_hi = np.array([p[-1] + 1 if p.size else 0 for p in branch], dtype=np.int64)
         layer_macs = b * np.array([layer.macs for layer in info.layers], float)
         self._fwd_macs = float(layer_macs.sum())
+        self._layer_macs = layer_macs
         self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
         self._prepare_memory()
 
@@ -317,7 +326,22 @@ class CostModel:
         on = ratios > 0
         dw = np.where(on, launch + ratios * (self.t_dw - launch), 0.0).sum()
         opt = (ratios * self.t_opt).sum()
-        return float(dw + opt + self._dx_above[selected[0]] + self.t_bwd_fixed)
+        return float(dw + opt + self._dx_above[selected[0]] - self._branch_skip(selected) + self.t_bwd_fixed)
+
+    def _branch_skip(self, selected: np.ndarray, per_layer: bool = False) -> float:
+        """dX (or dX MACs) that ``_dx_above`` charges but autograd skips: with the deepest selected
+        tensor on a projection shortcut, the parallel main branch's dX at and below its deepest
+        selected tensor (all of the branch when none is selected)."""
+        k = int(selected[0])
+        lo, hi = int(self.branch_lo[k]), int(self.branch_hi[k])
+        if hi <= lo:
+            return 0.0
+        inside = selected[(selected >= lo) & (selected < hi)]
+        top = int(inside[0]) + 1 if inside.size else hi
+        if per_layer:
+            layers = self.info.tensor_layer
+            return float(self._layer_macs[layers[lo] : layers[top - 1] + 1].sum())
+        return float(self.t_dx[lo:top].sum())
 
     def step_time_s(self, ratios: np.ndarray) -> float:
         """Forward plus backward time of one training step."""
@@ -585,7 +609,7 @@ class CostModel:
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:
             return self._fwd_macs
-        dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]]
+        dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]] - self._branch_skip(selected, per_layer=True)
         return self._fwd_macs + dx + float(ratios @ self.tensor_macs)
 
     def energy_j(

@@ -92,6 +92,9 @@ class ModelInfo:
     tensor_channels: np.ndarray  # size of dim 0 (output channels)
     functional: tuple[FunctionalOp, ...] = ()
     flop_counter_macs: int = 0  # per sample, FlopCounterMode's forward FLOPs / 2 (0: not counted)
+    #: per layer (empty: none anywhere), the layers on a parallel branch whose dX a selection does not
+    #: need when its deepest tensor is in this layer (a projection shortcut's main branch)
+    parallel: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tensors(self) -> int:
@@ -100,6 +103,13 @@ class ModelInfo:
     @property
     def num_params(self) -> int:
         return int(self.tensor_numel.sum())
+
+    def parallel_of_tensor(self) -> list[np.ndarray]:
+        """Per tensor, the tensors of :attr:`parallel` layers of its layer (each a sorted index array)."""
+        if not self.parallel:
+            return [np.zeros(0, dtype=np.int64)] * self.num_tensors
+        per_layer = [np.array(sorted(t for li in p for t in self.layers[li].tensors), np.int64) for p in self.parallel]
+        return [per_layer[li] for li in self.tensor_layer]
 
     def layer_first_tensor(self) -> np.ndarray:
         return np.array([layer.tensors[0] for layer in self.layers], dtype=np.int64)
@@ -209,6 +219,8 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     leaves = [(name, mod) for name, mod in model.named_modules() if not any(True for _ in mod.children())]
     seen: dict[int, tuple[int, str, nn.Module, int, int, int, int]] = {}
     calls: list[tuple[int, str, str, int, int, int]] = []  # order, name, kind, macs, in, out (per sample)
+    io: dict[int, tuple] = {}  # module id -> (input, output) tensors (kept alive so ids stay unique)
+    adds: list[tuple] = []  # the two tensor operands of each functional add
     order = [0]
     depth = [0]  # leaf modules running: a torch call at depth 0 is functional
     batch = sample.shape[0]
@@ -224,6 +236,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             kind = _kind(mod)
             macs = _macs(mod, kind, inp, o) if (inp is not None and o is not None) else 0
             seen[id(mod)] = (order[0], name, mod, in_n, out_n, macs, o.shape[1] if o is not None and o.dim() > 1 else 1)
+            io[id(mod)] = (inp, o)
             order[0] += 1
 
         return fn
@@ -251,6 +264,9 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             o = first_tensor(out) if kind else None
             if o is not None:
                 i = first_tensor(args)
+                pair = [a for a in args if isinstance(a, torch.Tensor)]
+                if name in ("add", "__add__", "__radd__", "__iadd__") and len(pair) == 2:
+                    adds.append((pair[0], pair[1]))
                 macs = _matmul_macs(name, args, o) if kind == "matmul" else 0
                 n_in = i.numel() if i is not None else 0
                 calls.append((order[0], name, kind, macs // batch, n_in // batch, o.numel() // batch))
@@ -282,6 +298,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
 
     names, roles, tlayer, numel, channels = [], [], [], [], []
     layers: list[LayerInfo] = []
+    layer_io: list[tuple] = []
     ops_raw = []
     functional: list[FunctionalOp] = []
     call_at = {c[0]: c for c in calls}
@@ -315,6 +332,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         layers.append(
             LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups, batch_stats)
         )
+        layer_io.append(io.get(id(mod), (None, None)))
     missing = [n for n, p in model.named_parameters() if n not in set(names)]
     if missing:
         raise ValueError(f"parameters not reached by a forward pass: {missing[:5]}")
@@ -330,6 +348,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         tensor_numel=np.array(numel, dtype=np.int64),
         tensor_channels=np.array(channels, dtype=np.int64),
         functional=fn_ops,
+        parallel=_parallel_branches(layer_io, adds),
         flop_counter_macs=int(counter.get_total_flops()) // 2 // batch,
     )
     if info.macs_coverage < MIN_MACS_COVERAGE:
@@ -340,3 +359,31 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             stacklevel=2,
         )
     return info
+
+
+def _parallel_branches(layer_io: list[tuple], adds: list[tuple]) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the layers of the other branch of a residual add (see :attr:`ModelInfo.parallel`).
+
+    For an add of the outputs of layers ``a < b``, the chain of layers ``s..a`` (each fed by the
+    previous one's output) is a branch parallel to ``a+1..b`` when layer ``a+1`` reads the same tensor
+    as layer ``s``: both branches fork from one tensor. A selection whose deepest tensor lies in
+    ``s..a`` then needs no dX of ``a+1..b``. An identity shortcut (an operand no layer produced) and
+    a chain that feeds the other branch give nothing.
+    """
+    producer = {id(o): li for li, (_, o) in enumerate(layer_io) if o is not None}
+    parallel: list[tuple[int, ...]] = [() for _ in layer_io]
+    for x, y in adds:
+        if id(x) not in producer or id(y) not in producer:
+            continue
+        a, b = sorted((producer[id(x)], producer[id(y)]))
+        if b <= a + 1:
+            continue
+        s = a
+        while s > 0 and layer_io[s][0] is not None and layer_io[s][0] is layer_io[s - 1][1]:
+            s -= 1
+        fork = layer_io[s][0]
+        if fork is None or layer_io[a + 1][0] is not fork:
+            continue
+        for li in range(s, a + 1):
+            parallel[li] = tuple(range(a + 1, b + 1))
+    return tuple(parallel) if any(parallel) else ()

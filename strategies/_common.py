@@ -9,7 +9,9 @@ Conventions
 * **Costs.** A trained tensor costs ``t_dw + t_opt`` (its gradient and its optimizer update);
   the error-gradient chain costs ``t_dx`` of every tensor above the deepest selected one, the
   deepest tensor's own ``t_dx`` excluded. This is exactly :meth:`CostModel.backward_time_s` of a
-  0/1 selection, so a selection within the budget has
+  0/1 selection, except when the deepest tensor lies on a projection shortcut: the cost model
+  then drops the main branch's dx it does not need and the solvers, which still charge it,
+  over-estimate. Either way a selection within the budget has
   ``step_time_s(ratios) <= rho * full_step_time_s()``.
 * **No budget.** When ``rho`` is at or below the device's forward share of a step
   (``backward_budget_s(rho) <= 0``), option ``infeasible`` decides: ``"skip"`` (default) selects

@@ -267,3 +267,71 @@ def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario
     pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
     assert pretrained.bn_mode == "frozen" and pretrained.cost("jetson_nano").bn_mode == "frozen"
     assert RunEnvironment(make_scenario(train={"bn_mode": "frozen"})).bn_mode == "frozen"
+
+
+def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():
+    from fedelastic.models.mobilenetv2 import mobilenetv2
+    from fedelastic.models.resnet import resnet_small
+    from fedelastic.models.vit import vit_tiny
+    from fedelastic.training import count_backward_nodes
+
+    torch.manual_seed(0)
+    model = resnet_small()
+    x = torch.randn(2, 3, 32, 32)
+    info = describe(model, x)
+    names = [layer.name for layer in info.layers]
+    short, main = names.index("conv2_block1_0_conv"), names.index("conv2_block1_1_conv")
+    assert names[short + 1] == "conv2_block1_0_bn" and names[main : main + 6] == [
+        f"conv2_block1_{i}_{k}" for i in (1, 2, 3) for k in ("conv", "bn")
+    ]
+
+    # autograd: training the shortcut conv alone builds no node of the main branch
+    def nodes(trained: list[str]) -> int:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trained)
+        return count_backward_nodes(model(x).sum())
+
+    alone = nodes(["conv2_block1_0_conv.weight"])
+    with_main = nodes(["conv2_block1_0_conv.weight", "conv2_block1_1_conv.weight"])
+    assert with_main >= alone + 6  # conv, bn, relu x2 and conv, bn of the main branch at least
+
+    # cost model, by hand: dx of every tensor above k_min except the block's main-branch layers
+    cost = CostModel(info, get_profile("jetson_nano"), batch_size=4)
+    k = info.layers[short].tensors[0]
+    skipped = {t for li in range(main, main + 6) for t in info.layers[li].tensors}
+    chain = sum(cost.t_dx[t] for t in range(k + 1, info.num_tensors) if t not in skipped)
+    r = np.zeros(info.num_tensors)
+    r[k] = 1.0
+    hand = cost.t_dw[k] + cost.t_opt[k] + chain + cost.t_bwd_fixed
+    assert cost.backward_time_s(r) == pytest.approx(hand, rel=1e-12)
+    assert chain < cost.t_dx[k + 1 :].sum()  # the fix changes something
+    # a main-branch conv as the deepest tensor still pays the whole chain above it
+    r2 = np.zeros(info.num_tensors)
+    k2 = info.layers[main].tensors[0]
+    r2[k2] = 1.0
+    hand2 = cost.t_dw[k2] + cost.t_opt[k2] + cost.t_dx[k2 + 1 :].sum() + cost.t_bwd_fixed
+    assert cost.backward_time_s(r2) == pytest.approx(hand2, rel=1e-12)
+    # shortcut and the main branch's 2nd conv: the dX from the add down to that conv's output is paid
+    both = r.copy()
+    k3 = info.layers[main + 2].tensors[0]
+    both[k3] = 1.0
+    paid = {t for li in range(main + 3, main + 6) for t in info.layers[li].tensors}
+    chain3 = sum(cost.t_dx[t] for t in range(k + 1, info.num_tensors) if t not in skipped or t in paid)
+    hand3 = cost.t_dw[[k, k3]].sum() + cost.t_opt[[k, k3]].sum() + chain3 + cost.t_bwd_fixed
+    assert cost.backward_time_s(both) == pytest.approx(hand3, rel=1e-12)
+    assert chain < chain3
+    # MACs: the main branch's layers are not charged dX MACs either
+    macs = 4 * np.array([layer.macs for layer in info.layers], float)
+    dx_macs = sum(macs[li] for li in range(info.tensor_layer[k] + 1, len(info.layers)) if not main <= li < main + 6)
+    assert cost.step_macs(r) == pytest.approx(4 * info.hooked_macs + dx_macs + cost.tensor_macs[k], rel=1e-12)
+
+    # models without projection shortcuts: nothing changes
+    for m, sample in (
+        (small_cnn(), torch.zeros(1, 1, 8, 8)),
+        (mobilenetv2(0.35, num_classes=10, input_size=32), torch.zeros(1, 3, 32, 32)),
+        (vit_tiny(), torch.zeros(1, 3, 32, 32)),
+    ):
+        other = describe(m, sample)
+        assert other.parallel == ()
+        plain = CostModel(other, get_profile("jetson_nano"), batch_size=2)
+        assert not (plain.branch_hi > plain.branch_lo).any()
