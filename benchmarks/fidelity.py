@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402  # noqa: E402
-from fedelastic.fit import (  # noqa: E402  # noqa: E402
+from fedelastic.devices import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402
+from fedelastic.fit import (  # noqa: E402
     FitResult,
     _roofline_device,
     _start_device,

@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from fidelity import random_selections  # noqa: E402  (the same selections as the host benchmark)
+
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.devices import Quantity, load_profile  # noqa: E402
 from fedelastic.measure import measure_layers  # noqa: E402
@@ -112,18 +114,6 @@ def inference_forward(model, x, repeats: int) -> float:
             out.append(time.perf_counter() - t0)
     model.train()
     return float(np.median(out))
-
-
-def random_selections(n_tensors: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Full training, then random 0/1 masks: a uniform deepest tensor, each tensor above it kept with p ~ U(0.1, 0.9)."""
-    out = [np.ones(n_tensors)]
-    while len(out) < count:
-        k_min = int(rng.integers(0, n_tensors))
-        r = (rng.random(n_tensors) < rng.uniform(0.1, 0.9)).astype(float)
-        r[:k_min] = 0
-        r[k_min] = 1
-        out.append(r)
-    return out
 
 
 def importance(model, info, x, y) -> np.ndarray:

@@ -155,6 +155,31 @@ def to_grid(costs: np.ndarray, budget: float, resolution: int) -> np.ndarray:
 _TRIM_ABOVE = 4096
 
 
+def _prepare(
+    importance: np.ndarray,
+    t_dw: np.ndarray,
+    t_dx: np.ndarray,
+    budget: float,
+    resolution: int,
+    eligible: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Checked inputs, the candidate mask, and the answer when no search is needed (else None).
+
+    No search is needed with no tensors, no budget, no candidate, or when every candidate fits
+    the budget together (then that set is optimal).
+    """
+    imp, dw, dx = _check_inputs(importance, t_dw, t_dx, budget, resolution)
+    empty = np.zeros(imp.shape[0], dtype=bool)
+    if imp.shape[0] == 0 or budget <= 0:
+        return imp, dw, dx, empty, empty
+    candidate = _candidates(imp, eligible)
+    if not candidate.any():
+        return imp, dw, dx, candidate, empty
+    if backward_cost(candidate, dw, dx) <= budget:
+        return imp, dw, dx, candidate, candidate
+    return imp, dw, dx, candidate, None
+
+
 def select_exact(
     importance: np.ndarray,
     t_dw: np.ndarray,
@@ -197,16 +222,11 @@ def select_exact(
     np.ndarray
         Bool mask, forward order.
     """
-    imp, dw, dx = _check_inputs(importance, t_dw, t_dx, budget, resolution)
+    imp, dw, dx, candidate, settled = _prepare(importance, t_dw, t_dx, budget, resolution, eligible)
+    if settled is not None:
+        return settled
     n = imp.shape[0]
     empty = np.zeros(n, dtype=bool)
-    if n == 0 or budget <= 0:
-        return empty
-    candidate = _candidates(imp, eligible)
-    if not candidate.any():
-        return empty
-    if backward_cost(candidate, dw, dx) <= budget:
-        return candidate
 
     limit = budget * (1 + _SNAP_RTOL)
     chain = _chain_dx(dx)
@@ -319,16 +339,11 @@ def select_grid(
     np.ndarray
         Bool mask, forward order.
     """
-    imp, dw, dx = _check_inputs(importance, t_dw, t_dx, budget, resolution)
+    imp, dw, dx, candidate, settled = _prepare(importance, t_dw, t_dx, budget, resolution, eligible)
+    if settled is not None:
+        return settled
     n = imp.shape[0]
     empty = np.zeros(n, dtype=bool)
-    if n == 0 or budget <= 0:
-        return empty
-    candidate = _candidates(imp, eligible)
-    if not candidate.any():
-        return empty
-    if backward_cost(candidate, dw, dx) <= budget:
-        return candidate
 
     cap = int(resolution)
     w = to_grid(dw, budget, cap)
