@@ -98,12 +98,13 @@ class _Table:
     parts' (a column that was all empty gets values), the parts are merged into one, so the folder
     always reads back as one consistent table. An append is all or nothing: if the disk fails
     (full, read-only) the CSV is cut back to its previous length and no temporary part is left
-    behind, so CSV and Parquet always agree. ``keep_rows=False`` keeps only a row count in memory.
+    behind, so CSV and Parquet always agree. ``keep_rows=False`` keeps only a row count in memory
+    (and, with ``keep_last``, the latest row), so the driver's memory does not grow with the run.
     """
 
-    def __init__(self, folder: Path, name: str, keep_rows: bool = True):
+    def __init__(self, folder: Path, name: str, keep_rows: bool = True, keep_last: bool = False):
         self.csv, self.parquet = folder / f"{name}.csv", folder / f"{name}.parquet"
-        self.keep_rows = keep_rows
+        self.keep_rows, self.keep_last = keep_rows, keep_last
         self.rows: list[dict] = []
         self.n_rows = 0
         self.columns: list[str] | None = None
@@ -187,6 +188,8 @@ class _Table:
         self.n_rows += len(rows)
         if self.keep_rows:
             self.rows.extend(rows)
+        elif self.keep_last:
+            self.rows = rows[-1:]
 
     def frame(self) -> pd.DataFrame:
         if not self.keep_rows:
@@ -248,8 +251,9 @@ class Recorder:
                 raise FileExistsError(f"{self.folder} is not empty")
         self.clients = _Table(self.folder, "clients", keep_rows=False)  # the driver keeps counts, not rows
         self._errors: dict[str, int] = {}
-        self.rounds = _Table(self.folder, "rounds")
-        self.tasks = _Table(self.folder, "tasks")  # continual runs: accuracy per evaluation task per round
+        # rounds are recorded in order: the latest row tells how far the run got
+        self.rounds = _Table(self.folder, "rounds", keep_rows=False, keep_last=True)
+        self.tasks = _Table(self.folder, "tasks", keep_rows=False)  # continual runs: accuracy per task per round
         self.started = time.time()
         self.planned_rounds = planned_rounds
         self.empty_rounds: list[int] = []

@@ -1,0 +1,396 @@
+"""Scale: a 10,000-client fleet, 100 clients a round, 100 rounds; is the driver flat? (issue 10)
+
+    python benchmarks/scale.py                      # the issue's sizes, Ray (the default path)
+    python benchmarks/scale.py --backends ray inprocess
+    python benchmarks/scale.py --clients 500 --per-round 20 --rounds 20 --samples 12000   # shrunk
+
+The scenario: ``synth_digits`` (``--samples`` images, 60,000 by default; 5% held out for the
+server's test set), IID partitions over ``--clients`` clients (5-6 images each at 10,000),
+``small_cnn`` at width 8, strategy ``full``, one local epoch of batch 16 (one step), a mixed
+fleet of three device profiles, ``--per-round`` clients sampled per round for ``--rounds``
+rounds, through ``fedelastic.fl.runner.run_scenario`` (the same path as ``fedelastic run``).
+Each backend runs in a fresh subprocess, one after the other.
+
+Recorded per round (from the run's progress callback, in the driver): the wall time since the
+previous round ended, the driver's RSS (``/proc/self``), the RSS of the driver's whole process
+tree (Ray's GCS, raylet and workers descend from it), and for each results file its size and
+whether it was only appended to: a ``.csv`` keeps its inode and the bytes it had, a ``.parquet``
+folder keeps every earlier part file unchanged (name, size, mtime) and gains new ones.
+Start-up is timed apart: Flower's node registration, the wait for the nodes and the partition
+query (one message to every node).
+
+Summary per backend: RSS growth from round 10 to the last round (the issue's goal: < 10%), the
+slope of a least-squares line through the per-round times of rounds 10..R (seconds per round,
+and as a share of the median round over those rounds), and the results files' verdict. Written
+to ``--out`` (benchmarks/results/scale.json) and printed as a table. The machine is shared:
+compare only figures of one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEET = {"raspberry_pi_4": 0.4, "jetson_nano": 0.4, "phone_midrange": 0.2}  # device mix, scaled to --clients
+
+
+def fleet_of(num_clients: int) -> dict[str, int]:
+    """FLEET's shares scaled to ``num_clients`` (largest remainder)."""
+    exact = {k: v * num_clients for k, v in FLEET.items()}
+    fleet = {k: int(x) for k, x in exact.items()}
+    for k in sorted(exact, key=lambda k: exact[k] - fleet[k], reverse=True)[: num_clients - sum(fleet.values())]:
+        fleet[k] += 1
+    return {k: n for k, n in fleet.items() if n}
+
+
+def scenario_dict(args, backend: str, output_dir: str) -> dict:
+    return {
+        "name": f"scale_{backend}",
+        "seed": args.seed,
+        "output_dir": output_dir,
+        "fleet": fleet_of(args.clients),
+        "data": {
+            "dataset": "synth_digits",
+            "size": args.samples,
+            "partitioner": "iid",
+            "test_fraction": 0.05,
+            "min_partition_size": 1,
+        },
+        "model": {"name": "small_cnn", "options": {"width": 8}},
+        "train": {"strategy": "full", "local_epochs": 1, "batch_size": 16, "lr": 0.05},
+        "server": {"rounds": args.rounds, "clients_per_round": args.per_round},
+        "simulation": {"backend": backend, "num_cpus_per_client": 1},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements (in the worker subprocess)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of one process, from /proc (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_usage(root: int | None = None) -> dict:
+    """RSS (summed; shared pages count in each) and CPU seconds of ``root`` and its live descendants."""
+    root = root or os.getpid()
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    rss, cpu, count, stack = 0, 0, 0, [root]
+    while stack:
+        pid = stack.pop()
+        rss += rss_bytes(pid)
+        cpu += ticks.get(pid, 0)
+        count += 1
+        stack.extend(children.get(pid, []))
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"rss": rss, "cpu_s": cpu / hz, "driver_cpu_s": ticks.get(root, 0) / hz, "processes": count}
+
+
+class FileWatch:
+    """Sizes of a run folder's results files, and whether each round only appended to them."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.csv: dict[str, tuple[int, int, bytes]] = {}  # name -> (inode, size, last 64 bytes)
+        self.parts: dict[str, dict[str, tuple[int, int]]] = {}  # folder -> part -> (size, mtime_ns)
+        self.rewrites = 0  # rounds in which an earlier byte or part changed
+
+    def check(self) -> dict:
+        sizes, rewritten = {}, []
+        for path in sorted(self.folder.glob("*.csv")):
+            st = path.stat()
+            sizes[path.name] = st.st_size
+            with path.open("rb") as fh:
+                before = self.csv.get(path.name)
+                if before is not None:
+                    inode, size, tail = before
+                    fh.seek(max(size - 64, 0))
+                    if st.st_ino != inode or st.st_size < size or fh.read(len(tail)) != tail:
+                        rewritten.append(path.name)
+                fh.seek(max(st.st_size - 64, 0))
+                self.csv[path.name] = (st.st_ino, st.st_size, fh.read())
+        for folder in sorted(self.folder.glob("*.parquet")):
+            parts = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("part-*.parquet")}
+            sizes[folder.name] = sum(size for size, _ in parts.values())
+            sizes[folder.name + ":parts"] = len(parts)
+            old = self.parts.get(folder.name, {})
+            if any(parts.get(name) != stamp for name, stamp in old.items()):
+                rewritten.append(folder.name)
+            self.parts[folder.name] = parts
+        self.rewrites += bool(rewritten)
+        return {"sizes": sizes, "rewritten": rewritten}
+
+
+def worker(args, backend: str) -> dict:
+    """One run of the scenario in this process; returns its per-round records and start-up figures."""
+    start = time.perf_counter()
+    sys.path.insert(0, str(ROOT))
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    import fedelastic.fl.server as server
+    from fedelastic.fl.runner import run_scenario
+    from fedelastic.scenario import parse_scenario
+
+    phases: dict[str, float] = {}
+    if args.query_chunk[0] > 0:
+        server.QUERY_CHUNK = args.query_chunk[0]
+
+    def timed(owner, name: str):
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    timed(vce_api, "_register_nodes")  # Flower: one create_node per virtual client
+    timed(server, "wait_for_nodes")
+    timed(server, "discover_partitions")  # one query message to every node
+
+    out = Path(tempfile.mkdtemp(prefix="fedelastic-scale-"))
+    scenario = parse_scenario(scenario_dict(args, backend, str(out)), "<benchmarks/scale.py>")
+    records: list[dict] = []
+    watch: list[FileWatch] = []
+    last = [time.perf_counter()]
+    snapshots: dict[int, object] = {}
+    if args.tracemalloc:
+        import tracemalloc
+
+        tracemalloc.start(10)
+
+    def progress(row: dict) -> None:
+        now = time.perf_counter()
+        rnd = int(row["round"])
+        if not watch:
+            watch.append(FileWatch(next(out.glob("*/*"))))
+        files = watch[0].check()
+        usage = tree_usage()
+        records.append(
+            {
+                "round": rnd,
+                "wall_s": now - last[0],
+                "since_start_s": now - start,
+                "driver_rss_bytes": rss_bytes(),
+                "tree_rss_bytes": usage["rss"],
+                "tree_processes": usage["processes"],
+                "driver_cpu_s": usage["driver_cpu_s"],  # cumulative
+                "tree_cpu_s": usage["cpu_s"],  # cumulative; exited processes are not counted
+                "files": files["sizes"],
+                "rewritten": files["rewritten"],
+                "clients": row["clients"],
+                "test_accuracy": row["test_accuracy"],
+            }
+        )
+        if args.tracemalloc and rnd in (10, args.rounds):
+            import tracemalloc
+
+            snapshots[rnd] = tracemalloc.take_snapshot()
+        if rnd % 10 == 0 or rnd == 1:
+            r = records[-1]
+            print(
+                f"[scale] {backend} round {rnd}: {r['wall_s']:.2f} s, driver RSS {r['driver_rss_bytes'] / 2**20:.0f} MB, "
+                f"tree {usage['rss'] / 2**20:.0f} MB, {r['since_start_s']:.0f} s since start",
+                file=sys.stderr,
+                flush=True,
+            )
+        last[0] = time.perf_counter()
+
+    run_dir = run_scenario(scenario, progress=progress)
+    status = json.loads((run_dir / "status.json").read_text())
+    result = {
+        "backend": backend,
+        "records": records,
+        "startup": {
+            "process_to_round_0_s": records[0]["since_start_s"] if records else None,
+            **{f"{k}_s": v for k, v in phases.items()},
+        },
+        "status": status["status"],
+        "client_results": status.get("client_results"),
+        "file_rewrites": watch[0].rewrites if watch else None,
+        "process_wall_s": time.perf_counter() - start,
+    }
+    if 10 in snapshots and args.rounds in snapshots:
+        diff = snapshots[args.rounds].compare_to(snapshots[10], "traceback")  # type: ignore[attr-defined]
+        result["tracemalloc_top_growth"] = [
+            {"bytes": s.size_diff, "count": s.count_diff, "where": s.traceback.format()[-4:]} for s in diff[:15]
+        ]
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# summary (in the parent)
+
+
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.polyfit(x, y, 1)[0]) if len(x) >= 3 else float("nan")
+
+
+def summarise(result: dict, first: int = 10) -> dict:
+    """Round ``first`` against the last round: RSS growth, and the trend of per-round wall and CPU time."""
+    recs = result["records"]
+    for prev, rec in zip(recs, recs[1:]):
+        rec["driver_cpu_round_s"] = rec["driver_cpu_s"] - prev["driver_cpu_s"]
+        rec["tree_cpu_round_s"] = rec["tree_cpu_s"] - prev["tree_cpu_s"]
+    recs = [r for r in recs if r["round"] >= 1]
+    if not recs:
+        return {}
+    last = recs[-1]
+    base = next((r for r in recs if r["round"] >= first), recs[0])
+    span = [r for r in recs if r["round"] >= base["round"]]
+    x = np.array([r["round"] for r in span], float)
+    growth = lambda key: 100.0 * (last[key] - base[key]) / base[key]  # noqa: E731
+    tenth = max(1, len(span) // 10)
+    out = {
+        "rounds": last["round"],
+        "from_round": base["round"],
+        "driver_rss_mb": [base["driver_rss_bytes"] / 2**20, last["driver_rss_bytes"] / 2**20],
+        "driver_rss_growth_pct": growth("driver_rss_bytes"),
+        "tree_rss_mb": [base["tree_rss_bytes"] / 2**20, last["tree_rss_bytes"] / 2**20],
+        "tree_rss_growth_pct": growth("tree_rss_bytes"),
+    }
+    for key, name in (
+        ("wall_s", "round_s"),
+        ("driver_cpu_round_s", "driver_cpu_s"),
+        ("tree_cpu_round_s", "tree_cpu_s"),
+    ):
+        y = np.array([r[key] for r in span], float)
+        median, slope = float(np.median(y)), _slope(x, y)
+        out[name] = {
+            "median": median,
+            "first_tenth_median": float(np.median(y[:tenth])),
+            "last_tenth_median": float(np.median(y[-tenth:])),
+            "slope_per_round": slope,
+            "trend_pct": 100.0 * slope * (x[-1] - x[0]) / median if median else float("nan"),  # slope x span / median
+        }
+    out.update(
+        {
+            "rounds_with_rewritten_files": result["file_rewrites"],
+            "rewritten": [(r["round"], r["rewritten"]) for r in result["records"] if r["rewritten"]],
+            "files_at_end": last["files"],
+            "startup": result["startup"],
+            "status": result["status"],
+            "client_results": result["client_results"],
+            "process_wall_s": result["process_wall_s"],
+        }
+    )
+    return out
+
+
+def table(summaries: dict[str, dict]) -> str:
+    first = next(iter(summaries.values()), {})
+    a, b = first.get("from_round", 10), first.get("rounds", "R")
+    lines = [
+        f"| variant | driver RSS r{a} -> r{b} MB | growth | tree RSS MB | growth | round wall s, median | wall trend | "
+        "tree CPU s/round, median | CPU trend | rounds with rewritten files | query s | start to round 0 s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summaries.items():
+        st = s["startup"]
+        lines.append(
+            f"| {name} | {s['driver_rss_mb'][0]:.0f} -> {s['driver_rss_mb'][1]:.0f} | {s['driver_rss_growth_pct']:+.1f}% "
+            f"| {s['tree_rss_mb'][0]:.0f} -> {s['tree_rss_mb'][1]:.0f} | {s['tree_rss_growth_pct']:+.1f}% "
+            f"| {s['round_s']['median']:.3f} | {s['round_s']['trend_pct']:+.0f}% "
+            f"| {s['tree_cpu_s']['median']:.3f} | {s['tree_cpu_s']['trend_pct']:+.0f}% "
+            f"| {s['rounds_with_rewritten_files']} | {st.get('discover_partitions_s', float('nan')):.1f} "
+            f"| {st['process_to_round_0_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument("--per-round", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=60_000, help="synth_digits images (60,000: the built-in set)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backends", nargs="+", default=["ray"], choices=["ray", "inprocess"])
+    parser.add_argument(
+        "--query-chunk",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="partition queries in flight at once (0: fedelastic's default; a number >= the fleet: all at once, as "
+        "before issue 10); several values run one variant each",
+    )
+    parser.add_argument(
+        "--tracemalloc", action="store_true", help="trace driver allocations (slow): top growth r10 -> rR"
+    )
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args, args.worker)))
+        return
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    runs, summaries = {}, {}
+    sizes = ["--clients", args.clients, "--per-round", args.per_round, "--rounds", args.rounds]
+    sizes += ["--samples", args.samples, "--seed", args.seed] + (["--tracemalloc"] if args.tracemalloc else [])
+    for backend in args.backends:
+        for chunk in args.query_chunk:
+            name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
+            cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk)] + [str(a) for a in sizes]
+            print(
+                f"[scale] {name}: {args.clients} clients, {args.per_round} a round, {args.rounds} rounds",
+                file=sys.stderr,
+            )
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            if proc.returncode:
+                raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
+            runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            summaries[name] = summarise(runs[name])
+            print(table({name: summaries[name]}), file=sys.stderr)
+    doc = {
+        "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
+        "started": started,
+        "machine": f"{platform.node()} {os.cpu_count()} CPUs (shared with other sessions)",
+        "sizes": {"clients": args.clients, "per_round": args.per_round, "rounds": args.rounds, "samples": args.samples},
+        "summary": summaries,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(table(summaries))
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The driver does not grow with rounds (issue 10): a reduced fleet, in-process, structures counted.
+
+500 clients, 20 a round, 20 rounds through the real server (``server_main``), ClientApp and
+recorder. At round 5 and at round 20 the test counts every entry of every list, dict, set and
+tuple reachable from the server strategy, the recorder and the grid, and measures the memory
+Python has allocated (tracemalloc). Only the node contexts may grow, and only by one kept
+strategy state per node that trained (bounded by the fleet, not the rounds); everything else
+must hold the same number of entries, and allocations must stay far below what keeping one
+client row or one model per client per round would take. No timings are asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedelastic.fl import server as fl_server
+from fedelastic.fl.client import make_client_app
+from fedelastic.fl.env import environment
+from fedelastic.fl.runner import GuardedGrid, InProcessGrid
+from fedelastic.pretrain import initial_state
+from fedelastic.results import Recorder
+from fedelastic.scenario import parse_scenario
+
+from .conftest import small_scenario_dict
+
+CLIENTS, PER_ROUND, ROUNDS, EARLY = 500, 20, 20, 5
+
+
+def held_entries(roots: list, skip: set[int]) -> int:
+    """Entries of every container reachable from ``roots`` through fedelastic and Flower objects.
+
+    Walks builtin containers and the attributes of objects whose class is defined in fedelastic
+    or flwr; numpy arrays, tensors and other libraries' objects count as leaves (their sizes are
+    fixed by the model and data). Objects whose id is in ``skip`` are not entered.
+    """
+    seen: set[int] = set(skip)
+    total, stack = 0, list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            total += len(obj)
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            total += len(obj)
+            stack.extend(obj)
+        elif type(obj).__module__.split(".")[0] in ("fedelastic", "flwr") and hasattr(obj, "__dict__"):
+            if not isinstance(obj, type):
+                stack.append(vars(obj))
+    return total
+
+
+@pytest.mark.slow  # about 8 s on a quiet 2-core machine
+def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path):
+    raw = small_scenario_dict(
+        tmp_path,
+        fleet={"raspberry_pi_4": 200, "jetson_nano": 200, "stm32h743": 100},
+        data={"partitioner": "iid", "min_partition_size": 1},
+        train={"max_steps": 1},
+        server={"rounds": ROUNDS, "clients_per_round": PER_ROUND},
+    )
+    scenario = parse_scenario(raw, src=str(tmp_path / "scale.toml"))
+    assert scenario.num_clients == CLIENTS
+    recorder = Recorder(tmp_path / "run", scenario.to_dict(), planned_rounds=ROUNDS)
+    grid = InProcessGrid(make_client_app(scenario), CLIENTS)
+    strategies: list = []
+    seen: dict[int, dict] = {}
+
+    def strategy_cls(*args, **kwargs):
+        strategies.append(fl_server.PartialFedAvg(*args, **kwargs))
+        return strategies[0]
+
+    def parts() -> dict[str, int]:
+        folder = tmp_path / "run" / "clients.parquet"
+        return {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")}
+
+    def progress(row: dict) -> None:
+        if row["round"] == EARLY - 2:  # traced from here: what later rounds keep is what counts
+            tracemalloc.start()
+        if row["round"] not in (EARLY, ROUNDS):
+            return
+        gc.collect()
+        contexts = {id(c) for c in grid.contexts.values()}
+        seen[row["round"]] = {
+            "entries": held_entries([strategies[0], recorder, grid], skip=contexts | {id(grid.contexts)}),
+            "states": sum("strategy-state" in c.state for c in grid.contexts.values()),
+            "traced": tracemalloc.get_traced_memory()[0],
+            "parts": parts(),
+        }
+
+    state = initial_state(environment(scenario))
+    try:
+        fl_server.server_main(
+            scenario, state, recorder, progress, GuardedGrid(grid, threading.Event()),
+            strategy_cls=strategy_cls,
+        )  # fmt: skip
+    finally:
+        tracemalloc.stop()
+        recorder.close()
+    early, late = seen[EARLY], seen[ROUNDS]
+
+    # every container the driver holds has as many entries after 20 rounds as after 5
+    assert late["entries"] == early["entries"]
+    # the node contexts: one kept state per node that has trained (read back from the results)
+    clients = pd.read_parquet(tmp_path / "run" / "clients.parquet")
+    assert late["states"] == clients.partition_id.nunique() > early["states"]
+    assert len(clients) == ROUNDS * PER_ROUND and recorder.rounds.rows[-1]["round"] == ROUNDS
+    assert recorder.clients.rows == [] and len(recorder.rounds.rows) == 1
+    # Python's allocations: keeping one model copy (about 25 KB here) per client per round would
+    # add over ten times the bound in 15 rounds; the kept states of the new nodes and Flower's
+    # per-round metric records stay well under it
+    bound = 512 * 1024
+    model_bytes = sum(np.asarray(v).nbytes for v in state.values())
+    assert model_bytes * (ROUNDS - EARLY) * PER_ROUND > 10 * bound
+    assert late["traced"] - early["traced"] < bound
+    # results appended: the parts of rounds 1-5 untouched, one new part per round
+    assert {k: late["parts"][k] for k in early["parts"]} == early["parts"]
+    assert len(late["parts"]) == ROUNDS
+
+
+@pytest.mark.parametrize("chunk", [7, 10_000])
+def test_partition_query_in_chunks_maps_every_node(tmp_path: Path, monkeypatch, chunk):
+    """The partition query sent a chunk at a time gives the same map as sent at once."""
+    scenario = parse_scenario(small_scenario_dict(tmp_path, fleet={"raspberry_pi_4": 23}), src=str(tmp_path / "q.toml"))
+    grid = InProcessGrid(make_client_app(scenario), 23)
+    monkeypatch.setattr(fl_server, "QUERY_CHUNK", chunk)
+    nodes = sorted(grid.get_node_ids())
+    mapping = fl_server.discover_partitions(grid, nodes, timeout_s=60)
+    expected = {ctx.node_config["partition-id"]: node for node, ctx in grid.contexts.items()}
+    assert mapping == expected and sorted(mapping) == list(range(23))
