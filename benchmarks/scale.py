@@ -1,7 +1,8 @@
 """Scale: a 10,000-client fleet, 100 clients a round, 100 rounds; is the driver flat? (issue 10)
 
     python benchmarks/scale.py                      # the issue's sizes, Ray (the default path)
-    python benchmarks/scale.py --backends ray inprocess
+    python benchmarks/scale.py --backends ray inprocess --windows-days 8
+    python benchmarks/scale.py --rounds 3 --query-chunk 10000 256 10000 256   # the partition query, A/B
     python benchmarks/scale.py --clients 500 --per-round 20 --rounds 20 --samples 12000   # shrunk
 
 The scenario: ``synth_digits`` (``--samples`` images, 60,000 by default; 5% held out for the
@@ -9,21 +10,24 @@ server's test set), IID partitions over ``--clients`` clients (5-6 images each a
 ``small_cnn`` at width 8, strategy ``full``, one local epoch of batch 16 (one step), a mixed
 fleet of three device profiles, ``--per-round`` clients sampled per round for ``--rounds``
 rounds, through ``fedelastic.fl.runner.run_scenario`` (the same path as ``fedelastic run``).
-Each backend runs in a fresh subprocess, one after the other.
+Each variant runs in a fresh subprocess, one after the other.
 
 Recorded per round (from the run's progress callback, in the driver): the wall time since the
-previous round ended, the driver's RSS (``/proc/self``), the RSS of the driver's whole process
-tree (Ray's GCS, raylet and workers descend from it), and for each results file its size and
-whether it was only appended to: a ``.csv`` keeps its inode and the bytes it had, a ``.parquet``
-folder keeps every earlier part file unchanged (name, size, mtime) and gains new ones.
-Start-up is timed apart: Flower's node registration, the wait for the nodes and the partition
-query (one message to every node).
+previous round ended; the driver's RSS and CPU seconds (``/proc``); the RSS and CPU seconds of
+the driver's whole process tree (Ray's GCS, raylet and workers descend from it); for each
+results file its size and whether it was only appended to (a ``.csv`` keeps its inode and the
+bytes it had, a ``.parquet`` folder keeps every earlier part file unchanged and gains new ones).
+Start-up phases are timed apart (wall, driver CPU, tree CPU): Flower's node registration, the
+wait for the nodes, and the partition query (one message to every node; ``--query-chunk``
+sets how many are in flight at once, a number >= the fleet sends them all at once as before).
 
-Summary per backend: RSS growth from round 10 to the last round (the issue's goal: < 10%), the
-slope of a least-squares line through the per-round times of rounds 10..R (seconds per round,
-and as a share of the median round over those rounds), and the results files' verdict. Written
-to ``--out`` (benchmarks/results/scale.json) and printed as a table. The machine is shared:
-compare only figures of one invocation.
+Summary per variant: RSS growth from round 10 to the last round (the issue's goal: < 10%); for
+per-round wall time and CPU time, the median and a trend: the slope of a least-squares line
+through rounds 10..R times the span, as a share of the median (0%: flat); the rounds in which
+a results file was rewritten. ``--windows-days`` adds the memory held by ``sessions`` online
+windows of ``--clients`` clients over that many simulated days, with and without the clock's
+floor. Written to ``--out`` (benchmarks/results/scale.json) and printed as a table. The
+machine is shared: compare only figures of one invocation, and prefer CPU to wall time.
 """
 
 from __future__ import annotations
@@ -170,11 +174,13 @@ def worker(args, backend: str) -> dict:
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            t0 = time.perf_counter()
+            t0, cpu0, tree0 = time.perf_counter(), time.process_time(), tree_usage()["cpu_s"]
             try:
                 return fn(*a, **kw)
             finally:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+                phases[f"{name}_driver_cpu"] = time.process_time() - cpu0  # all the driver's threads
+                phases[f"{name}_tree_cpu"] = tree_usage()["cpu_s"] - tree0
 
         setattr(owner, name, wrapper)
 
@@ -255,6 +261,34 @@ def worker(args, backend: str) -> dict:
     return result
 
 
+def windows_growth(clients: int, days: int, seed: int = 0) -> dict:
+    """Python memory held by ``sessions`` online windows as the clock runs ``days`` simulated days.
+
+    Every client is asked whether it is online once a simulated day, as the server's sampling
+    does at each round start: ``no floor`` is the state before issue 10 (windows kept forever),
+    ``floor`` moves the floor with the clock as the server now does. Returns MB per day.
+    """
+    import tracemalloc
+
+    sys.path.insert(0, str(ROOT))
+    from fedelastic.fleet import SessionAvailability
+
+    out: dict[str, list[float]] = {}
+    for name in ("no floor", "floor"):
+        tracemalloc.start()
+        windows = SessionAvailability(clients, seed, 1800.0, 1800.0, 0.8, 86400.0)
+        out[name] = []
+        for day in range(days + 1):
+            if name == "floor":
+                windows.forget_before(day * 86400.0)
+            for p in range(clients):
+                windows.online(p, day * 86400.0)
+            out[name].append(tracemalloc.get_traced_memory()[0] / 2**20)
+        del windows
+        tracemalloc.stop()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # summary (in the parent)
 
@@ -330,6 +364,7 @@ def table(summaries: dict[str, dict]) -> str:
             f"| {s['round_s']['median']:.3f} | {s['round_s']['trend_pct']:+.0f}% "
             f"| {s['tree_cpu_s']['median']:.3f} | {s['tree_cpu_s']['trend_pct']:+.0f}% "
             f"| {s['rounds_with_rewritten_files']} | {st.get('discover_partitions_s', float('nan')):.1f} "
+            f"({st.get('discover_partitions_driver_cpu_s', float('nan')):.1f}) "
             f"| {st['process_to_round_0_s']:.1f} |"
         )
     return "\n".join(lines)
@@ -342,7 +377,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--samples", type=int, default=60_000, help="synth_digits images (60,000: the built-in set)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backends", nargs="+", default=["ray"], choices=["ray", "inprocess"])
+    parser.add_argument("--backends", nargs="*", default=["ray"], choices=["ray", "inprocess"])
     parser.add_argument(
         "--query-chunk",
         type=int,
@@ -353,6 +388,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--tracemalloc", action="store_true", help="trace driver allocations (slow): top growth r10 -> rR"
+    )
+    parser.add_argument(
+        "--windows-days", type=int, default=0, help="also measure 'sessions' online-window state over this many days"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -378,12 +416,17 @@ def main() -> None:
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
             summaries[name] = summarise(runs[name])
             print(table({name: summaries[name]}), file=sys.stderr)
+    windows = windows_growth(args.clients, args.windows_days, args.seed) if args.windows_days else None
+    if windows:
+        for name, mb in windows.items():
+            print(f"[scale] sessions windows, {name}: MB by day " + " ".join(f"{m:.0f}" for m in mb), file=sys.stderr)
     doc = {
         "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
         "started": started,
         "machine": f"{platform.node()} {os.cpu_count()} CPUs (shared with other sessions)",
         "sizes": {"clients": args.clients, "per_round": args.per_round, "rounds": args.rounds, "samples": args.samples},
         "summary": summaries,
+        "windows_mb_by_day": windows,
         "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

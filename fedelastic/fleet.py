@@ -76,13 +76,32 @@ def deadline_from_quantile(full_times_s: list[float] | np.ndarray, quantile: flo
 
 
 class Availability:
-    """Online intervals ``[start, end)`` per client, generated as far as they are asked for."""
+    """Online intervals ``[start, end)`` per client, generated as far as they are asked for.
+
+    The server moves a floor with its clock (:meth:`forget_before`): intervals that ended before
+    it are dropped as new ones are generated, so the state stays bounded over a long simulated
+    time (sessions for 10,000 clients took 16 MB more per simulated day before, issue 10).
+    Asking about a time before the floor is an error, never a wrong answer.
+    """
+
+    KEEP = 64  # a client's intervals are pruned only once it holds this many
 
     def __init__(self, num_clients: int):
         self.num_clients = num_clients
         self._starts: list[list[float]] = [[] for _ in range(num_clients)]
         self._ends: list[list[float]] = [[] for _ in range(num_clients)]
         self._horizon = [0.0] * num_clients  # intervals are known up to here
+        self._floor = -math.inf  # no question will be asked about an earlier time
+
+    def forget_before(self, t: float) -> None:
+        """Promise that no later question is about a time before ``t`` (the floor only rises)."""
+        self._floor = max(self._floor, t)
+
+    def _prune(self, pid: int) -> None:
+        starts, ends = self._starts[pid], self._ends[pid]
+        drop = bisect.bisect_left(ends, self._floor)  # ends are sorted: these intervals ended before the floor
+        if drop:
+            del starts[:drop], ends[:drop]
 
     def _extend(self, pid: int) -> None:
         """Append the next intervals of ``pid`` and raise its horizon."""
@@ -99,7 +118,11 @@ class Availability:
             ends.append(end)
 
     def _cover(self, pid: int, t: float) -> None:
+        if t < self._floor:
+            raise ValueError(f"availability of client {pid} asked at {t} s, before the clock's floor {self._floor} s")
         while self._horizon[pid] <= t:
+            if len(self._starts[pid]) >= self.KEEP:
+                self._prune(pid)
             self._extend(pid)
 
     def _index(self, pid: int, t: float) -> int:

@@ -24,6 +24,7 @@ from fedelastic.fl import server as fl_server
 from fedelastic.fl.client import make_client_app
 from fedelastic.fl.env import environment
 from fedelastic.fl.runner import GuardedGrid, InProcessGrid
+from fedelastic.fleet import SessionAvailability
 from fedelastic.pretrain import initial_state
 from fedelastic.results import Recorder
 from fedelastic.scenario import parse_scenario
@@ -138,3 +139,25 @@ def test_partition_query_in_chunks_maps_every_node(tmp_path: Path, monkeypatch, 
     mapping = fl_server.discover_partitions(grid, nodes, timeout_s=60)
     expected = {ctx.node_config["partition-id"]: node for node, ctx in grid.contexts.items()}
     assert mapping == expected and sorted(mapping) == list(range(23))
+
+
+def test_online_windows_behind_the_clock_are_dropped_without_changing_answers():
+    """Sessions over 30 simulated days: a pruned copy answers as an unpruned one, with bounded state."""
+    kept, full = (SessionAvailability(20, 5, 1800.0, 1800.0, 0.8, 86400.0) for _ in range(2))
+    rng = np.random.default_rng(0)
+    t = 0.0
+    for _ in range(600):
+        t += float(rng.exponential(4000.0))
+        kept.forget_before(t)
+        for p in range(20):
+            ahead = t + float(rng.exponential(3000.0))  # a look ahead (as ready_at does) is allowed
+            for q in (t, ahead):
+                assert kept.online(p, q) == full.online(p, q)
+                assert kept.next_online(p, q) == full.next_online(p, q)
+                assert kept.offline_at(p, q) == full.offline_at(p, q)
+    # ~30 days of ~1 h cycles is ~700 windows a client; the pruned copy keeps those since the floor
+    # (a few chunks of 16 at most here) on top of KEEP
+    assert max(len(s) for s in full._starts) > 500
+    assert max(len(s) for s in kept._starts) <= 2 * SessionAvailability.KEEP
+    with pytest.raises(ValueError, match="before the clock's floor"):
+        kept.online(0, t - 1.0)

@@ -175,6 +175,11 @@ class Fleet:
     def online(self, pid: int, t: float) -> bool:
         return self.windows is None or self.windows.online(pid, t)
 
+    def forget_before(self, t: float) -> None:
+        """The clock is at ``t`` and never goes back: online windows that ended before it may go."""
+        if self.windows is not None:
+            self.windows.forget_before(t)
+
     def charged(self, pid: int, t: float) -> bool:
         """Whether the client's battery (if it has one) lets it train at ``t``."""
         return self.batteries is None or self.batteries.can_train(pid, t)
@@ -321,6 +326,7 @@ class PartialFedAvg(FedAvg):
         n = self.sc.num_clients
         rng = np.random.default_rng([self.sc.seed, server_round, 0x5A])
         t = self.sim_time_s
+        self.fleet.forget_before(t)
         if not any(self.fleet.online(p, t) and self.fleet.charged(p, t) for p in range(n)):
             t = min(self.fleet.ready_at(p, t) for p in range(n))
             if math.isinf(t):
@@ -589,6 +595,7 @@ class PartialFedAvg(FedAvg):
         failures = 0
 
         def pick(t: float, busy: frozenset[int], free: int) -> tuple[list[int], float]:
+            self.fleet.forget_before(t)
             idle = [p for p in range(n) if p not in busy]
             ready = [p for p in idle if self.fleet.online(p, t) and self.fleet.charged(p, t)]
             later = min((self.fleet.ready_at(p, t) for p in idle if p not in ready), default=math.inf)
