@@ -405,6 +405,8 @@ def main() -> None:
     for backend in args.backends:
         for chunk in args.query_chunk:
             name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
+            repeat = sum(k == name or k.startswith(f"{name} (run ") for k in runs)
+            name = f"{name} (run {repeat + 1})" if repeat else name
             cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk)] + [str(a) for a in sizes]
             print(
                 f"[scale] {name}: {args.clients} clients, {args.per_round} a round, {args.rounds} rounds",
