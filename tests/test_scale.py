@@ -61,7 +61,7 @@ def held_entries(roots: list, skip: set[int]) -> int:
     return total
 
 
-@pytest.mark.slow  # about 8 s on a quiet 2-core machine
+@pytest.mark.slow  # 500 clients x 20 rounds in-process: 15-20 s on the loaded 2-core machine
 def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path):
     raw = small_scenario_dict(
         tmp_path,
