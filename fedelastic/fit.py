@@ -328,6 +328,8 @@ class KernelFit:
     ``params[c] = (P_c FLOP/s, B_c B/s, overhead_c s, W_c elements)`` where the overhead is on
     top of the device's launch overhead. ``fitted`` lists the classes that had kernels in the
     tables; the others hold their prior. ``uncertainty`` is the relative 1-sigma step band.
+    ``objective_value`` is the fit's own criterion at its optimum (lower: the tables are fitted
+    better); it compares two pricings of the same tables, e.g. with and without layout copies.
     """
 
     params: dict[str, tuple[float, float, float, float]]
@@ -339,6 +341,7 @@ class KernelFit:
     total_rel_err: float
     uncertainty: float
     uncertainty_how: str
+    objective_value: float = 0.0  # half the sum of squared residuals (prior included) at the optimum
 
 
 def kernel_device(device: DeviceProfile, params: dict[str, tuple[float, float, float, float]], source: str = "fit"):
@@ -447,7 +450,7 @@ def _fit(data: list[_Data], device: DeviceProfile, max_peak: float, max_bw: floa
         return np.concatenate(out)
 
     res = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-5, max_nfev=3000)
-    return _unpack(res.x), present
+    return _unpack(res.x), present, float(res.cost)
 
 
 #: Residuals :func:`fit_kernels` can minimise.
@@ -493,7 +496,7 @@ def fit_kernels(
     data = [d for d in data if d.ok.any()]
     if not data:
         raise ValueError("the measured tables share no layer with the models")
-    params, present = _fit(data, device, max_peak, max_bw, prior_weight, objective)
+    params, present, cost = _fit(data, device, max_peak, max_bw, prior_weight, objective)
     launch = device.launch_overhead_s.value
     preds = [_predict(d, params, launch) for d in data]
     rel = np.concatenate([p[d.ok] / d.meas[d.ok] - 1 for p, d in zip(preds, data)])
@@ -505,7 +508,7 @@ def fit_kernels(
         errs = []
         for held in models:
             rest = [d for d in data if d.info.model_name != held]
-            p_rest, _ = _fit(rest, device, max_peak, max_bw, prior_weight, objective)
+            p_rest, _, _ = _fit(rest, device, max_peak, max_bw, prior_weight, objective)
             for d in data:
                 if d.info.model_name == held:
                     errs.append(float(_predict(d, p_rest, launch)[d.ok].sum() / d.meas[d.ok].sum() - 1))
@@ -526,6 +529,7 @@ def fit_kernels(
         total_rel_err=pred_total / total - 1,
         uncertainty=uncertainty,
         uncertainty_how=how,
+        objective_value=cost,
     )
 
 
