@@ -24,7 +24,8 @@ measured time, ``(pred - meas) / sqrt((pred + meas) / 2 * mean)``. The single ro
 sum of the entries it is fitted to (in-sample totals 10-16% low on the TX2 traces), a known bias of
 that estimator when the model cannot fit every entry; the symmetric variance removes most of it
 (3-5% low). ``"log"`` (the log ratio weighted by the square root of the entry's time share)
-overestimates instead. Classes are tied to a shared *global* roofline by a weak prior (a penalty on the
+overestimates instead. The fit starts from two saturating widths (:data:`WIDTH_STARTS`) and keeps
+the optimum with the lower objective. Classes are tied to a shared *global* roofline by a weak prior (a penalty on the
 log distance, ``prior_weight``): a class with kernels in the tables is fitted by them, a class
 with none (e.g. depthwise kernels when no table has a depthwise conv) takes its fallback class's
 values (:data:`~fedelastic.devices.KERNEL_CLASSES`), or the global ones.
@@ -430,7 +431,6 @@ def _fit(data: list[_Data], device: DeviceProfile, max_peak: float, max_bw: floa
     scale = total / sum(int(d.ok.sum()) for d in data)
     lo = np.tile([np.log(1e6), np.log(1e5), np.log(1e-8), np.log(1.0)], _N + 1)
     hi = np.tile([np.log(max_peak), np.log(max_bw), np.log(1e-1), np.log(1e9)], _N + 1)
-    x0 = np.tile([np.log(0.3 * max_peak), np.log(0.3 * max_bw), np.log(1e-6), np.log(1e2)], _N + 1)
     parent = np.array(_PARENT)
 
     def residuals(theta):
@@ -449,8 +449,21 @@ def _fit(data: list[_Data], device: DeviceProfile, max_peak: float, max_bw: floa
         out.append(np.sqrt(prior_weight) * (t[:_N] - t[parent]).ravel())
         return np.concatenate(out)
 
-    res = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-5, max_nfev=3000)
-    return _unpack(res.x), present, float(res.cost)
+    # the saturating width barely moves the cost while it is far below the kernels' outputs, so the
+    # fit starts from two widths, WIDTH_STARTS, and keeps the lower objective (an in-sample choice)
+    best = None
+    for width in WIDTH_STARTS:
+        x0 = np.tile([np.log(0.3 * max_peak), np.log(0.3 * max_bw), np.log(1e-6), np.log(width)], _N + 1)
+        res = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-5, max_nfev=3000)
+        if best is None or res.cost < best.cost:
+            best = res
+    assert best is not None
+    return _unpack(best.x), present, float(best.cost)
+
+
+#: Starting widths (output elements) of the kernel fit: no saturation in practice, and saturation
+#: over a mid-size kernel (1e5 outputs: a 7x7x512 map at batch 4, a 197x768 token matrix at batch 1).
+WIDTH_STARTS = (1e2, 1e5)
 
 
 #: Residuals :func:`fit_kernels` can minimise.

@@ -335,3 +335,19 @@ def test_fit_reports_its_objective():
         [(info, _synthetic_table(info, dev, 1)), (info, skewed)], base, max_bandwidth=20e9, leave_one_out=False
     )
     assert 0 <= exact.objective_value < worse.objective_value
+
+
+def test_fit_keeps_the_better_of_its_width_starts(monkeypatch):
+    import fedelastic.fit as fit_module
+
+    base = dataclasses.replace(get_profile("jetson_nano"), measured={})
+    truth = {c: (0.5 * base.peak_flops.value, 4e9, 10e-6, 3e3) for c in ("gemm_fwd", "gemm_dx", "gemm_dw")}
+    truth.update({c: (0.5 * base.peak_flops.value, 4e9, 10e-6, 0.0) for c in ("eltwise", "reduce")})
+    dev = kernel_device(base, truth)
+    info = describe(small_cnn(width=8), torch.zeros(1, 1, 16, 16), model_name="small_cnn")
+    pairs = [(info, _synthetic_table(info, dev, b)) for b in (1, 8)]
+    fits = {}
+    for starts in ((1e2,), (1e5,), (1e2, 1e5)):
+        monkeypatch.setattr(fit_module, "WIDTH_STARTS", starts)
+        fits[starts] = fit_kernels(pairs, base, max_bandwidth=20e9, leave_one_out=False).objective_value
+    assert fits[(1e2, 1e5)] == pytest.approx(min(fits[(1e2,)], fits[(1e5,)]))
