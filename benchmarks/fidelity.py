@@ -1184,8 +1184,10 @@ Findings (the issue's goal is met only in part):
   50% vs 50%): the conv family is then learned from one model's convs (MobileNetV2's small pointwise
   convs, for a held-out ResNet-50) and the matmul family from two classifier heads (for a held-out
   ViT-B/16), too narrow to transfer; not adopted (held out, for the record: ResNet-50 +60% step).
-  A bound of 100 us on the per-class overheads raised the in-sample time-weighted error in every fold
-  (11.2% -> 12.2%, 17.6% -> 18.3%, 25.2% -> 25.6%; development run): not adopted. The fit now starts from
+  One overhead shared by all classes (the launch cost is the runtime's, not the kernel's), against the
+  fitted {dw_ovh:.0f} us of `gemm_dw` above: inner per-layer error 52% vs 51% plain (development run, the same
+  rule): not adopted. A bound of 100 us on the per-class overheads raised the in-sample time-weighted
+  error in every fold (11.2% -> 12.2%, 17.6% -> 18.3%, 25.2% -> 25.6%; development run): not adopted. The fit now starts from
   two saturating widths and keeps the lower objective (`fedelastic.fit.WIDTH_STARTS`): a better optimum of
   the same model on the same training tables, so no model choice; before it, in the first run of this
   session, the kernel rows read resnet50 +8.3% / 49.6% / 6.1%, mobilenetv2 -2.6% / 67.6% / 27.2%, vit_b16
