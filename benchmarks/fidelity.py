@@ -1184,6 +1184,9 @@ Findings (the issue's goal is met only in part):
   50% vs 50%): the conv family is then learned from one model's convs (MobileNetV2's small pointwise
   convs, for a held-out ResNet-50) and the matmul family from two classifier heads (for a held-out
   ViT-B/16), too narrow to transfer; not adopted (held out, for the record: ResNet-50 +60% step).
+  A class of its own for per-sample norms (LayerNorm computes statistics; a frozen BatchNorm is an affine
+  map): inner per-layer error 52% vs 51% (ResNet-50 fold 75% vs 70%, MobileNetV2 31% vs 32%, ViT-B/16
+  50% vs 50%; development run): not adopted.
   One overhead shared by all classes (the launch cost is the runtime's, not the kernel's), against the
   fitted {dw_ovh:.0f} us of `gemm_dw` above: inner per-layer error 52% vs 51% plain (development run, the same
   rule): not adopted. A bound of 100 us on the per-class overheads raised the in-sample time-weighted
