@@ -1194,7 +1194,9 @@ Findings (the issue's goal is met only in part):
   two saturating widths and keeps the lower objective (`fedelastic.fit.WIDTH_STARTS`): a better optimum of
   the same model on the same training tables, so no model choice; before it, in the first run of this
   session, the kernel rows read resnet50 +8.3% / 49.6% / 6.1%, mobilenetv2 -2.6% / 67.6% / 27.2%, vit_b16
-  +7.1% / 36.8% / 13.4% (step / layers / ratio).
+  +7.1% / 36.8% / 13.4% (step / layers / ratio): only the fold without MobileNetV2 found a lower
+  objective (47.6 -> 45.0), and on the held-out MobileNetV2 that optimum is worse in the speedup ratio
+  (27% -> 37%); a better fit of two models is no promise for a third.
   So the per-layer and ratio goals stay unmet, and the cause is a finding, not a tuning gap: with two
   training models, each fold lacks the op family or the shapes that carry the held-out model's time.
 - The fit objective matters as much as the kernel classes: with the single roofline's residual
