@@ -1098,6 +1098,7 @@ def kernel_discussion(res: dict) -> str:
         for m, r in tx2.items()
     )
     rates = res.get("tx2_op_rates") or {}
+    in_fit = [r["kernel_fit"]["weighted_median_rel_err"] for r in tx2.values()]
 
     def rate(model: str, op: str, key: str = "weighted_median") -> float:
         return float(rates.get(model, {}).get(op, {}).get(key, float("nan")))
@@ -1135,7 +1136,9 @@ Findings (the issue's goal is met only in part):
   ratio within 10% for {ratio_ok}; per-layer time-weighted median under 25% for {layers_ok}.
   The step goal is met through errors that cancel over a step, not through per-layer accuracy
   (time-weighted median per-layer errors {min(layer_errs):.0%}-{max(layer_errs):.0%}); summed per-layer
-  over- and underprediction: {cancel}.
+  over- and underprediction: {cancel}. On their own two training models the same fits reach
+  time-weighted median errors of {min(in_fit):.0%}-{max(in_fit):.0%} per entry (layer x fwd/dx/dw, stricter
+  than per layer): the gap to the held-out model is transfer, not the capacity of the classes.
 - Where the per-layer error comes from (diagnosis on the three traces; the tables above and
   `op_rates` in the raw numbers, which times every TensorFlow op type per layer):
   - Not the attribution: the importer charges every op of the step to a layer (the layer entries hold
