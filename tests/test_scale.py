@@ -11,6 +11,7 @@ client row or one model per client per round would take. No timings are asserted
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import tracemalloc
@@ -27,7 +28,7 @@ from fedelastic.fl.runner import GuardedGrid, InProcessGrid
 from fedelastic.fleet import SessionAvailability
 from fedelastic.pretrain import initial_state
 from fedelastic.results import Recorder
-from fedelastic.scenario import parse_scenario
+from fedelastic.scenario import SimulationConfig, parse_scenario
 
 from .conftest import small_scenario_dict
 
@@ -61,19 +62,41 @@ def held_entries(roots: list, skip: set[int]) -> int:
     return total
 
 
+def _has_cohorts() -> bool:
+    return "node_mode" in {f.name for f in dataclasses.fields(SimulationConfig)}
+
+
 @pytest.mark.slow  # 500 clients x 20 rounds in-process: 15-20 s on the loaded 2-core machine
-def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path):
+@pytest.mark.parametrize("node_mode", ["per_client", "cohort"])
+def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path, node_mode: str):
+    if node_mode == "cohort" and not _has_cohorts():
+        pytest.skip("this version has no cohort mode")
     raw = small_scenario_dict(
         tmp_path,
         fleet={"raspberry_pi_4": 200, "jetson_nano": 200, "stm32h743": 100},
         data={"partitioner": "iid", "min_partition_size": 1},
         train={"max_steps": 1},
         server={"rounds": ROUNDS, "clients_per_round": PER_ROUND},
+        simulation={"backend": "inprocess", **({"node_mode": node_mode} if _has_cohorts() else {})},
     )
     scenario = parse_scenario(raw, src=str(tmp_path / "scale.toml"))
     assert scenario.num_clients == CLIENTS
     recorder = Recorder(tmp_path / "run", scenario.to_dict(), planned_rounds=ROUNDS)
-    grid = InProcessGrid(make_client_app(scenario), CLIENTS)
+    env = environment(scenario)
+    # the grids of the runner's in-process path: a node per client, or a few cohort nodes
+    if node_mode == "cohort":
+        from fedelastic.fl.cohort import CohortGrid, cohort_count
+
+        nodes = cohort_count(scenario, 1)
+        local = InProcessGrid(make_client_app(scenario), nodes)
+        grid = CohortGrid(GuardedGrid(local, threading.Event()), env, nodes)
+        kept = lambda: len(grid.states)  # noqa: E731 (the clients' kept strategy states)
+        unbounded = {id(grid.states)}  # per client, checked below; the cohort nodes' contexts are walked
+    else:
+        local = InProcessGrid(make_client_app(scenario), CLIENTS)
+        grid = GuardedGrid(local, threading.Event())
+        kept = lambda: sum("strategy-state" in c.state for c in local.contexts.values())  # noqa: E731
+        unbounded = {id(c) for c in local.contexts.values()} | {id(local.contexts)}
     strategies: list = []
     seen: dict[int, dict] = {}
 
@@ -91,20 +114,16 @@ def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path):
         if row["round"] not in (EARLY, ROUNDS):
             return
         gc.collect()
-        contexts = {id(c) for c in grid.contexts.values()}
         seen[row["round"]] = {
-            "entries": held_entries([strategies[0], recorder, grid], skip=contexts | {id(grid.contexts)}),
-            "states": sum("strategy-state" in c.state for c in grid.contexts.values()),
+            "entries": held_entries([strategies[0], recorder, grid], skip=unbounded),
+            "states": kept(),
             "traced": tracemalloc.get_traced_memory()[0],
             "parts": parts(),
         }
 
-    state = initial_state(environment(scenario))
+    state = initial_state(env)
     try:
-        fl_server.server_main(
-            scenario, state, recorder, progress, GuardedGrid(grid, threading.Event()),
-            strategy_cls=strategy_cls,
-        )  # fmt: skip
+        fl_server.server_main(scenario, state, recorder, progress, grid, strategy_cls=strategy_cls)
     finally:
         tracemalloc.stop()
         recorder.close()
@@ -112,7 +131,7 @@ def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path):
 
     # every container the driver holds has as many entries after 20 rounds as after 5
     assert late["entries"] == early["entries"]
-    # the node contexts: one kept state per node that has trained (read back from the results)
+    # per client, one kept strategy state for each client that has trained (read back from the results)
     clients = pd.read_parquet(tmp_path / "run" / "clients.parquet")
     assert late["states"] == clients.partition_id.nunique() > early["states"]
     assert len(clients) == ROUNDS * PER_ROUND and recorder.rounds.rows[-1]["round"] == ROUNDS
