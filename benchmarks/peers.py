@@ -621,7 +621,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "checksums": sorted({r["checksum"] for r in rs}),
             "max_abs_weight_diff_vs_bare": max(diffs),
         }
-    for variant, s in summary.items():
+    for s in summary.values():
         for base in ("pfl", "bare"):
             if base in summary:
                 s[f"train_upd_s_x_{base}"] = s["train_upd_s"] / summary[base]["train_upd_s"]
@@ -670,8 +670,15 @@ def phases_table(runs: dict[str, list[dict]]) -> str:
         rs = runs[v]
         labels = sorted({k for r in rs for k in r["phases"]})
         train = statistics.median(r["training_s"] for r in rs)
-        local = statistics.median(sum(r["train_local_s_per_round"][1:]) for r in rs)
-        lines += [f"{LABELS[v]}: training phase {train:.2f} s (median); train_local inside clients {local:.2f} s", ""]
+        local = statistics.median(sum(r["train_local_s_per_round"]) for r in rs)
+        steady = statistics.median(r["steady_s"] for r in rs)
+        local_steady = statistics.median(sum(r["train_local_s_per_round"][1:]) for r in rs)
+        lines += [
+            f"{LABELS[v]}: training phase {train:.2f} s, of which rounds 2.. {steady:.2f} s (medians); "
+            f"clients' train_local (summed over clients, on {'2 Ray actors' if v == 'ray' else '1 thread'}) "
+            f"{local:.2f} s, rounds 2.. {local_steady:.2f} s",
+            "",
+        ]
         lines += ["| phase | s (median) | share of training phase | calls |", "|---|---:|---:|---:|"]
         for k in labels:
             s = statistics.median(r["phases"].get(k, {}).get("s", 0.0) for r in rs)
@@ -709,6 +716,8 @@ def main(argv=None) -> None:
     if {"pfl", "pfl2"} & set(variants) and not have_pfl():
         print('peers.py: pfl is not installed (pip install -e ".[bench]"): skipping the pfl variants', file=sys.stderr)
         variants = [v for v in variants if v not in ("pfl", "pfl2")]
+    if not variants:
+        raise SystemExit('peers.py: no variant left to run (pfl is not installed: pip install -e ".[bench]")')
     if "pfl2" in variants and args.per_round % 2:
         # each pfl worker draws one user per worker for each of its users: odd cohorts desynchronise the two
         print("peers.py: pfl2 needs an even --per-round (pfl deals a cohort out in pairs): skipping it", file=sys.stderr)
