@@ -78,6 +78,9 @@ EPOCHS = 1
 DEVICE = "raspberry_pi_4"  # fp32, no availability model: every client is always online
 
 VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
+# on request only: pfl's own FederatedAveraging (float32 differences, WeightByDatapoints); fedelastic on
+# Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
+EXTRA_VARIANTS = ("pfl-stock", "ray-per-client")
 REFERENCE = "bare"
 
 
@@ -351,7 +354,7 @@ def _pfl_classes():
     return ExactFedAvg, Stamps
 
 
-def worker_pfl(wl: Workload, out: dict) -> dict[str, np.ndarray] | None:
+def worker_pfl(wl: Workload, out: dict, stock: bool = False) -> dict[str, np.ndarray] | None:
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.algorithm import NNAlgorithmParams
     from pfl.data.dataset import Dataset
@@ -374,7 +377,15 @@ def worker_pfl(wl: Workload, out: dict) -> dict[str, np.ndarray] | None:
         module, local_optimizer_create=torch.optim.SGD, central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0)
     )
     stamps = Stamps()
-    backend = SimulatedBackend(training_data=training, val_data=val)
+    if stock:
+        from pfl.aggregate.weighting import WeightByDatapoints
+        from pfl.algorithm import FederatedAveraging
+
+        algorithm = FederatedAveraging()
+        backend = SimulatedBackend(training_data=training, val_data=val, postprocessors=[WeightByDatapoints()])
+    else:
+        algorithm = ExactFedAvg()
+        backend = SimulatedBackend(training_data=training, val_data=val)
     params = NNAlgorithmParams(
         central_num_iterations=wl.rounds, evaluation_frequency=wl.rounds + 1, train_cohort_size=wl.per_round,
         val_cohort_size=0,
@@ -382,7 +393,7 @@ def worker_pfl(wl: Workload, out: dict) -> dict[str, np.ndarray] | None:
     train_params = NNTrainHyperParams(local_learning_rate=LR, local_num_epochs=EPOCHS, local_batch_size=BATCH)
     cpu_root = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
     cpu0 = tree_usage(cpu_root)[0]
-    ExactFedAvg().run(
+    algorithm.run(
         algorithm_params=params, backend=backend, model=model, model_train_params=train_params,
         model_eval_params=NNEvalHyperParams(local_batch_size=512), callbacks=[stamps],
     )  # fmt: skip
@@ -456,7 +467,9 @@ class Timers:
         self.since = float("inf")  # only calls that start after this perf_counter() time count
 
     def wrap(self, owner, name: str, label: str) -> None:
-        fn = getattr(owner, name)
+        fn = getattr(owner, name, None)
+        if fn is None:  # not in this version of fedelastic
+            return
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -471,7 +484,7 @@ class Timers:
         setattr(owner, name, timed)
 
 
-def worker_fedelastic(wl: Workload, out: dict, backend: str) -> dict[str, np.ndarray]:
+def worker_fedelastic(wl: Workload, out: dict, backend: str, per_client: bool = False) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
     import fedelastic.results as results
@@ -490,6 +503,7 @@ def worker_fedelastic(wl: Workload, out: dict, backend: str) -> dict[str, np.nda
 
         timers.wrap(client, "client_train", "client: whole ClientApp body")
         timers.wrap(client, "train_local", "client: train_local (the training)")
+        timers.wrap(client, "reply_content", "client: reply record (figures, encode)")
         timers.wrap(client, "record_to_torch", "client: decode global arrays")
         timers.wrap(client, "record_from_numpy", "client: encode reply arrays and state")
 
@@ -504,7 +518,10 @@ def worker_fedelastic(wl: Workload, out: dict, backend: str) -> dict[str, np.nda
         if row["round"] == 0:
             timers.since = time.perf_counter()
 
-    result = api.run(wl.scenario(backend, tmp), progress=progress)
+    scenario = wl.scenario(backend, tmp)
+    if per_client:  # fedelastic's per-client node mode (the default before cohorts)
+        scenario["simulation"]["node_mode"] = "per_client"
+    result = api.run(scenario, progress=progress)
     clients = result.clients
     rounds = result.rounds
     out.update(
@@ -529,12 +546,12 @@ def worker_main(args) -> None:
     out: dict = {"variant": variant, "_tmp": args.tmp}
     if variant == "bare":
         state = worker_bare(wl, out)
-    elif variant in ("pfl", "pfl2"):
-        state = worker_pfl(wl, out)
+    elif variant in ("pfl", "pfl2", "pfl-stock"):
+        state = worker_pfl(wl, out, stock=variant == "pfl-stock")
     elif variant == "flower":
         state = worker_flower(wl, out)
     else:
-        state = worker_fedelastic(wl, out, variant)
+        state = worker_fedelastic(wl, out, "inprocess" if variant == "inprocess" else "ray", variant == "ray-per-client")
     out.pop("_tmp", None)
     if state is None:  # a pfl worker other than rank 0
         return
@@ -637,17 +654,20 @@ LABELS = {
     "flower": "stock Flower 1.41 + Ray",
     "ray": "**fedelastic, Ray (default)**",
     "inprocess": "fedelastic, in-process",
+    "pfl-stock": "pfl 0.6 own FedAvg (float32 differences), 1 process",
+    "ray-per-client": "fedelastic, Ray, one Flower node per virtual client",
 }
 
 
 def table(summary: dict) -> str:
     rows = [
         "| variant | training upd/s | steady upd/s | x pfl (training) | x bare (training) | process wall s "
-        "| wall x pfl | start-up s | peak tree RSS MB | same checksum as bare | max abs weight diff | test acc |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| wall x pfl | start-up s | peak tree RSS MB | training CPU s (tree) | same checksum as bare "
+        "| max abs weight diff | test acc |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     ref = summary.get(REFERENCE, {}).get("checksums", [])
-    for v in VARIANTS:
+    for v in VARIANTS + EXTRA_VARIANTS:
         if v not in summary:
             continue
         s = summary[v]
@@ -656,7 +676,7 @@ def table(summary: dict) -> str:
             f"| {LABELS[v]} | {s['train_upd_s']:.0f} | {s['steady_upd_s']:.0f} "
             f"| {s.get('train_upd_s_x_pfl', float('nan')):.2f} | {s.get('train_upd_s_x_bare', float('nan')):.2f} "
             f"| {s['process_wall_s']:.1f} | {s.get('process_wall_s_x_pfl', float('nan')):.2f} | {s['startup_s']:.1f} "
-            f"| {s['peak_rss_mb']:.0f} | {same} | {s['max_abs_weight_diff_vs_bare']:.2g} | {s['test_accuracy']:.3f} |"
+            f"| {s['peak_rss_mb']:.0f} | {s['train_cpu_s']:.1f} | {same} | {s['max_abs_weight_diff_vs_bare']:.2g} | {s['test_accuracy']:.3f} |"
         )
     return "\n".join(rows)
 
@@ -664,7 +684,7 @@ def table(summary: dict) -> str:
 def phases_table(runs: dict[str, list[dict]]) -> str:
     """fedelastic's timers, summed over the training phase (rounds 1..R), median over runs."""
     lines = []
-    for v in ("ray", "inprocess"):
+    for v in ("ray", "ray-per-client", "inprocess"):
         if v not in runs:
             continue
         rs = runs[v]
@@ -675,7 +695,7 @@ def phases_table(runs: dict[str, list[dict]]) -> str:
         local_steady = statistics.median(sum(r["train_local_s_per_round"][1:]) for r in rs)
         lines += [
             f"{LABELS[v]}: training phase {train:.2f} s, of which rounds 2.. {steady:.2f} s (medians); "
-            f"clients' train_local (summed over clients, on {'2 Ray actors' if v == 'ray' else '1 thread'}) "
+            f"clients' train_local (summed over clients, on {'2 Ray actors' if v.startswith('ray') else '1 thread'}) "
             f"{local:.2f} s, rounds 2.. {local_steady:.2f} s",
             "",
         ]
@@ -692,7 +712,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("peers", "scale"), default="peers", help="scale: run benchmarks/scale.py")
     p.add_argument("--runs", type=int, default=3, help="runs of each variant (default 3)")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=list(VARIANTS))
     p.add_argument("--clients", type=int, default=CLIENTS)
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--per-round", type=int, default=PER_ROUND)
@@ -713,9 +733,9 @@ def main(argv=None) -> None:
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     variants = list(args.variants)
-    if {"pfl", "pfl2"} & set(variants) and not have_pfl():
+    if {"pfl", "pfl2", "pfl-stock"} & set(variants) and not have_pfl():
         print('peers.py: pfl is not installed (pip install -e ".[bench]"): skipping the pfl variants', file=sys.stderr)
-        variants = [v for v in variants if v not in ("pfl", "pfl2")]
+        variants = [v for v in variants if not v.startswith("pfl")]
     if not variants:
         raise SystemExit('peers.py: no variant left to run (pfl is not installed: pip install -e ".[bench]")')
     if "pfl2" in variants and args.per_round % 2:
