@@ -501,11 +501,19 @@ def worker_fedelastic(wl: Workload, out: dict, backend: str, per_client: bool = 
     if backend == "inprocess":
         import fedelastic.fl.client as client
 
-        timers.wrap(client, "client_train", "client: whole ClientApp body")
+        try:  # cohort mode (one call trains many virtual clients); imported first so it keeps the unwrapped names
+            import fedelastic.fl.cohort as cohort
+        except ImportError:
+            cohort = None
+        timers.wrap(client, "client_train", "client: whole ClientApp body (one client a call)")
         timers.wrap(client, "train_local", "client: train_local (the training)")
         timers.wrap(client, "reply_content", "client: reply record (figures, encode)")
         timers.wrap(client, "record_to_torch", "client: decode global arrays")
-        timers.wrap(client, "record_from_numpy", "client: encode reply arrays and state")
+        timers.wrap(client, "record_from_numpy", "client: encode arrays and state")
+        if cohort is not None:
+            timers.wrap(cohort, "cohort_train", "client: whole ClientApp body (a cohort a call)")
+            timers.wrap(cohort, "reply_content", "client: reply record (figures, encode)")
+            timers.wrap(cohort, "record_to_torch", "client: decode global arrays")
 
     stamps: list[float] = []
     tmp = out.pop("_tmp")
@@ -582,7 +590,8 @@ def run_one(variant: str, args, tmp: str, tag: str) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *base]
     else:
         cmd = [sys.executable, *base]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = [x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     log = Path(tmp) / f"{tag}.log"
     launch = time.time()
     with log.open("w") as fh:
