@@ -4,7 +4,7 @@
     python benchmarks/peers.py --runs 1 --variants bare inprocess
     python benchmarks/peers.py --part scale          # the 10,000-client run: benchmarks/scale.py
 
-The workload (``workload()``; one definition for every variant): sklearn's digits (8x8) split
+The workload (``Workload``; one definition for every variant): sklearn's digits (8x8) split
 80/20 and cut into 200 Dirichlet(0.5) client partitions by fedelastic's partitioner; 10 rounds of
 50 clients; the cohort of each round drawn as fedelastic's server draws it (seed, round); a
 6,218-parameter CNN without BatchNorm (``cnn``, initial weights from ``torch.manual_seed(seed)``);
@@ -29,6 +29,11 @@ Variants, each run in a fresh subprocess, round-robin over variants for ``--runs
 * ``ray`` / ``inprocess``: fedelastic through its public API (``fedelastic.api.run``), the model
   given as a user factory (``benchmarks/peers.py:cnn``), ``train.strategy = "full"``, 200
   ``raspberry_pi_4`` devices (always available, fp32), backend ``ray`` (the default) or ``inprocess``.
+
+On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`` with
+``WeightByDatapoints``: how far its float32 arithmetic lands from the workload's) and
+``ray-per-client`` (fedelastic on Ray with ``simulation.node_mode = "per_client"``, where the
+scenario has that key: one Flower node per virtual client).
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
