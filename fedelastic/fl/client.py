@@ -91,13 +91,14 @@ def train_cohort(
     model: torch.nn.Module,
     weights: dict[str, torch.Tensor],
     jobs: list[CohortJob],
-    done: Callable[[int, LocalResult | Exception], None] = lambda i, r: None,
+    done: Callable[[int, LocalResult | Exception], bool] = lambda i, r: True,
 ) -> list[LocalResult | Exception]:
     """Train each job from ``weights``, one after another on ``model``; an exception is that job's result.
 
     This is the one training step of a cohort (a Flower node training many virtual clients per
     call): each job gives exactly what :func:`train_partition` gives for that client alone.
-    ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it).
+    ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
+    it returns False the remaining jobs are not started.
     """
     out: list[LocalResult | Exception] = []
     for i, job in enumerate(jobs):
@@ -108,7 +109,8 @@ def train_cohort(
         except Exception as exc:  # noqa: BLE001 (a client's failure is its own row, as on its own node)
             result = exc
         out.append(result)
-        done(i, result)
+        if not done(i, result):
+            break
     return out
 
 

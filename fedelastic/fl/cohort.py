@@ -79,9 +79,14 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
     if jobs:
         weights = record_to_torch(content["arrays"])  # type: ignore[arg-type]
         finished: queue.SimpleQueue = queue.SimpleQueue()
+        cancelled = threading.Event()  # set when a client overran: the thread must not start another
+
+        def report(j: int, result) -> bool:
+            finished.put((j, result))
+            return not cancelled.is_set()
 
         def work(model: torch.nn.Module) -> None:
-            train_cohort(env, model, weights, jobs, done=lambda j, r: finished.put((j, r)))
+            train_cohort(env, model, weights, jobs, done=report)
 
         thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
         thread.start()
@@ -93,6 +98,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 status[late] = TIMEOUT
                 reasons[late] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
                 abandoned = True
+                cancelled.set()
                 env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
                 break
             i = where[j]
