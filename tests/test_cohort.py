@@ -159,3 +159,53 @@ def test_ray_cohorts_equal_per_client_nodes_in_process(make_scenario):
     ray_run = _tables(run_scenario(sc, run_id="ray"))
     _same(local, ray_run)
     assert np.isfinite(ray_run[0].train_loss).any() and os.cpu_count()
+
+
+def test_weights_loader_copies_what_load_state_dict_loads_and_defers_to_it_otherwise():
+    from torch import nn
+
+    from fedelastic.fl.client import weights_loader
+    from fedelastic.models import build_model
+
+    torch.manual_seed(0)
+    source = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)  # BatchNorm included
+    for p in source.parameters():
+        p.data.normal_()
+    for m in source.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(), m.running_var.uniform_(1, 2), m.num_batches_tracked.fill_(7)
+    weights = {k: v.clone() for k, v in source.state_dict().items()}
+    ours = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    theirs = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    weights_loader(ours, weights)()
+    theirs.load_state_dict(weights)
+    for (k, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b) and a.dtype == b.dtype, k
+    assert all(p.requires_grad for p in ours.parameters())
+    # a load hook, or a missing key: load_state_dict itself (which raises on the missing key)
+    hooked = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    seen = []
+    hooked.register_load_state_dict_pre_hook(lambda *args: seen.append(1))
+    weights_loader(hooked, weights)()
+    assert seen == [1]
+    partial = {k: v for k, v in weights.items() if not k.endswith("num_batches_tracked")}
+    ours.load_state_dict(weights), theirs.load_state_dict(weights)
+    for m in (*ours.modules(), *theirs.modules()):
+        if isinstance(m, nn.BatchNorm2d):
+            m.num_batches_tracked.fill_(3)
+    weights_loader(ours, partial)()  # BatchNorm's own loader decides what a missing counter becomes
+    theirs.load_state_dict(partial)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_fast_array_records_are_flowers_own():
+    from flwr.app import ArrayRecord
+
+    from fedelastic.fl import arrays
+
+    assert arrays._FAST  # this Flower's constructors were matched at import
+    sample = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2, 1, 3), np.float64)}
+    ours = arrays.record_from_numpy(sample)
+    theirs = ArrayRecord({k: arrays.Array(v) for k, v in sample.items()})  # Flower's own, from the arrays
+    assert ours.object_id == theirs.object_id
+    assert {k: v.numpy().tolist() for k, v in ours.items()} == {k: v.numpy().tolist() for k, v in theirs.items()}
