@@ -340,6 +340,53 @@ def ray_workers(cpus_per_client: float) -> int:
     return max(1, total)
 
 
+def _start_ray(scenario: Scenario) -> None:
+    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up."""
+    import ray
+
+    sim, src = scenario.simulation, scenario.source or "<scenario>"
+    if not ray.is_initialized():
+        _probe(sim.ray_address, src)
+        try:
+            ray.init(**_ray_init_args(sim))
+        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
+            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
+
+
+def _preflight_beside_ray(scenario: Scenario, env) -> dict:
+    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
+
+    Ray's start is mostly waiting for its daemons; the checks are the driver's own work (data,
+    the model's description, starting weights). A check that fails wins: Ray is shut down and
+    the check's error is raised, as if Ray had not been started.
+    """
+    import ray
+
+    box: list = []
+
+    def check() -> None:
+        try:
+            box.append(_preflight(scenario, env))
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            box.append(exc)
+
+    thread = threading.Thread(target=check, name="fedelastic-preflight", daemon=True)
+    thread.start()
+    try:
+        _start_ray(scenario)
+    except BaseException:
+        thread.join()
+        if box and isinstance(box[0], BaseException):
+            raise box[0] from None
+        raise
+    thread.join()
+    if isinstance(box[0], BaseException):
+        if ray.is_initialized():
+            ray.shutdown()
+        raise box[0]
+    return box[0]
+
+
 def _run_ray(
     scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
 ) -> None:
@@ -348,7 +395,6 @@ def _run_ray(
     from flwr.simulation import run_simulation
 
     sim = scenario.simulation
-    src = scenario.source or "<scenario>"
     app = ServerApp()
 
     nodes = scenario.num_clients
@@ -361,12 +407,7 @@ def _run_ray(
         finally:
             stop.set()  # the runtime's workers stop waiting on hung clients
 
-    if not ray.is_initialized():
-        _probe(sim.ray_address, src)
-        try:
-            ray.init(**_ray_init_args(sim))
-        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
+    _start_ray(scenario)
     cohort = sim.node_mode == "cohort"
     if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
         nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
@@ -441,7 +482,10 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     stop = threading.Event()
     failure: list[BaseException] = []
     try:
-        state = _preflight(scenario, env)
+        if grid is None and scenario.simulation.backend == "ray":
+            state = _preflight_beside_ray(scenario, env)
+        else:
+            state = _preflight(scenario, env)
         start_round = 0
         if checkpoint is not None:
             state, start_round = dict(checkpoint["model"]), int(checkpoint["round"])
