@@ -81,11 +81,17 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         finished: queue.SimpleQueue = queue.SimpleQueue()
         cancelled = threading.Event()  # set when a client overran: the thread must not start another
 
-        def report(j: int, result) -> bool:
-            finished.put((j, result))
+        def report(j: int, result) -> bool:  # on the training thread: the reply is built there too
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                finished.put((j, reply_content(env, jobs[j], result)))
+            except Exception as exc:  # noqa: BLE001 (this client's failure)
+                finished.put((j, exc))
             return not cancelled.is_set()
 
         def work(model: torch.nn.Module) -> None:
+            torch.set_num_threads(scenario.simulation.torch_threads)  # OpenMP's thread count is per thread
             train_cohort(env, model, weights, jobs, done=report)
 
         thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
@@ -101,13 +107,10 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 cancelled.set()
                 env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
                 break
-            i = where[j]
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                put(i, reply_content(env, jobs[j], result))
-            except Exception as exc:  # noqa: BLE001
-                fail(i, exc)
+            if isinstance(result, Exception):
+                fail(where[j], result)
+            else:
+                put(where[j], result)
         if not abandoned:
             thread.join()
     out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
