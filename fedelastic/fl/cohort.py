@@ -50,8 +50,8 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
     torch.set_num_threads(scenario.simulation.torch_threads)
     content = msg.content
     head = content["cohort"]
-    pids = [int(p) for p in head["partition-ids"]]  # type: ignore[union-attr]
-    timeout_s = float(head["timeout-s"])  # type: ignore[arg-type]
+    pids = [int(p) for p in head["partition-ids"]]
+    timeout_s = float(head["timeout-s"])
     status, reasons = [UNRUN] * len(pids), [""] * len(pids)
     out = RecordDict()
 
@@ -67,7 +67,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
     for i, pid in enumerate(pids):
         try:
             state = content[f"strategy-state.{i}"] if f"strategy-state.{i}" in content else None
-            job = prepare_job(env, pid, content[f"config.{i}"], state)  # type: ignore[arg-type]
+            job = prepare_job(env, pid, content[f"config.{i}"], state)
             if job is None:
                 put(i, too_slow_content(env, pid))
             else:
@@ -77,7 +77,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             fail(i, exc)
     abandoned = False
     if jobs:
-        weights = record_to_torch(content["arrays"])  # type: ignore[arg-type]
+        weights = record_to_torch(content["arrays"])
         finished: queue.SimpleQueue = queue.SimpleQueue()
         cancelled = threading.Event()  # set when a client overran: the thread must not start another
 
@@ -203,7 +203,7 @@ class CohortGrid(Grid):
         for group in groups.values():
             pid = lambda i: self.virtual[trains[i].metadata.dst_node_id]  # noqa: E731
             k = min(self.cohorts, len(group))
-            load, parts = np.zeros(k), [[] for _ in range(k)]  # type: ignore[var-annotated]
+            load, parts = np.zeros(k), [[] for _ in range(k)]
             for i in sorted(group, key=lambda i: (-self._steps[pid(i)], pid(i))):
                 j = int(np.argmin(load))
                 parts[j].append(i)
@@ -220,7 +220,7 @@ class CohortGrid(Grid):
             if "strategy-state" in member:  # a resumed run hands back the checkpointed state
                 content[f"strategy-state.{j}"] = member["strategy-state"]
             elif pid in self.states:
-                content[f"strategy-state.{j}"] = self.states[pid]  # type: ignore[assignment]
+                content[f"strategy-state.{j}"] = self.states[pid]
         content["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
         self.sent += 1
         return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}")
@@ -245,7 +245,7 @@ class CohortGrid(Grid):
                     continue  # no reply at all: the server records the timeout
                 head = reply.content["cohort"]
                 for j, i in enumerate(chunk):
-                    state, reason = head["status"][j], head["reasons"][j]  # type: ignore[index]
+                    state, reason = head["status"][j], head["reasons"][j]
                     if state == DONE:
                         member = RecordDict({k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content})
                         if "strategy-state" in member:
