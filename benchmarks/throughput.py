@@ -20,7 +20,9 @@ machine is shared: compare only numbers from one invocation):
 Reported per run: training-phase updates per second (client updates / time from the start of
 round 1 to the end of round 10, warm-up round included), steady updates per second (rounds 2..10),
 start-up (process spawn -> start of round 1: interpreter, imports, data, Ray, workers), process
-wall, and CPU seconds of the whole process tree. All fedelastic variants must give the same
+wall, CPU seconds of the whole process tree (sampled every 0.2 s), and updates per CPU second of
+the driver process in the training phase (all of the work for the one-process variants, less
+sensitive to the machine's other load than wall time; for Ray the actors' CPU is not in it). All fedelastic variants must give the same
 clients and rounds tables (host wall columns aside) and the same final model.
 """
 
@@ -85,7 +87,7 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
     x0, y0 = torch.from_numpy(env.data.client(0).x), torch.from_numpy(env.data.client(0).y)
     torch.nn.functional.cross_entropy(warm(x0), y0).backward()
     torch.optim.SGD(warm.parameters(), lr=t.lr).step()
-    stamps, updates = [time.time()], 0
+    stamps, cpu, updates = [time.time()], [time.process_time()], 0
     for rnd in range(1, sc.server.rounds + 1):
         results = []
         weights = {k: torch.from_numpy(v) for k, v in glob.items()}
@@ -112,7 +114,8 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
         glob = aggregate_partial(glob, results)
         updates += len(results)
         stamps.append(time.time())
-    return {"stamps": stamps, "updates": updates, "model": _digest(glob)}
+        cpu.append(time.process_time())
+    return {"stamps": stamps, "cpu": cpu, "updates": updates, "model": _digest(glob)}
 
 
 def worker_run(sc, spawned: float) -> dict:
@@ -122,7 +125,8 @@ def worker_run(sc, spawned: float) -> dict:
     from fedelastic.fl.runner import run_scenario
 
     stamps: list[float] = []
-    run_dir = run_scenario(sc, progress=lambda row: stamps.append(time.time()))
+    cpu: list[float] = []
+    run_dir = run_scenario(sc, progress=lambda row: (stamps.append(time.time()), cpu.append(time.process_time())))
     clients = pd.read_parquet(run_dir / "clients.parquet").drop(columns=["host_wall_s"])
     rounds = pd.read_parquet(run_dir / "rounds.parquet").drop(columns=["host_wall_s"])
     model = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
@@ -130,6 +134,7 @@ def worker_run(sc, spawned: float) -> dict:
                             + pd.util.hash_pandas_object(rounds).values.tobytes()).hexdigest()  # fmt: skip
     return {
         "stamps": stamps,
+        "cpu": cpu,
         "updates": int((clients.steps > 0).sum()),
         "model": _digest({k: v.numpy() for k, v in model.items()}),
         "tables": tables,
@@ -158,7 +163,7 @@ def run_one(variant: str, tmp: str, tag: str) -> dict:
         sys.stderr.write(log.read_text()[-4000:])
         raise SystemExit(f"{variant} failed (rc {proc.returncode}); log above")
     out = json.loads(result.read_text())
-    s = out.pop("stamps")
+    s, c = out.pop("stamps"), out.pop("cpu")
     rounds = [b - a for a, b in zip(s, s[1:])]
     out.update(
         variant=variant,
@@ -169,6 +174,8 @@ def run_one(variant: str, tmp: str, tag: str) -> dict:
         steady_upd_per_s=out["updates"] * (len(rounds) - 1) / len(rounds) / sum(rounds[1:]),
         process_wall_s=wall,
         tree_cpu_s=cpu,
+        # the driver process's own CPU in the training phase: all of the work for one-process variants
+        training_upd_per_driver_cpu_s=out["updates"] / (c[-1] - c[0]),
     )
     return out
 
@@ -226,7 +233,8 @@ def summary(runs: list[dict]) -> dict:
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
-    keys = ("training_upd_per_s", "steady_upd_per_s", "startup_s", "process_wall_s", "tree_cpu_s")
+    keys = ("training_upd_per_s", "steady_upd_per_s", "startup_s", "process_wall_s", "tree_cpu_s",
+            "training_upd_per_driver_cpu_s")  # fmt: skip
     out = {v: {k: float(np.median([r[k] for r in rs])) for k in keys} for v, rs in by.items()}
     fl = [r for r in runs if "tables" in r]
     out["_checks"] = {
@@ -240,16 +248,19 @@ def summary(runs: list[dict]) -> dict:
 
 def table(s: dict) -> str:
     ref = s.get("torch", {}).get("training_upd_per_s", float("nan"))
+    cref = s.get("torch", {}).get("training_upd_per_driver_cpu_s", float("nan"))
     rows = [
-        "| variant | training upd/s (median) | x torch loop | steady upd/s | start-up s | process wall s | tree CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | training upd/s (median) | x torch loop | steady upd/s | start-up s | process wall s | tree CPU s "
+        "| upd per driver CPU s (x torch loop) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, m in s.items():
         if v.startswith("_"):
             continue
         rows.append(
             f"| {v} | {m['training_upd_per_s']:.0f} | {m['training_upd_per_s'] / ref:.2f} | {m['steady_upd_per_s']:.0f} "
-            f"| {m['startup_s']:.1f} | {m['process_wall_s']:.1f} | {m['tree_cpu_s']:.1f} |"
+            f"| {m['startup_s']:.1f} | {m['process_wall_s']:.1f} | {m['tree_cpu_s']:.1f} "
+            f"| {m['training_upd_per_driver_cpu_s']:.0f} ({m['training_upd_per_driver_cpu_s'] / cref:.2f}) |"
         )
     return "\n".join(rows + ["", *(f"- {k}: {v}" for k, v in s["_checks"].items())])
 
