@@ -241,7 +241,8 @@ def summary(runs: list[dict]) -> dict:
         "fedelastic tables identical across modes and runs": len({r["tables"] for r in fl}) <= 1,
         "final model identical (bare and every fedelastic run)": len(
             {r["model"] for r in runs if r["variant"] != "torch"}
-        ) <= 1,
+        )
+        <= 1,
     }
     return out
 

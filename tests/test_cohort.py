@@ -59,7 +59,10 @@ def test_cohorts_give_byte_identical_tables_and_model(make_scenario):
     clients = cohort[0]
     assert len(clients) == 12 and clients.partition_id.nunique() > 4  # samples differ per round
     again = clients[clients.partition_id.duplicated(keep=False)].sort_values("round")
-    assert len(again) and (again.groupby("partition_id").emulated_overhead_time_s.apply(lambda s: (s.iloc[1:] == 0).all())).all()
+    assert (
+        len(again)
+        and (again.groupby("partition_id").emulated_overhead_time_s.apply(lambda s: (s.iloc[1:] == 0).all())).all()
+    )
 
 
 def test_cohorts_keep_deadline_plans_and_too_slow_replies(make_scenario):
@@ -114,7 +117,9 @@ def test_clients_are_shared_longest_first_to_the_least_loaded_cohort(make_scenar
     steps = [len(env.data.client(p)) for p in range(6)]  # batch 1, one epoch: one step per sample
     arrays = ArrayRecord()
     msgs = [
-        Message(RecordDict({"arrays": arrays, "config": ConfigRecord()}), message_type=MessageType.TRAIN, dst_node_id=p + 1)
+        Message(
+            RecordDict({"arrays": arrays, "config": ConfigRecord()}), message_type=MessageType.TRAIN, dst_node_id=p + 1
+        )
         for p in range(6)
     ]
     chunks = grid._chunks(list(range(6)), msgs)

@@ -86,10 +86,11 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             try:
                 if isinstance(result, Exception):
                     raise result
-                finished.append((j, reply_content(env, jobs[j], result)))
+                reply: RecordDict | Exception = reply_content(env, jobs[j], result)
             except Exception as exc:  # noqa: BLE001 (this client's failure)
-                finished.append((j, exc))
-            progress[0] = time.monotonic()
+                reply = exc
+            progress[0] = time.monotonic()  # before the result shows: a watchdog that sees it sees the new start
+            finished.append((j, reply))
             return not cancelled.is_set()
 
         def work(model: torch.nn.Module) -> None:
@@ -116,7 +117,9 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 put(where[j], result)
         if abandoned:  # the rest go back unrun
             status[where[done]] = TIMEOUT
-            reasons[where[done]] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
+            reasons[where[done]] = (
+                f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
+            )
     out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
     return Message(content=out, reply_to=msg)
 
@@ -185,13 +188,19 @@ class CohortGrid(Grid):
         """The partition of a virtual node; the first query also checks (and warms up) every cohort node."""
         if not self.queried:
             real = [
-                Message(content=RecordDict({"cohort": ConfigRecord({"warm-up": True})}), message_type=MessageType.QUERY, dst_node_id=n)
+                Message(
+                    content=RecordDict({"cohort": ConfigRecord({"warm-up": True})}),
+                    message_type=MessageType.QUERY,
+                    dst_node_id=n,
+                )
                 for n in self.real
             ]
             got = list(self.grid.send_and_receive(real, timeout=timeout))
             for reply in got:
                 if reply.has_error():
-                    raise RuntimeError(f"node {reply.metadata.src_node_id} failed the start-up query: {reply.error.reason}")
+                    raise RuntimeError(
+                        f"node {reply.metadata.src_node_id} failed the start-up query: {reply.error.reason}"
+                    )
             if len(got) != len(real):
                 raise RuntimeError(f"{len(got)} of {len(real)} nodes answered the start-up query")
             self.queried = True
@@ -227,7 +236,9 @@ class CohortGrid(Grid):
                 content[f"strategy-state.{j}"] = self.states[pid]
         content["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
         self.sent += 1
-        return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}")
+        return Message(
+            content=content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}"
+        )
 
     def _train(self, trains: list[Message]) -> list[Message]:
         replies: list[Message] = []
@@ -245,13 +256,17 @@ class CohortGrid(Grid):
                         pending.extend(chunk)
                         alone.update(chunk)
                     elif reply is not None:
-                        replies.append(Message(Error(code=reply.error.code, reason=reply.error.reason), reply_to=trains[chunk[0]]))
+                        replies.append(
+                            Message(Error(code=reply.error.code, reason=reply.error.reason), reply_to=trains[chunk[0]])
+                        )
                     continue  # no reply at all: the server records the timeout
                 head = reply.content["cohort"]
                 for j, i in enumerate(chunk):
                     state, reason = head["status"][j], head["reasons"][j]
                     if state == DONE:
-                        member = RecordDict({k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content})
+                        member = RecordDict(
+                            {k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content}
+                        )
                         if "strategy-state" in member:
                             self.states[self.virtual[trains[i].metadata.dst_node_id]] = member["strategy-state"]
                         replies.append(Message(content=member, reply_to=trains[i]))
