@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ from fedelastic.measure import host_memory_available, measure_layers, measure_pe
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
 from fedelastic.profiles import build_profile_dict, measured_by  # noqa: E402
-from fedelastic.trace import import_trace  # noqa: E402
+from fedelastic.trace import MODEL_ALIASES, import_trace, keras_scope, load_trace_events  # noqa: E402
 
 DATE = "2026-11-22"
 KERNEL_DATE = "2026-11-23"
@@ -372,7 +373,112 @@ def held_out_row(pred: CostModel, truth: CostModel, info, sels: list[np.ndarray]
         "layer_weighted_median_abs": weighted_median(np.abs(err), tl.sum(1)),
         "ratio_median_abs": float(np.median(np.abs(p_ratio / t_ratio - 1))),
         "ratio_p90_abs": float(np.percentile(np.abs(p_ratio / t_ratio - 1), 90)),
+        # how much of the step error cancels: per-layer (fwd, dx, dw) time over- and underpredicted
+        "over_s": float(np.clip(pl - tl, 0, None).sum()),
+        "under_s": float(np.clip(tl - pl, 0, None).sum()),
     }
+
+
+def op_rates(data: dict) -> dict:
+    """Per TensorFlow op type, the rate each layer's ops of that type reach in the trace (median step).
+
+    GEMM-like ops: GFLOP/s from the layer's MACs; element-wise and layout ops: GB/s counting one read
+    and one write of the layer's output. Shows which op types run at one rate across layers and
+    models (they can be learned from other models) and which do not.
+    """
+    gemm = {"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MatMul", "MatMul (dX)", "MatMul_1"}
+    moved = {"Transpose", "BiasAdd", "FusedBatchNormV3", "FusedBatchNormGradV3"}
+    out: dict = {}
+    for name, stem in TX2_MODELS.items():
+        info, table = data[MODEL_ALIASES.get(name, name)]
+        events = load_trace_events(TRACES / f"{stem}.trace.json.gz")
+        threads = {
+            (e.get("pid"), e.get("tid")): e.get("args", {}).get("name")
+            for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"
+        }
+        steps = sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("ph") == "X" and threads.get((e["pid"], e["tid"])) == "Steps"
+        )[:-1]
+        scopes = {tuple(keras_scope(ly.name).split("/")): ly for ly in info.layers}
+        per: dict = {}
+        for e in events:
+            if e.get("ph") != "X" or threads.get((e["pid"], e["tid"])) != "TensorFlow Ops":
+                continue
+            if not any(a <= e["ts"] < b for a, b in steps):
+                continue
+            path, _, typ = e["args"]["long_name"].rpartition(":")
+            grad = path.startswith("gradient_tape/")
+            path = re.sub(r"/(MlpBlock_\d+)/[^/]+/encoderblock_\d+/", r"/\1/", path.removeprefix("gradient_tape/"))
+            parts = tuple(path.split("/"))
+            if typ == "MatMul" and grad:  # a Dense's gradient: dX is MatMul, dW is MatMul_1
+                typ = "MatMul_1" if parts[-1] == "MatMul_1" else "MatMul (dX)"
+            if typ not in gemm | moved:
+                continue
+            layer = next(
+                (ly for k in range(len(parts), 0, -1) for i in range(k) if (ly := scopes.get(parts[i:k]))), None
+            )
+            if layer is not None and layer.kind in ("conv", "linear") and layer.groups == 1:
+                key = (typ, layer.name)
+                per[key] = per.get(key, 0.0) + e["dur"] * 1e-6 / len(steps)
+        rates: dict = {}
+        for (typ, lname), t in per.items():
+            ly = next(x for x in info.layers if x.name == lname)
+            work = 2 * table.batch_size * ly.macs / 1e9 if typ in gemm else 8 * table.batch_size * ly.out_numel / 1e9
+            rates.setdefault(typ, []).append((work / t, t, lname))
+        out[name] = {
+            typ: {
+                "unit": "GFLOP/s" if typ in gemm else "GB/s",
+                "weighted_median": weighted_median(np.array([r for r, _, _ in v]), np.array([t for _, t, _ in v])),
+                "min": min(v)[0],
+                "min_layer": min(v)[2],
+                "max": max(v)[0],
+                "max_layer": max(v)[2],
+                "time_s": sum(t for _, t, _ in v),
+                "layers": len(v),
+            }
+            for typ, v in rates.items()
+        }
+    return out
+
+
+def inner_cv(train: list, device) -> dict:
+    """Each training model predicted from a kernel fit on the other one alone (no held-out data used):
+    mean |step error|, time-weighted median per-layer error and median ratio error."""
+    rows = []
+    for k, (info, table) in enumerate(train):
+        other = [train[j] for j in range(len(train)) if j != k]
+        fit = fit_kernels(other, device, max_bandwidth=TX2_DATASHEET_BANDWIDTH, leave_one_out=False)
+        truth = CostModel(info, dataclasses.replace(device, measured={info.model_name: table}), table.batch_size)
+        pred = CostModel(info, kernel_device(device, fit.params), table.batch_size)
+        sels = random_selections(info.num_tensors, 51, np.random.default_rng(13))
+        rows.append(held_out_row(pred, truth, info, sels, table.forward_s + table.backward_s))
+    return {
+        "step_abs": float(np.mean([abs(r["fwd_bwd_err"]) for r in rows])),
+        "layers": float(np.mean([r["layer_weighted_median_abs"] for r in rows])),
+        "ratio": float(np.mean([r["ratio_median_abs"] for r in rows])),
+    }
+
+
+def layer_group(layer) -> str:
+    """What a layer is, for the per-group breakdown of the errors."""
+    if layer.kind == "conv":
+        return "depthwise conv" if layer.groups > 1 else "conv"
+    return {"norm": "norm", "linear": "linear"}.get(layer.kind, "other")
+
+
+def by_kind(pred: CostModel, truth: CostModel, info) -> dict:
+    """Predicted and measured [fwd, dx, dw] seconds summed per layer group."""
+    pl, tl = layer_matrix(pred, info), layer_matrix(truth, info)
+    pl[0, 1] = tl[0, 1] = 0.0
+    out: dict = {}
+    for li, layer in enumerate(info.layers):
+        g = out.setdefault(layer_group(layer), {"pred": np.zeros(3), "meas": np.zeros(3)})
+        g["pred"] += pl[li]
+        g["meas"] += tl[li]
+    return {k: {"pred": v["pred"].tolist(), "meas": v["meas"].tolist()} for k, v in out.items()}
 
 
 def host_kernel_section(models: list[dict]) -> dict:
@@ -412,6 +518,9 @@ def tx2_kernel_section(log, n_selections: int = 50) -> dict:
         train = [data[m] for m in names if m != held]
         info, table = data[held]
         kfit = fit_kernels(train, device, max_bandwidth=TX2_DATASHEET_BANDWIDTH, leave_one_out=True)
+        # a candidate: TensorFlow's layout copies priced, if the training traces have them
+        layout_dev = dataclasses.replace(device, layout_transposes=any(t.layout_transposes for _, t in train))
+        lfit = fit_kernels(train, layout_dev, max_bandwidth=TX2_DATASHEET_BANDWIDTH, leave_one_out=False)
         rfit = fit_roofline(train, device, max_peak_eff=device.peak_flops.value, max_bandwidth=59.7e9)
         truth_dev = dataclasses.replace(device, measured={held: table})
         truth = CostModel(info, truth_dev, table.batch_size)
@@ -431,11 +540,29 @@ def tx2_kernel_section(log, n_selections: int = 50) -> dict:
                 "in_sample_total_err": ofit.total_rel_err,
             }
         other_objectives["sym"] = {"fwd_bwd_err": None, "in_sample_total_err": kfit.total_rel_err}
+        with_layout = CostModel(info, kernel_device(layout_dev, lfit.params), table.batch_size)
         rows[held] = {
             "fitted_on": [m for m in names if m != held],
             "objectives": other_objectives,
             "kernel": {**held_out_row(kern, truth, info, sels, meas), "uncertainty": kfit.uncertainty},
             "kernel_fit": dataclasses.asdict(kfit),
+            # the candidate (layout copies) and the adopted pricing, by the two in-sample criteria: the
+            # fit's objective on the training tables, and the training models predicting each other
+            "candidates": {
+                "plain": {
+                    "objective_value": kfit.objective_value,
+                    "in_sample_weighted_median": kfit.weighted_median_rel_err,
+                    "inner": inner_cv(train, device),
+                    "held_out": held_out_row(kern, truth, info, sels, meas),
+                },
+                "layout": {
+                    "objective_value": lfit.objective_value,
+                    "in_sample_weighted_median": lfit.weighted_median_rel_err,
+                    "inner": inner_cv(train, layout_dev),
+                    "held_out": held_out_row(with_layout, truth, info, sels, meas),
+                },
+            },
+            "by_kind": by_kind(kern, truth, info),
             "roofline": held_out_row(roof, truth, info, sels, meas),
             "fedscale_3x_fwd_err": fwd3 / meas - 1,
             "fedscale_3x_ratio_median_abs": float(
@@ -764,6 +891,51 @@ def kernel_markdown(res: dict, command: str) -> str:
             f"{pct(o[k]['fwd_bwd_err'], True)} ({pct(o[k]['in_sample_total_err'], True)})" for k in ("time", "log")
         ]
         lines.append(f"| {held} | {sym} | " + " | ".join(cells) + " |")
+    if all("candidates" in r for r in tx2.values()):
+        lines += [
+            "",
+            "A candidate change, judged in-sample: layout copies (profile key `layout_transposes`). TensorFlow's "
+            "layout optimizer copies every conv's output between NHWC and NCHW in the forward, the output "
+            "gradient before the filter gradient, and every activation's gradient (the "
+            "`...-LayoutOptimizer:Transpose` ops of the traces); the candidate prices each as a `layout` "
+            "kernel. Two in-sample criteria, plain / with copies: the fit's objective on the two training "
+            "tables (always lower with more kernels to absorb time: not a model choice by itself), and the two "
+            "training models predicting each other from a fit on one (inner: mean time-weighted median "
+            "per-layer error, mean |step error|), which is the rule: a change is adopted when it lowers the "
+            "inner per-layer error averaged over the three folds. The held-out columns are for the record.",
+            "",
+            "| held out | objective | inner: layers | inner: step | held-out: step | held-out: layers | held-out: ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for held, r in tx2.items():
+            p, c = r["candidates"]["plain"], r["candidates"]["layout"]
+            lines.append(
+                f"| {held} | {p['objective_value']:.1f} / {c['objective_value']:.1f} | "
+                f"{pct(p['inner']['layers'])} / {pct(c['inner']['layers'])} | "
+                f"{pct(p['inner']['step_abs'])} / {pct(c['inner']['step_abs'])} | "
+                f"{pct(p['held_out']['fwd_bwd_err'], True)} / {pct(c['held_out']['fwd_bwd_err'], True)} | "
+                f"{pct(p['held_out']['layer_weighted_median_abs'])} / {pct(c['held_out']['layer_weighted_median_abs'])} | "
+                f"{pct(p['held_out']['ratio_median_abs'])} / {pct(c['held_out']['ratio_median_abs'])} |"
+            )
+        mean = {k: np.mean([r["candidates"][k]["inner"]["layers"] for r in tx2.values()]) for k in ("plain", "layout")}
+        lines += [
+            "",
+            f"Inner per-layer error averaged over the folds: plain {pct(mean['plain'])}, with copies "
+            f"{pct(mean['layout'])}: {'lower, so the rule adopts it (the rows above still use the plain pricing)' if mean['layout'] < mean['plain'] else 'higher, so it is not adopted (the rows above use the plain pricing)'}.",
+        ]
+    if all("by_kind" in r for r in tx2.values()):
+        lines += [
+            "",
+            "Where the held-out per-layer error sits (kernel model, ms per step summed over each group of layers: "
+            "predicted / measured, forward, dX, dW; a layer's forward and dX hold the weightless ops just below it):",
+            "",
+            "| held out | layers | fwd | dX | dW |",
+            "|---|---|---|---|---|",
+        ]
+        for held, r in tx2.items():
+            for group, v in sorted(r["by_kind"].items(), key=lambda kv: -sum(kv[1]["meas"])):
+                cells = [f"{p * 1e3:.1f} / {m * 1e3:.1f}" for p, m in zip(v["pred"], v["meas"])]
+                lines.append(f"| {held} | {group} | " + " | ".join(cells) + " |")
     host = res.get("host_kernels") or {}
     if host:
         lines += [
@@ -773,7 +945,13 @@ def kernel_markdown(res: dict, command: str) -> str:
             "The host models of the section above (`profile measure` tables, medians over rounds; real steps of "
             "31 random selections, full training first); each held-out model predicted from a fit on the other two. "
             "Step: full training, optimizer included. Selections: median / p90 |error| of the step time over all "
-            "selections. Ratio: median |error| of selection / full.",
+            "selections. Ratio: median |error| of selection / full."
+            + (
+                " (This run was `--skip-host`: the rows are the previous run's, kept in the raw numbers; nothing "
+                "the host rows use changed since.)"
+                if res.get("host_kernels_reused")
+                else ""
+            ),
             "",
             "| held out | kernel: step (band) | kernel: selections | kernel: ratio | roofline: step | roofline: selections "
             "| roofline: ratio | 3 x training fwd: step |",
@@ -875,7 +1053,6 @@ def kernel_discussion(res: dict) -> str:
     beats = which(lambda r: abs(r["kernel"]["fwd_bwd_err"]) < abs(r["fedscale_3x_fwd_err"]))
     ratio_ok = which(lambda r: r["kernel"]["ratio_median_abs"] <= 0.10)
     layers_ok = which(lambda r: r["kernel"]["layer_weighted_median_abs"] < 0.25)
-    mob = tx2.get("mobilenetv2", {}).get("kernel", {})
     ratios = [
         r["table_step_s"] / r["real_step_s"] - 1 for h in res["gpu"]["held_out"].values() for r in h["batches"].values()
     ]
@@ -915,20 +1092,116 @@ def kernel_discussion(res: dict) -> str:
     neyman = ", ".join(
         f"{m} {pct(r['objectives']['time']['fwd_bwd_err'], True)}" for m, r in tx2.items() if "objectives" in r
     )
+    cancel = "; ".join(
+        f"{m} {r['kernel']['over_s'] * 1e3:.0f} ms over, {r['kernel']['under_s'] * 1e3:.0f} ms under "
+        f"(net {(r['kernel']['over_s'] - r['kernel']['under_s']) * 1e3:+.0f} ms of {r['kernel']['fwd_bwd_meas_s'] * 1e3:.0f})"
+        for m, r in tx2.items()
+    )
+    rates = res.get("tx2_op_rates") or {}
+    in_fit = [r["kernel_fit"]["weighted_median_rel_err"] for r in tx2.values()]
+
+    def rate(model: str, op: str, key: str = "weighted_median") -> float:
+        return float(rates.get(model, {}).get(op, {}).get(key, float("nan")))
+
+    def group(model: str, kind: str, phase: int, which: str) -> float:
+        return 1e3 * float(tx2.get(model, {}).get("by_kind", {}).get(kind, {}).get(which, [float("nan")] * 3)[phase])
+
+    rc = rates.get("resnet50", {}).get("Conv2D", {})
+    mob_fit = tx2.get("mobilenetv2", {}).get("kernel_fit", {}).get("params", {})
+    dx_bw = mob_fit.get("gemm_dx", [0, float("nan")])[1] / 1e9
+    dw_ovh = mob_fit.get("gemm_dw", [0, 0, float("nan")])[2] * 1e6
+    launch_us = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml").launch_overhead_s.value * 1e6
+    vit = tx2.get("vit_b16", {})
+    ln_share = sum(vit.get("by_kind", {}).get("norm", {}).get("meas", [float("nan")])) / vit.get("kernel", {}).get(
+        "fwd_bwd_meas_s", float("nan")
+    )
+    widths = [p[3] for r in tx2.values() for c, p in r["kernel_fit"]["params"].items() if c.startswith("gemm")] or [
+        float("nan")
+    ]
+    consistency = max(abs(r["truth_consistency"]) for r in tx2.values())
+    cand = [r.get("candidates") for r in tx2.values()]
+    if all(cand):
+        inner = {k: float(np.mean([c[k]["inner"]["layers"] for c in cand])) for k in ("plain", "layout")}
+        layout_line = (
+            f"the in-sample fit objective drops with them in every fold, but the rule (the training models "
+            f"predicting each other) says they do not transfer: inner per-layer error {inner['plain']:.0%} plain vs "
+            f"{inner['layout']:.0%} with copies, averaged over the folds, so the kernel rows stay plain"
+        )
+    else:
+        layout_line = "not evaluated in this run"
     return f"""\
 Findings (the issue's goal is met only in part):
 
 - TX2, held out: step within 15% for {step_ok}; better than 3 x forward for {beats}; speedup
   ratio within 10% for {ratio_ok}; per-layer time-weighted median under 25% for {layers_ok}.
   The step goal is met through errors that cancel over a step, not through per-layer accuracy
-  (time-weighted median per-layer errors {min(layer_errs):.0%}-{max(layer_errs):.0%}). MobileNetV2
-  ({pct(mob.get("fwd_bwd_err", 0), True)} on the step) shows it most: neither training model has a
-  depthwise conv, so its depthwise classes fall back to the element-wise and reduction classes fitted on
-  ResNet-50 and ViT-B/16, TensorFlow's depthwise kernels on the TX2 (the backprop-filter kernel alone is
-  40 ms of the 230 ms step) run far below those, and the overpredicted pointwise convs and norms make up
-  for it in the sum; its speedup ratio, which depends on where the time sits, is {mob_ratio:.0%} off.
-  Per-layer errors also come from TensorFlow's fusion (BN + add + ReLU in one op in some layers,
-  LayerNorm as a chain of small ops), which ModelInfo does not see.
+  (time-weighted median per-layer errors {min(layer_errs):.0%}-{max(layer_errs):.0%}); summed per-layer
+  over- and underprediction: {cancel}. On their own two training models the same fits reach
+  time-weighted median errors of {min(in_fit):.0%}-{max(in_fit):.0%} per entry (layer x fwd/dx/dw, stricter
+  than per layer): the gap to the held-out model is transfer, not the capacity of the classes.
+- Where the per-layer error comes from (diagnosis on the three traces; the tables above and
+  `op_rates` in the raw numbers, which times every TensorFlow op type per layer):
+  - Not the attribution: the importer charges every op of the step to a layer (the layer entries hold
+    forward + backward to within {consistency:.1%}); TensorFlow's fusions (ResNet-50's BN + add + ReLU
+    in one `_FusedBatchNormEx` in the BN's scope) move time between neighbouring layers only.
+  - Weight gradients of convolutions and of matrix products run at different rates, and one `gemm_dw`
+    class holds both. A Dense layer's weight gradient (`MatMul_1`) is its fastest kernel on the TX2
+    ({rate("vit_b16", "MatMul_1"):.0f} GFLOP/s vs {rate("vit_b16", "MatMul"):.0f} forward, ViT-B/16), a
+    conv's filter gradient its slowest (`Conv2DBackpropFilter` {rate("resnet50", "Conv2DBackpropFilter"):.0f}
+    vs `Conv2D` {rate("resnet50", "Conv2D"):.0f} GFLOP/s in ResNet-50, {rate("mobilenetv2", "Conv2DBackpropFilter"):.0f}
+    vs {rate("mobilenetv2", "Conv2D"):.0f} in MobileNetV2; time-weighted medians over layers). Held out,
+    ViT-B/16's linear dW is predicted {group("vit_b16", "linear", 2, "pred"):.0f} ms vs
+    {group("vit_b16", "linear", 2, "meas"):.0f} measured (the class learned from two CNNs) and ResNet-50's
+    conv dW {group("resnet50", "conv", 2, "pred"):.0f} vs {group("resnet50", "conv", 2, "meas"):.0f} ms. The
+    speedup ratio depends on the dW share, so this is also the ratio error of ViT-B/16.
+  - Conv efficiency depends on the shape in ways the two other models do not span: within ResNet-50,
+    `Conv2D` runs from {rc.get("min", float("nan")):.0f} GFLOP/s ({rc.get("min_layer", "?")}, a 3x3 conv on a 7x7 map)
+    to {rc.get("max", float("nan")):.0f} ({rc.get("max_layer", "?")}, 56x56), and its largest layers
+    (conv5's 3x3 convs) sit at the slow end, so they drive the time-weighted median. The fitted
+    saturating widths of the GEMM classes stay at or below {max(widths):.3g} output elements in every fold,
+    far below those layers' 1e5 outputs: in MobileNetV2's and ViT-B/16's tables large kernels are not
+    faster, so the curve is flat where ResNet-50 drops.
+  - The fit is underdetermined (four numbers per class from two models), so its class parameters
+    absorb the training models' shapes instead of describing kernels: fitted without MobileNetV2,
+    `gemm_dw` gets a {dw_ovh:.0f} us overhead per kernel on top of the {launch_us:.0f} us launch (`gemm_dx`:
+    {dx_bw:.1f} GB/s), and MobileNetV2's pointwise-conv dX comes out at
+    {group("mobilenetv2", "conv", 1, "pred"):.0f} ms vs {group("mobilenetv2", "conv", 1, "meas"):.0f} measured.
+  - MobileNetV2's depthwise kernels have no counterpart in the other two models: held out, depthwise
+    dX {group("mobilenetv2", "depthwise conv", 1, "pred"):.0f} ms predicted vs
+    {group("mobilenetv2", "depthwise conv", 1, "meas"):.0f} measured, dW {group("mobilenetv2", "depthwise conv", 2, "pred"):.0f}
+    vs {group("mobilenetv2", "depthwise conv", 2, "meas"):.0f} ms (the classes fall back to element-wise and
+    reduction rates); the overpredicted pointwise convs and norms make up for it in the step, not in
+    the ratio ({mob_ratio:.0%} off).
+  - ViT-B/16's LayerNorms are a chain of small element-wise ops in TensorFlow: norm forward
+    {group("vit_b16", "norm", 0, "pred"):.0f} ms predicted vs {group("vit_b16", "norm", 0, "meas"):.0f} measured,
+    dX {group("vit_b16", "norm", 1, "pred"):.0f} vs {group("vit_b16", "norm", 1, "meas"):.0f} ms ({ln_share:.0%} of its
+    forward + backward: not what drives its median).
+  - What does transfer: memory-bound ops run at one rate across layers and models (layout transposes
+    {rate("resnet50", "Transpose"):.1f} GB/s in ResNet-50 and {rate("mobilenetv2", "Transpose"):.1f} in
+    MobileNetV2, counting one read and one write of the output).
+- Changes tried against these causes, each judged in-sample only (never by the held-out rows):
+  layout copies priced as `layout` kernels (table above): {layout_line}. In development runs
+  (not reproduced by this command; same folds and rule): one class family per library (`matmul_*`
+  classes for linear layers and attention matmuls, falling back to `gemm_*`) gave an inner per-layer error
+  of 56% vs 51% plain (mean over folds; the ResNet-50 fold 65% vs 70%, MobileNetV2 54% vs 32%, ViT-B/16
+  50% vs 50%): the conv family is then learned from one model's convs (MobileNetV2's small pointwise
+  convs, for a held-out ResNet-50) and the matmul family from two classifier heads (for a held-out
+  ViT-B/16), too narrow to transfer; not adopted (held out, for the record: ResNet-50 +60% step).
+  A class of its own for per-sample norms (LayerNorm computes statistics; a frozen BatchNorm is an affine
+  map): inner per-layer error 52% vs 51% (ResNet-50 fold 75% vs 70%, MobileNetV2 31% vs 32%, ViT-B/16
+  50% vs 50%; development run): not adopted.
+  One overhead shared by all classes (the launch cost is the runtime's, not the kernel's), against the
+  fitted {dw_ovh:.0f} us of `gemm_dw` above: inner per-layer error 52% vs 51% plain (development run, the same
+  rule): not adopted. A bound of 100 us on the per-class overheads raised the in-sample time-weighted
+  error in every fold (11.2% -> 12.2%, 17.6% -> 18.3%, 25.2% -> 25.6%; development run): not adopted. The fit now starts from
+  two saturating widths and keeps the lower objective (`fedelastic.fit.WIDTH_STARTS`): a better optimum of
+  the same model on the same training tables, so no model choice; before it, in the first run of this
+  session, the kernel rows read resnet50 +8.3% / 49.6% / 6.1%, mobilenetv2 -2.6% / 67.6% / 27.2%, vit_b16
+  +7.1% / 36.8% / 13.4% (step / layers / ratio): only the fold without MobileNetV2 found a lower
+  objective (47.6 -> 45.0), and on the held-out MobileNetV2 that optimum is worse in the speedup ratio
+  (27% -> 37%); a better fit of two models is no promise for a third.
+  So the per-layer and ratio goals stay unmet, and the cause is a finding, not a tuning gap: with two
+  training models, each fold lacks the op family or the shapes that carry the held-out model's time.
 - The fit objective matters as much as the kernel classes: with the single roofline's residual
   (`time`, Neyman's chi-square) the held-out steps are {neyman}. We switched to `sym` because
   its in-sample totals are the least biased, a criterion that uses no held-out data, but we made the
@@ -938,7 +1211,10 @@ Findings (the issue's goal is met only in part):
   random selections' steps within {host_sel:.0%} (median); it is closer than the single roofline on
   the full step for {host_better_step} of {len(host)} models and on the selections for
   {host_better_sel}; speedup-ratio errors are {host_ratio[0]:.0%}-{host_ratio[1]:.0%}. These CPU
-  timings move by several percent from run to run on the shared machine.
+  timings move from run to run on the shared machine: between the previous run of this section and the
+  one of 2026-11-23 05:02 UTC (busier: one measurement round took 42 s instead of 13 s) the single
+  roofline's rows, whose code did not change, moved as much as the kernel rows (mcu_net roofline ratio
+  error 13.8% -> 51.5%, mobilenetv2 roofline step -30.6% -> -38.9%).
 - H100: the kernel-aware fit is closer than the single roofline in only {gpu_better} of {gpu_cells}
   (model, batch) cells of the two datasets above; on this GPU it does not pay off, for the reasons below.
 - H100: eager PyTorch fp32 on a GPU this fast is bound by the CPU that launches kernels up to batch
@@ -1089,20 +1365,28 @@ def kernel_main(args) -> int:
         res = json.loads(args.from_json.read_text())
         if "gpu_elastic_kernel" not in res and GPU_ELASTIC_KERNEL.exists():  # files only: nothing to refit
             res["gpu_elastic_kernel"] = gpu_elastic_kernel()
+        if "tx2_op_rates" not in res:  # trace reading only: nothing to refit
+            res["tx2_op_rates"] = op_rates(tx2_data(log))
+            out.write_text(json.dumps(res, indent=1, default=float))
     else:
         res = {"date": KERNEL_DATE, "out": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)}
         if not args.skip_host:
             rounds = args.rounds or 3
             host = [host_model(m, rounds, args.selections, 0, log) for m in (args.models or list(HOST_MODELS))]
             res["host_kernels"] = host_kernel_section(host)
+        elif out.exists():  # the host timings take minutes on a shared machine: keep the last run's
+            res["host_kernels"] = json.loads(out.read_text()).get("host_kernels", {})
+            res["host_kernels_reused"] = True
+        res["command"] = "python benchmarks/fidelity.py --kernel-aware" + (" --skip-host" if args.skip_host else "")
         res["tx2_kernels"] = tx2_kernel_section(log)
+        res["tx2_op_rates"] = op_rates(tx2_data(log))
         res["gpu"] = gpu_section(log) if (GPU_DATA / "gpu_env.json").exists() else {}
         res["gpu_fp32"] = gpu_section(log, GPU_DATA_FP32) if (GPU_DATA_FP32 / "gpu_env.json").exists() else {}
         res["gpu_elastic_kernel"] = gpu_elastic_kernel() if GPU_ELASTIC_KERNEL.exists() else {}
         res["wall_s"] = time.perf_counter() - start
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1, default=float))
-    text = kernel_markdown(res, "python benchmarks/fidelity.py --kernel-aware")
+    text = kernel_markdown(res, res.get("command", "python benchmarks/fidelity.py --kernel-aware"))
     print(text)
     if not args.no_write:
         write_section(ROOT / "benchmarks" / "RESULTS.md", text, KERNEL_HEAD)

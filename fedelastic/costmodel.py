@@ -172,6 +172,7 @@ class CostModel:
             rows.append((slot, idx, cls_id[cls], flops, elements * e, outputs))
 
         first_tensor = info.layer_first_tensor()
+        transposes = bool(device.kernels) and device.layout_transposes
         for layer in info.layers:
             ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
             wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
@@ -180,6 +181,8 @@ class CostModel:
                 kind = "depthwise" if layer.groups > 1 else "gemm"
                 add(_FWD, first, f"{kind}_fwd", 2 * macs, ins + outs + wsize, outs)
                 add(_DX, first, f"{kind}_dx", 2 * macs, ins + outs + wsize, ins)
+                if transposes and layer.kind == "conv":  # its output back to the framework's layout
+                    add(_FWD, first, "layout", 0.0, 2 * outs, outs)
             else:  # norms and other elementwise owners
                 add(_FWD, first, "eltwise", 4 * outs, ins + outs, outs)
                 add(_DX, first, "eltwise", 8 * outs, ins + 2 * outs, ins)
@@ -188,6 +191,8 @@ class CostModel:
                 if role == "weight":
                     cls = "depthwise_dw" if layer.groups > 1 else "gemm_dw"
                     add(_DW, k, cls, 2 * macs, ins + outs + size, size)
+                    if transposes and layer.kind == "conv":  # the output gradient into the conv's layout
+                        add(_DW, k, "layout", 0.0, 2 * outs, outs)
                     self.tensor_macs[k] = macs
                 elif role == "norm_weight":
                     add(_DW, k, "reduce", 2 * outs, 2 * outs, size)
@@ -201,6 +206,8 @@ class CostModel:
             add(_OPS, min(op.above, nl), "eltwise", out_n, in_n + out_n, out_n)
             if op.above < nl:
                 add(_DX, int(first_tensor[op.above]), "eltwise", out_n, in_n + out_n, in_n)
+                if transposes and op.kind == "mask":  # an activation's gradient, back to the framework's layout
+                    add(_DX, int(first_tensor[op.above]), "layout", 0.0, 2 * in_n, in_n)
         # functional ops (residual adds, attention cores...): priced only by kernel-aware profiles,
         # so that a v1 profile's fitted roofline keeps the meaning it was fitted with
         for fn in info.functional if device.kernels else ():

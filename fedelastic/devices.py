@@ -89,6 +89,7 @@ class MeasuredTable:
     backward_s: float = 0.0
     other_s: float = 0.0
     n_steps: int = 0
+    layout_transposes: bool = False  # imported from a trace with layout transposes (TensorFlow's layout optimizer)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class DeviceProfile:
     path: str = ""
     kernels: dict[str, KernelClass] = field(default_factory=dict)
     uncertainty: Quantity | None = None  # relative 1-sigma error of a roofline-priced step time
+    #: the framework copies convolution activations between memory layouts (TensorFlow's layout
+    #: optimizer on a GPU: NHWC <-> NCHW around every conv); priced by kernel-aware profiles only
+    layout_transposes: bool = False
 
     @property
     def bytes_per_element(self) -> int:
@@ -169,7 +173,17 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
 }
 _OPTIONAL_SECTIONS = ("availability", "uncertainty")
 _KERNEL_KEYS = {"efficiency": "ratio", "bandwidth": "bandwidth", "overhead": "time", "width": "count"}
-_TOP_KEYS = {"schema_version", "name", "display_name", "device_class", "train_dtype", "notes", "measured", "kernels"}
+_TOP_KEYS = {
+    "schema_version",
+    "name",
+    "display_name",
+    "device_class",
+    "train_dtype",
+    "notes",
+    "measured",
+    "kernels",
+    "layout_transposes",
+}
 
 
 def _check_unknown(src: str, where: str, got: dict, allowed: set[str]) -> None:
@@ -275,7 +289,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
     if raw.get("schema_version") not in SCHEMA_VERSIONS:
         raise ConfigError(src, "schema_version", f"one of {list(SCHEMA_VERSIONS)}", raw.get("schema_version"))
     if raw["schema_version"] == 1:
-        for key in ("kernels", "uncertainty"):
+        for key in ("kernels", "uncertainty", "layout_transposes"):
             if key in raw:
                 raise ConfigError(src, key, "schema_version = 2 (this section is new in v2)", raw["schema_version"])
     for key in ("name", "display_name", "device_class", "train_dtype"):
@@ -283,6 +297,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
             raise ConfigError(src, key, "a non-empty string", raw.get(key))
     if stem is not None and raw["name"] != stem:
         raise ConfigError(src, "name", f"the file name without .toml ({stem!r})", raw["name"])
+    if not isinstance(raw.get("layout_transposes", False), bool):
+        raise ConfigError(src, "layout_transposes", "true or false", raw["layout_transposes"])
     if raw["device_class"] not in DEVICE_CLASSES:
         raise ConfigError(src, "device_class", f"one of {list(DEVICE_CLASSES)}", raw["device_class"])
     if raw["train_dtype"] not in DTYPES:
@@ -347,6 +363,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         path=src,
         kernels=_kernels(src, raw["kernels"]) if "kernels" in raw else {},
         uncertainty=q.get("uncertainty.step"),
+        layout_transposes=raw.get("layout_transposes", False),
     )
 
 

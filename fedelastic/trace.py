@@ -67,7 +67,7 @@ import gzip
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ _DW = re.compile(
     r"|^(Sum|Slice):"  # class token: its slice of the concat gradient, summed over the batch
 )
 _BN_GRAD = re.compile(r"FusedBatchNormGrad")
+_LAYOUT_COPY = "LayoutOptimizer"  # in the names of the transposes TensorFlow's layout optimizer inserts
 # op types that compute a parameter gradient whatever the layer: every one must have an owner
 _PARAM_GRAD_TYPES = frozenset(
     {
@@ -411,7 +412,8 @@ def _import_tensorflow(
             else:
                 times[s, index[charged], 1] += d
 
-    return _table(model, batch_size, source, names, times, totals, n_steps)
+    table = _table(model, batch_size, source, names, times, totals, n_steps)
+    return replace(table, layout_transposes=any(_LAYOUT_COPY in key[0] for key in cache))
 
 
 def _table(

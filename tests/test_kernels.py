@@ -259,3 +259,95 @@ def test_sdpa_is_one_matmul_and_its_softmax():
     info = describe(Sdpa(), torch.zeros(3, 5, 8))
     # heads 2, tokens 5, head dim 4: q k^T and attn v are 2 x 5 x 5 x 4 MACs each; 2 x 5 x 5 scores
     assert [(f.kind, f.macs, f.out_numel) for f in info.functional] == [("matmul", 400, 40), ("softmax", 0, 50)]
+
+
+def test_layout_transposes_price_a_copy_per_conv_output_and_activation_gradient():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 3, 1))
+    info = describe(model, torch.zeros(1, 1, 4, 4), model_name="convs")
+    base = get_profile("jetson_nano")
+    launch = base.launch_overhead_s.value
+    kernels = {c: _kernel(1.0, 1e3, 0.0) for c in ("gemm_fwd", "gemm_dx", "gemm_dw", "eltwise", "reduce")}
+    kernels["layout"] = _kernel(1.0, 1e2, 7e-6)  # 100 B/s: layout copies are bandwidth-bound
+    plain = dataclasses.replace(base, kernels=kernels, measured={})
+    off, on = CostModel(info, plain, 2), CostModel(info, dataclasses.replace(plain, layout_transposes=True), 2)
+    b, e = 2, 4
+
+    def copy(elements):  # read and write every element once
+        return 2 * elements * b * e / 1e2 + launch + 7e-6
+
+    # conv 0 (2 x 4 x 4 outputs): its output in the forward, its output gradient before the filter gradient
+    assert on.t_fwd[0] - off.t_fwd[0] == pytest.approx(copy(32))
+    assert on.t_dw[0] - off.t_dw[0] == pytest.approx(copy(32))
+    assert on.t_dw[1] == pytest.approx(off.t_dw[1])  # the bias gradient reads the gradient as it is
+    # conv 1 (3 x 4 x 4 outputs) forward; its dx also carries the ReLU's gradient copy (2 x 4 x 4 elements)
+    assert on.t_fwd[2] - off.t_fwd[2] == pytest.approx(copy(48))
+    assert on.t_dx[2] - off.t_dx[2] == pytest.approx(copy(32))
+    assert on.t_dx[0] == pytest.approx(off.t_dx[0])
+    # a v1 profile (no kernel classes) keeps its fitted meaning: no copies priced
+    v1 = dataclasses.replace(base, measured={})
+    assert CostModel(info, dataclasses.replace(v1, layout_transposes=True), 2).t_fwd[0] == pytest.approx(
+        CostModel(info, v1, 2).t_fwd[0]
+    )
+
+
+def test_layout_transposes_key_loads_in_v2_only(tmp_path, profile_raw):
+    from fedelastic.devices import load_profile
+
+    good = {
+        "efficiency": _q(0.5, "1"),
+        "bandwidth": _q(10, "GB/s"),
+        "overhead": _q(3, "us"),
+        "width": _q(0, "elements"),
+    }
+    path = _write_v2(tmp_path, {**profile_raw, "layout_transposes": True}, {"layout": good})
+    assert load_profile(path).layout_transposes
+    assert not load_profile(_write_v2(tmp_path, profile_raw, {"layout": good})).layout_transposes
+    with pytest.raises(ConfigError) as info:
+        load_profile(_write_v2(tmp_path, {**profile_raw, "layout_transposes": "yes"}, {"layout": good}))
+    assert info.value.key == "layout_transposes"
+    raw = {k: v for k, v in profile_raw.items()}
+    raw.update(layout_transposes=True, schema_version=1)
+    import tomli_w
+
+    path = tmp_path / f"{raw['name']}.toml"
+    path.write_text(tomli_w.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        load_profile(path)
+    assert info.value.key == "layout_transposes"
+
+
+def test_fit_reports_its_objective():
+    base = dataclasses.replace(get_profile("jetson_nano"), measured={})
+    truth = {
+        c: (0.5 * base.peak_flops.value, 4e9, 10e-6, 0.0)
+        for c in ("gemm_fwd", "gemm_dx", "gemm_dw", "eltwise", "reduce")
+    }
+    dev = kernel_device(base, truth)
+    info = describe(small_cnn(width=8), torch.zeros(1, 1, 16, 16), model_name="small_cnn")
+    exact = fit_kernels(
+        [(info, _synthetic_table(info, dev, b)) for b in (1, 8)], base, max_bandwidth=20e9, leave_one_out=False
+    )
+    # tables doubled in time cannot all be fitted as well as the model's own, up to the prior's pull
+    skewed = MeasuredTable(
+        8, "t", {k: LayerTiming(2 * v.fwd_s, v.dx_s, v.dw_s) for k, v in _synthetic_table(info, dev, 8).layers.items()}
+    )
+    worse = fit_kernels(
+        [(info, _synthetic_table(info, dev, 1)), (info, skewed)], base, max_bandwidth=20e9, leave_one_out=False
+    )
+    assert 0 <= exact.objective_value < worse.objective_value
+
+
+def test_fit_keeps_the_better_of_its_width_starts(monkeypatch):
+    import fedelastic.fit as fit_module
+
+    base = dataclasses.replace(get_profile("jetson_nano"), measured={})
+    truth = {c: (0.5 * base.peak_flops.value, 4e9, 10e-6, 3e3) for c in ("gemm_fwd", "gemm_dx", "gemm_dw")}
+    truth.update({c: (0.5 * base.peak_flops.value, 4e9, 10e-6, 0.0) for c in ("eltwise", "reduce")})
+    dev = kernel_device(base, truth)
+    info = describe(small_cnn(width=8), torch.zeros(1, 1, 16, 16), model_name="small_cnn")
+    pairs = [(info, _synthetic_table(info, dev, b)) for b in (1, 8)]
+    fits = {}
+    for starts in ((1e2,), (1e5,), (1e2, 1e5)):
+        monkeypatch.setattr(fit_module, "WIDTH_STARTS", starts)
+        fits[starts] = fit_kernels(pairs, base, max_bandwidth=20e9, leave_one_out=False).objective_value
+    assert fits[(1e2, 1e5)] == pytest.approx(min(fits[(1e2,)], fits[(1e5,)]))

@@ -24,7 +24,11 @@ from fedelastic.trace import (
     trainable_layer_names,
 )
 
-MEASURED = Path(__file__).resolve().parents[2] / "shared/data/measured/jetson_tx2"
+# the shared data sit beside the checkout (../shared), or beside its parent for a git worktree
+MEASURED = next(
+    (p / "shared/data/measured/jetson_tx2" for p in Path(__file__).resolve().parents[2:4] if (p / "shared").is_dir()),
+    Path(__file__).resolve().parents[2] / "shared/data/measured/jetson_tx2",
+)
 OPS_TID, STEPS_TID = 7, 9
 
 # ------------------------------------------------------------------ a small TensorFlow trace
@@ -134,6 +138,14 @@ def test_small_tf_trace_table(small_trace: Path) -> None:
     assert layer_sum + table.unattributed_fwd_s + table.unattributed_bwd_s + table.other_s == pytest.approx(
         table.step_s
     )
+
+
+def test_layout_optimizer_transposes_are_flagged(small_trace: Path, tmp_path: Path) -> None:
+    # STEP_OPS holds one '...-LayoutOptimizer:Transpose' (TensorFlow's NHWC <-> NCHW copies)
+    assert import_trace(small_trace, model="toy", batch_size=4, layers=LAYERS).layout_transposes
+    plain = [(n, d) for n, d in STEP_OPS if "LayoutOptimizer" not in n]
+    path = _write(tmp_path, _tf_trace([plain, plain], [STEP_US] * 2), "plain.json")
+    assert not import_trace(path, model="toy", batch_size=4, layers=LAYERS).layout_transposes
 
 
 def test_small_tf_trace_options(small_trace: Path) -> None:
@@ -330,6 +342,7 @@ def test_measured_traces_cover_every_layer(model: str) -> None:
     assert list(table.layers) == names  # every project layer has a row, in forward order, and vice versa
     assert all(t.fwd_s > 0 and t.dw_s > 0 for t in table.layers.values())
     assert table.n_steps == 4
+    assert table.layout_transposes  # all three were recorded with TensorFlow's layout optimizer on
     step, fwd, bwd = (v * 1e-3 for v in README[model])
     assert table.step_s == pytest.approx(step, rel=0.03)
     # the README counts the gradient sums (AddN) and augmentation as forward; the total agrees
