@@ -1,0 +1,181 @@
+"""Vectorised cohort training (fedelastic/vectorized.py) against the per-client loop (train_local).
+
+Both start from the same weights and the same seeds; the per-client loop is the reference. The
+weights agree to float32 rounding (a batched convolution is a grouped convolution and sums in
+another order; the padded loss sums the same terms in another order), so they are compared with
+``atol=1e-6`` (measured: at most 3e-8, one or two float32 ulps, while training moves weights by
+0.03-0.06); losses to 1e-6 relative (measured: 2e-7). Step
+counts, example counts and the cost-model figures are host-side and must be equal exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedelastic.costmodel import CostModel
+from fedelastic.data import ArrayDataset, load_digits_dataset
+from fedelastic.devices import Quantity, get_profile
+from fedelastic.modelinfo import describe
+from fedelastic.models.small import small_cnn
+from fedelastic.quant import Numerics
+from fedelastic.selection import make_strategy
+from fedelastic.training import train_local
+from fedelastic.vectorized import train_cohort_vmap
+
+DEVICES = ("raspberry_pi_4", "jetson_nano", "stm32h743")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_cnn(num_classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, num_classes),
+    )  # fmt: skip
+
+
+def clients(sizes):
+    """Disjoint slices of the digits: one client per size (sizes chosen to leave short last batches)."""
+    ds = load_digits_dataset()
+    out, start = [], 0
+    for n in sizes:
+        out.append(ArrayDataset(ds.x[start : start + n], ds.y[start : start + n]))
+        start += n
+    return out
+
+
+def setup(factory, batch_size, sizes, strategy="full", options=None):
+    torch.manual_seed(0)
+    model = factory()
+    info = describe(model, torch.zeros(1, 1, 8, 8))
+    costs = [CostModel(info, get_profile(DEVICES[i % 3]), batch_size, "momentum") for i in range(len(sizes))]
+    strategies = [make_strategy(strategy, options or {}) for _ in sizes]
+    return model, info, costs, strategies, clients(sizes)
+
+
+def loop(model, info, strategies, costs, data, seeds, caps, **kw):
+    out = []
+    for s, c, d, seed, cap in zip(strategies, costs, data, seeds, caps):
+        m = copy.deepcopy(model)
+        out.append(train_local(m, info, s, c, d, seed=seed, max_steps=cap, **kw))
+    return out
+
+
+def assert_same(ref, got, atol=1e-6):
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert (a.fits, a.num_examples, a.steps, a.selections, a.reason) == (
+            b.fits,
+            b.num_examples,
+            b.steps,
+            b.selections,
+            b.reason,
+        )
+        assert a.train_time_s == b.train_time_s and a.macs == b.macs and a.peak_memory_bytes == b.peak_memory_bytes
+        assert a.overhead_time_s == b.overhead_time_s
+        np.testing.assert_allclose(b.train_loss, a.train_loss, rtol=1e-6)
+        assert sorted(a.trained) == sorted(b.trained)
+        for name in a.trained:
+            np.testing.assert_allclose(b.trained[name], a.trained[name], rtol=0, atol=atol, err_msg=name)
+        if a.ratios is None:
+            assert b.ratios is None
+        else:
+            np.testing.assert_array_equal(a.ratios, b.ratios)
+
+
+SIZES = (37, 16, 5, 61, 23)  # 3, 1, 1, 4 and 2 batches of 16; short last batches of 5, 5, 13, 7
+
+
+@pytest.mark.parametrize(
+    "factory, kw",
+    [
+        (tiny_cnn, dict(momentum=0.0, weight_decay=0.0, optimizer="sgd", lr_schedule="constant")),
+        (tiny_cnn, dict(momentum=0.9, weight_decay=5e-4, optimizer="sgd", lr_schedule="cosine")),
+        (lambda: small_cnn(width=4), dict(momentum=0.9, weight_decay=1e-3, optimizer="sgdw", lr_schedule="constant")),
+    ],
+)
+def test_full_strategy_matches_the_per_client_loop(factory, kw):
+    model, info, costs, strategies, data = setup(factory, 16, SIZES)
+    seeds = [[7, 2, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]  # the fourth client stops after 3 of its 4 batches
+    common = dict(epochs=2, batch_size=16, lr=0.05, bn_mode="frozen", **kw)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])  # the model is left as it was
+    ref = loop(model, info, strategies, costs, data, seeds, caps, **common)
+    assert [r.steps for r in ref] == [6, 2, 2, 3, 4]  # by hand: ceil(n/16) per epoch, two epochs, the cap
+    assert_same(ref, got)
+    # the clients really trained apart: different data, different weights
+    w = [r.trained["0.weight"] for r in got]
+    assert not np.allclose(w[0], w[1], atol=1e-3)
+
+
+def test_a_client_without_a_batch_keeps_its_weights_and_a_selection_masks_tensors():
+    # last_layer trains the classifier only; a client with max_steps 1 stops while others go on
+    model, info, costs, strategies, data = setup(tiny_cnn, 8, (30, 30, 9), strategy="last_layer")
+    seeds = [[1, 1, pid] for pid in range(3)]
+    caps = [0, 1, 0]
+    common = dict(epochs=1, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-3, bn_mode="frozen")
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+    ref = loop(model, info, strategies, costs, data, seeds, caps, **common)
+    assert_same(ref, got)
+    assert sorted(got[0].trained) == ["6.bias", "6.weight"]
+    # one step by hand for the client with one batch: plain SGD from the initial weights
+    m = copy.deepcopy(model)
+    order = np.random.default_rng([1, 1, 1])
+    torch.manual_seed(int(order.integers(2**62)))
+    idx = order.permutation(30)[:8]
+    x, y = torch.from_numpy(data[1].x[idx]), torch.from_numpy(data[1].y[idx])
+    loss = nn.functional.cross_entropy(m(x), y)
+    g = torch.autograd.grad(loss, m[6].weight)[0]
+    expected = m[6].weight.detach() - 0.1 * (g + 1e-3 * m[6].weight.detach())
+    np.testing.assert_allclose(got[1].trained["6.weight"], expected.numpy(), atol=1e-6)
+
+
+def test_a_selection_that_does_not_fit_fails_like_the_loop():
+    model, info, costs, strategies, data = setup(tiny_cnn, 16, (20, 20))
+    tiny = dataclasses.replace(costs[1].device, memory_train_bytes=Quantity(1.0, "test"))  # nothing fits
+    costs = [costs[0], CostModel(info, tiny, 16, "momentum")]
+    common = dict(epochs=1, batch_size=16, lr=0.05, bn_mode="frozen")
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=[0, 1], max_steps=0, **common)
+    ref = loop(model, info, strategies, costs, data, [0, 1], [0, 0], **common)
+    assert ref[0].fits and not ref[1].fits and "bytes" in ref[1].reason
+    assert_same(ref, got)
+
+
+@pytest.mark.parametrize(
+    "case, key",
+    [
+        (dict(strategy="elastic_tensor"), "train.strategy"),
+        (dict(bn_mode="train"), "train.bn_mode"),
+        (dict(numerics=[Numerics("int8")] * 2), "train.numerics"),
+        (dict(dropout=True), "model.name"),
+    ],
+)
+def test_what_it_cannot_vectorise_is_refused_naming_the_key(case, key):
+    factory = (
+        (lambda: nn.Sequential(small_cnn(width=4), nn.Dropout(0.5)))
+        if case.get("dropout")
+        else (lambda: small_cnn(width=4))
+    )
+    model, info, costs, strategies, data = setup(factory, 16, (20, 20), strategy=case.get("strategy", "full"))
+    bn_mode = case.get("bn_mode", "frozen")
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        train_cohort_vmap(
+            model, info, strategies, costs, data, epochs=1, batch_size=16, lr=0.05, seeds=[0, 1],
+            bn_mode=bn_mode, numerics=case.get("numerics"),
+        )  # fmt: skip
