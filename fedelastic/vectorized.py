@@ -269,3 +269,36 @@ def train_cohort_vmap(
                 )
         results.append(r)
     return results
+
+
+def train_partitions_vmap(
+    env, model: nn.Module, jobs: list[tuple[SelectionStrategy, int, int, int | None]]
+) -> list[LocalResult]:
+    """:func:`fedelastic.fl.client.train_partition` for a cohort: one ``(strategy, pid, round, max_steps)`` per job.
+
+    Each job gets the scenario's training settings, its device's cost model and numerics, its
+    partition's data of that round and the seed ``[seed, round, pid]``, as ``train_partition``
+    gives them; all start from ``model``'s weights (the global model), which stay unchanged.
+    """
+    from .quant import device_numerics
+
+    t = env.scenario.train
+    caps = [t.max_steps if cap is None else min(cap, t.max_steps or cap) for _, _, _, cap in jobs]
+    return train_cohort_vmap(
+        model,
+        env.info,
+        [s for s, _, _, _ in jobs],
+        [env.cost(env.devices[pid]) for _, pid, _, _ in jobs],
+        [env.client_data(pid, rnd) for _, pid, rnd, _ in jobs],
+        epochs=t.local_epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        max_steps=caps,
+        seeds=[[env.scenario.seed, rnd, pid] for _, pid, rnd, _ in jobs],
+        bn_mode=env.bn_mode,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
+        numerics=[device_numerics(t, env.profile(env.devices[pid]).train_dtype) for _, pid, _, _ in jobs],
+    )

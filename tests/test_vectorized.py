@@ -179,3 +179,32 @@ def test_what_it_cannot_vectorise_is_refused_naming_the_key(case, key):
             model, info, strategies, costs, data, epochs=1, batch_size=16, lr=0.05, seeds=[0, 1],
             bn_mode=bn_mode, numerics=case.get("numerics"),
         )  # fmt: skip
+
+
+def test_a_scenario_cohort_matches_train_partition(make_scenario):
+    # the Flower client's own entry point, client by client, against one vectorised call
+    from fedelastic.fl.client import train_partition
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.vectorized import train_partitions_vmap
+
+    scenario = make_scenario(
+        train={
+            "strategy": "full",
+            "batch_size": 8,
+            "max_steps": 0,
+            "momentum": 0.9,
+            "weight_decay": 5e-4,
+            "bn_mode": "frozen",
+            "numerics": "fp32",
+        }
+    )
+    env = RunEnvironment(scenario)
+    jobs = [(env.strategy(), pid, 2, cap) for pid, cap in ((0, None), (1, 2), (3, None), (2, None))]
+    got = train_partitions_vmap(env, env.new_model(), jobs)
+    ref = []
+    for strategy, pid, rnd, cap in jobs:
+        ref.append(train_partition(env, env.new_model(), strategy, pid, rnd, cap))
+    assert [r.steps for r in ref] == [
+        -(-len(env.data.client(pid)) // 8) if cap is None else cap for _, pid, _, cap in jobs
+    ]
+    assert_same(ref, got)
