@@ -9,8 +9,8 @@ the selections, their pricing on the client's :class:`~fedelastic.costmodel.Cost
 failures and the reported figures.
 
 * Step ``t`` runs the clients that have a ``t``-th batch (the others are not computed and keep
-  their parameters); a short last batch is padded to the batch size with zero-weight samples, so
-  its loss and gradient are the mean over its valid samples only.
+  their parameters); a short batch is padded with zero-weight samples to the step's widest batch,
+  so its loss and gradient are the mean over its valid samples only.
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
 * Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, and any strategy without a
@@ -38,7 +38,7 @@ from .costmodel import CostModel
 from .data import ArrayDataset
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
-from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches, seed_everything
+from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches
 
 
 @dataclass
@@ -77,7 +77,8 @@ def _plan_client(
         raise _refuse(
             "train.strategy", "a strategy without a probe (full, last_layer, bn_bias, ...)", type(strategy).__name__
         )
-    rng = seed_everything(seed)
+    rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used here (no dropout)
+    rng.integers(2**62)
     order = list(batches(n, batch_size, epochs, rng, max_steps))
     plan = _Plan(LocalResult(fits=True, num_examples=n), [], [], [], np.zeros(info.num_tensors), len(order))
     result = plan.result
@@ -208,9 +209,10 @@ def train_cohort_vmap(
             continue
         every = len(active) == n_clients
         act = torch.as_tensor(active, device=dev)
-        x = torch.zeros((len(active), batch_size, *xs[active[0]].shape[1:]), dtype=xs[active[0]].dtype, device=dev)
-        y = torch.zeros((len(active), batch_size), dtype=ys[active[0]].dtype, device=dev)
-        w = torch.zeros((len(active), batch_size), device=dev)
+        width = max(len(plans[i].steps[t]) for i in active)  # the longest batch of this step; shorter ones padded
+        x = torch.zeros((len(active), width, *xs[active[0]].shape[1:]), dtype=xs[active[0]].dtype, device=dev)
+        y = torch.zeros((len(active), width), dtype=ys[active[0]].dtype, device=dev)
+        w = torch.zeros((len(active), width), device=dev)
         for row, i in enumerate(active):
             idx = torch.as_tensor(plans[i].steps[t], device=dev)
             x[row, : len(idx)], y[row, : len(idx)], w[row, : len(idx)] = xs[i][idx], ys[i][idx], 1.0
