@@ -40,7 +40,6 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.fl.client import train_partition  # noqa: E402
 from fedelastic.fl.env import RunEnvironment  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
 from fedelastic.training import batches, make_optimizer, seed_everything  # noqa: E402
@@ -111,6 +110,8 @@ def bare_round(env, model, pids, rnd, device):
 
 
 def loop_round(env, model, pids, rnd):
+    from fedelastic.fl.client import train_partition  # imports Flower (not needed by the other variants)
+
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     out = []
     for pid in pids:
