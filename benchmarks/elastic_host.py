@@ -47,7 +47,7 @@ from fedelastic.devices import get_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models.resnet import resnet_small  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import count_backward_nodes, train_local  # noqa: E402
+from fedelastic.training import count_backward_nodes, importance_probe, make_optimizer, train_local  # noqa: E402
 
 CONFIGS = (("full", {}), ("elastic_tensor", {"rho": 0.4}), ("elastic_layer", {"rho": 0.4}))
 BATCH, SAMPLES = 32, 160
@@ -110,6 +110,28 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": {},
     }
+    # the importance probe alone (what elastic_* pay once per local training here), on the first batch
+    probe_cpu, probe_wall = [], []
+    x, y = torch.from_numpy(data.x[:BATCH]).to(dev), torch.from_numpy(data.y[:BATCH]).to(dev)
+    for rep in range(args.repeats + 1):
+        model.load_state_dict(start)
+        opt = make_optimizer(list(model.parameters()), "sgd", 0.05, 0.9, 5e-4)
+        sync()
+        c0, w0 = time.thread_time(), time.perf_counter()
+        importance_probe(model, info, opt, x, y)
+        sync()
+        if rep:
+            probe_cpu.append(time.thread_time() - c0)
+            probe_wall.append(time.perf_counter() - w0)
+    report["probe"] = {
+        "predicted_s": cost.probe_time_s("importance", 0, None),
+        "measured_cpu_s": float(np.median(probe_cpu)),
+        "measured_wall_s": float(np.median(probe_wall)),
+    }
+    print(
+        f"importance probe: predicted {report['probe']['predicted_s']:.3f} s, measured {report['probe']['measured_cpu_s']:.3f} s "
+        f"CPU, {report['probe']['measured_wall_s']:.3f} s wall"
+    )
     for epochs in args.epochs:
         cpu: dict[str, list[float]] = {n: [] for n, _ in CONFIGS}
         wall: dict[str, list[float]] = {n: [] for n, _ in CONFIGS}

@@ -165,9 +165,9 @@ def importance_probe(
         optimizer.step()
         delta = [p.detach() - b for p, b in zip(params, before)]
         backward()
-        importance = np.array(
-            [-(p.grad * d).sum().item() if p.grad is not None else 0.0 for p, d in zip(params, delta)]
-        )
+        zero = torch.zeros((), device=params[0].device)
+        sums = [-(p.grad * d).sum() if p.grad is not None else zero for p, d in zip(params, delta)]
+        importance = torch.stack(sums).double().cpu().numpy()  # one device sync, not one per tensor
     finally:
         optimizer.zero_grad(set_to_none=True)
         model.load_state_dict(snapshot)
