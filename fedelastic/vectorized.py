@@ -273,10 +273,19 @@ def train_cohort_vmap(
     return results
 
 
-def train_partitions_vmap(
-    env, model: nn.Module, jobs: list[tuple[SelectionStrategy, int, int, int | None]]
-) -> list[LocalResult]:
-    """:func:`fedelastic.fl.client.train_partition` for a cohort: one ``(strategy, pid, round, max_steps)`` per job.
+@dataclass
+class Job:
+    """One virtual client's work in a round (the fields of ``fl.client.CohortJob``, which fits too)."""
+
+    pid: int
+    server_round: int
+    strategy: SelectionStrategy
+    max_steps: int | None = None
+
+
+def train_partitions_vmap(env, model: nn.Module, jobs: list) -> list[LocalResult]:
+    """:func:`fedelastic.fl.client.train_partition` for a cohort of jobs (:class:`Job`, or anything
+    with its attributes), in one vectorised call.
 
     Each job gets the scenario's training settings, its device's cost model and numerics, its
     partition's data of that round and the seed ``[seed, round, pid]``, as ``train_partition``
@@ -285,22 +294,22 @@ def train_partitions_vmap(
     from .quant import device_numerics
 
     t = env.scenario.train
-    caps = [t.max_steps if cap is None else min(cap, t.max_steps or cap) for _, _, _, cap in jobs]
+    caps = [t.max_steps if j.max_steps is None else min(j.max_steps, t.max_steps or j.max_steps) for j in jobs]
     return train_cohort_vmap(
         model,
         env.info,
-        [s for s, _, _, _ in jobs],
-        [env.cost(env.devices[pid]) for _, pid, _, _ in jobs],
-        [env.client_data(pid, rnd) for _, pid, rnd, _ in jobs],
+        [j.strategy for j in jobs],
+        [env.cost(env.devices[j.pid]) for j in jobs],
+        [env.client_data(j.pid, j.server_round) for j in jobs],
         epochs=t.local_epochs,
         batch_size=t.batch_size,
         lr=t.lr,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
         max_steps=caps,
-        seeds=[[env.scenario.seed, rnd, pid] for _, pid, rnd, _ in jobs],
+        seeds=[[env.scenario.seed, j.server_round, j.pid] for j in jobs],
         bn_mode=env.bn_mode,
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
-        numerics=[device_numerics(t, env.profile(env.devices[pid]).train_dtype) for _, pid, _, _ in jobs],
+        numerics=[device_numerics(t, env.profile(env.devices[j.pid]).train_dtype) for j in jobs],
     )

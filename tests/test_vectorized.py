@@ -73,7 +73,7 @@ def loop(model, info, strategies, costs, data, seeds, caps, **kw):
     return out
 
 
-def assert_same(ref, got, atol=1e-6):
+def assert_same(ref, got, atol=1e-6, loss_rtol=1e-6):
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
         assert (a.fits, a.num_examples, a.steps, a.selections, a.reason) == (
@@ -85,7 +85,7 @@ def assert_same(ref, got, atol=1e-6):
         )
         assert a.train_time_s == b.train_time_s and a.macs == b.macs and a.peak_memory_bytes == b.peak_memory_bytes
         assert a.overhead_time_s == b.overhead_time_s
-        np.testing.assert_allclose(b.train_loss, a.train_loss, rtol=1e-6)
+        np.testing.assert_allclose(b.train_loss, a.train_loss, rtol=loss_rtol)
         assert sorted(a.trained) == sorted(b.trained)
         for name in a.trained:
             np.testing.assert_allclose(b.trained[name], a.trained[name], rtol=0, atol=atol, err_msg=name)
@@ -185,7 +185,7 @@ def test_a_scenario_cohort_matches_train_partition(make_scenario):
     # the Flower client's own entry point, client by client, against one vectorised call
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.env import RunEnvironment
-    from fedelastic.vectorized import train_partitions_vmap
+    from fedelastic.vectorized import Job, train_partitions_vmap
 
     scenario = make_scenario(
         train={
@@ -199,12 +199,23 @@ def test_a_scenario_cohort_matches_train_partition(make_scenario):
         }
     )
     env = RunEnvironment(scenario)
-    jobs = [(env.strategy(), pid, 2, cap) for pid, cap in ((0, None), (1, 2), (3, None), (2, None))]
+    jobs = [Job(pid, 2, env.strategy(), cap) for pid, cap in ((0, None), (1, 2), (3, None), (2, None))]
     got = train_partitions_vmap(env, env.new_model(), jobs)
-    ref = []
-    for strategy, pid, rnd, cap in jobs:
-        ref.append(train_partition(env, env.new_model(), strategy, pid, rnd, cap))
-    assert [r.steps for r in ref] == [
-        -(-len(env.data.client(pid)) // 8) if cap is None else cap for _, pid, _, cap in jobs
-    ]
+    ref = [train_partition(env, env.new_model(), j.strategy, j.pid, j.server_round, j.max_steps) for j in jobs]
+    sizes = [len(env.data.client(j.pid)) for j in jobs]
+    assert [r.steps for r in ref] == [-(-n // 8) if j.max_steps is None else 2 for n, j in zip(sizes, jobs)]
     assert_same(ref, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU path is optional)")
+def test_on_a_gpu_the_cohort_matches_the_cpu_loop(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions, as on the CPU
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=4), 16, SIZES)
+    seeds = [[7, 2, pid] for pid in range(len(SIZES))]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3, bn_mode="frozen")
+    ref = loop(model, info, strategies, costs, data, seeds, [0] * len(SIZES), **common)
+    gpu = copy.deepcopy(model).cuda()
+    got = train_cohort_vmap(gpu, info, strategies, costs, data, seeds=seeds, **common)
+    on_gpu = loop(gpu, info, strategies, costs, data, seeds, [0] * len(SIZES), **common)  # train_local on the GPU
+    assert_same(ref, got, atol=1e-5, loss_rtol=1e-5)  # cuDNN's kernels sum in another order than the CPU's
+    assert_same(ref, on_gpu, atol=1e-5, loss_rtol=1e-5)
