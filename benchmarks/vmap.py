@@ -77,10 +77,12 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def make_env(workload: str) -> RunEnvironment:
+def make_env(workload: str, batch_size: int = 0) -> RunEnvironment:
     w = WORKLOADS[workload]
     raw = {"name": f"vmap-{workload}", "seed": 0, **w["scenario"]}
     raw["train"] = {**raw["train"], "numerics": "fp32", "bn_mode": "frozen"}
+    if batch_size:
+        raw["train"]["batch_size"] = batch_size
     return RunEnvironment(parse_scenario(raw, src="<vmap benchmark>"))
 
 
@@ -142,6 +144,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=None, help="default: bare loop vmap (cpu), bare vmap (cuda)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=0, help="replace the workload's batch size")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -151,7 +154,7 @@ def main() -> None:
     if "loop" in variants and args.device != "cpu":
         sys.exit("the loop variant trains on the CPU (train_local); drop it with --device cuda")
     w = WORKLOADS[args.workload]
-    env = make_env(args.workload)
+    env = make_env(args.workload, args.batch_size)
     t0 = time.perf_counter()
     _ = env.data, env.info
     setup_s = time.perf_counter() - t0
@@ -210,13 +213,14 @@ def main() -> None:
         "updates": n_updates,
         "local_steps": steps,
         "params": int(sum(p.numel() for p in models[ref].parameters())),
+        "batch_size": env.scenario.train.batch_size,
         "setup_s": setup_s,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "variants": rows,
         "max_abs_diff_vs_" + ref: diffs,
     }
     print(f"workload {args.workload} on {info['device_name']} ({args.device}), {n_updates} updates, {steps} local steps, "
-          f"{info['params']} parameters, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
+          f"{info['params']} parameters, batch {info['batch_size']}, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
     print(f"| variant | train s | updates/s | steady updates/s (rounds 2+) | CPU s | vs {ref} (wall) | vs {ref} (CPU) | max abs diff vs {ref} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for v in variants:
