@@ -13,11 +13,15 @@ failures and the reported figures.
   so its loss and gradient are the mean over its valid samples only.
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
-* Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, and any strategy without a
-  probe whose selections keep no partial tensor) are masks: an unselected tensor keeps its value
-  and momentum. Strategies with a probe (``elastic_*``, ``tinytrain``), channel-sparse selections,
-  BatchNorm in train mode (``train.bn_mode = "train"`` on a model with norm layers), active
-  dropout and emulated int8/fp16 numerics are refused with an error naming the key.
+* Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, ``elastic_tensor``,
+  ``elastic_layer``, ...) are masks: an unselected tensor keeps its value and momentum. The
+  ``importance`` probe (ElasticTrainer's) runs vectorised too, on the clients that reselect at a
+  step, on their current weights and batch, piece by piece where memory splits it; each client's
+  selection is then taken on the host between steps, as ``train_local`` takes it.
+* Refused, with an error naming the key: the ``fisher`` probe (``tinytrain``) and
+  channel-sparse selections (``train.strategy``), BatchNorm in train mode (``train.bn_mode =
+  "train"`` on a model with norm layers), active dropout (``model.name``) and emulated int8/fp16
+  numerics (``train.numerics``).
 
 The weights agree with the per-client loop to float32 rounding, not bit for bit: a batched
 convolution is a grouped convolution with its own summation order, and the padded loss sums the
@@ -27,7 +31,7 @@ same terms in another order (tests/test_vectorized.py states the tolerance).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,82 +45,111 @@ from .selection import Selection, SelectionContext, SelectionStrategy
 from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches
 
 
-@dataclass
-class _Plan:
-    """One client's host-side plan: its batches, what each step trains, and its figures so far."""
-
-    result: LocalResult
-    steps: list[np.ndarray]  # index batch of each step that runs
-    masks: list[np.ndarray]  # bool per tensor, per step that runs
-    lrs: list[float]
-    union: np.ndarray
-    planned: int = 0  # batches in the plan, whether or not they train
-    failed: str = ""
-    losses: list[float] = field(default_factory=list)
-
-
 def _refuse(key: str, expected: str, got: object) -> ValueError:
     return ValueError(f"vectorised training ({key}): expected {expected}, got {got!r}")
 
 
-def _plan_client(
-    info: ModelInfo,
-    strategy: SelectionStrategy,
-    cost: CostModel,
-    n: int,
-    *,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    max_steps: int,
-    seed: int | list[int],
-    lr_schedule: str,
-) -> _Plan:
-    """``train_local``'s loop without the tensors: batch order, selections, pricing, failure."""
-    if strategy.probe is not None:
-        raise _refuse(
-            "train.strategy", "a strategy without a probe (full, last_layer, bn_bias, ...)", type(strategy).__name__
-        )
-    rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used here (no dropout)
-    rng.integers(2**62)
-    order = list(batches(n, batch_size, epochs, rng, max_steps))
-    plan = _Plan(LocalResult(fits=True, num_examples=n), [], [], [], np.zeros(info.num_tensors), len(order))
-    result = plan.result
-    steps_per_epoch = -(-n // batch_size)
-    memory = cost.device.memory_train_bytes.value
-    selection: Selection | None = None
-    step_time = step_macs = 0.0
-    for step, idx in enumerate(order):
-        if selection is None or strategy.should_reselect(step, steps_per_epoch):
-            ctx = SelectionContext(info, cost, step, rng)
-            evaluations = cost.evaluations
-            selection = strategy.select(ctx)
-            partial = selection.channels or (
-                selection.input_sparse is not None
-                and np.any(np.asarray(selection.input_sparse, bool) & (selection.ratios > 0) & (selection.ratios < 1))
+class _Client:
+    """One client's host side, step by step: ``train_local``'s loop without the tensors."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        strategy: SelectionStrategy,
+        cost: CostModel,
+        n: int,
+        *,
+        epochs: int,
+        batch_size: int,
+        lr: float,
+        max_steps: int,
+        seed: int | list[int],
+        lr_schedule: str,
+    ):
+        if strategy.probe not in (None, "importance"):
+            raise _refuse(
+                "train.strategy", "a strategy without a probe or with the importance probe", type(strategy).__name__
             )
-            if partial or np.any((selection.ratios > 0) & (selection.ratios < 1)):
-                raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
-            selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
-            result.selector_time_s += selector_s
-            result.overhead_time_s += selector_s
-            peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
-            result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
-            if peak > ctx.memory_budget_bytes:
-                plan.failed = f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}"
-                return plan
-            result.selections += 1
-            plan.union = np.maximum(plan.union, selection.ratios)
-            step_time, step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
-        if not selection.mask.any():
-            continue
-        plan.steps.append(idx)
-        plan.masks.append(selection.mask.copy())
-        plan.lrs.append(lr * 0.5 * (1 + np.cos(np.pi * step / len(order))) if lr_schedule == "cosine" else lr)
-        result.train_time_s += step_time
-        result.macs += step_macs
-        result.steps += 1
-    return plan
+        self.info, self.strategy, self.cost = info, strategy, cost
+        self.rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used (no dropout)
+        self.rng.integers(2**62)
+        self.order = list(batches(n, batch_size, epochs, self.rng, max_steps))
+        self.result = LocalResult(fits=True, num_examples=n)
+        self.union = np.zeros(info.num_tensors)
+        self.losses: list[float] = []
+        self.failed = ""
+        self.selection: Selection | None = None
+        self.ctx: SelectionContext | None = None
+        self.step_time = self.step_macs = 0.0
+        self.steps_per_epoch = -(-n // batch_size)
+        self.memory = cost.device.memory_train_bytes.value
+        self.lr, self.lr_schedule = lr, lr_schedule
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * 0.5 * (1 + np.cos(np.pi * step / len(self.order))) if self.lr_schedule == "cosine" else self.lr
+
+    def begin(self, step: int) -> list[np.ndarray] | None:
+        """Before ``step``: None if the selection stands, else the probe scopes to run (maybe none)."""
+        if self.selection is not None and not self.strategy.should_reselect(step, self.steps_per_epoch):
+            return None
+        info, cost, result, probe = self.info, self.cost, self.result, self.strategy.probe
+        self.ctx = ctx = SelectionContext(info, cost, step, self.rng)
+        if probe is None:
+            return []
+        ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
+        scope = self.strategy.probe_scope(ctx)
+        if scope is not None and not np.any(scope):  # nothing can be selected: no probe runs
+            return []
+        pieces = cost.probe_segments(probe, self.memory, scope)
+        if not pieces:
+            need = cost.probe_memory(probe, 1, np.arange(info.num_tensors) == info.num_tensors - 1)
+            result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, need.total_bytes)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, need.total_bytes)
+            self.failed = (
+                f"the {probe} probe needs {need.total_bytes:.0f} bytes for one sample of the last tensor; "
+                f"the device has {self.memory:.0f}"
+            )
+            return []
+        scopes = []
+        for piece, micro in pieces:
+            probe_peak = cost.probe_memory(probe, micro, piece).total_bytes
+            result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
+            result.overhead_time_s += cost.probe_time_s(probe, micro, piece)
+            scopes.append(np.ones(info.num_tensors, bool) if piece is None else np.asarray(piece, bool))
+        return scopes
+
+    def finish(self, importance: np.ndarray | None) -> None:
+        """Select with the probe's ``importance`` (summed over its pieces), price it, check memory."""
+        ctx, cost, result, strategy = self.ctx, self.cost, self.result, self.strategy
+        assert ctx is not None
+        if importance is not None:
+            ctx.importance = importance
+        evaluations = cost.evaluations
+        selection = strategy.select(ctx)
+        if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
+            raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
+        selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
+        result.selector_time_s += selector_s
+        result.overhead_time_s += selector_s
+        peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+        result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
+        if peak > ctx.memory_budget_bytes:
+            self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}"
+            return
+        self.selection = selection
+        result.selections += 1
+        self.union = np.maximum(self.union, selection.ratios)
+        self.step_time, self.step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
+
+    def trains(self) -> bool:
+        return not self.failed and self.selection is not None and bool(self.selection.mask.any())
+
+    def count_step(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.result.train_time_s += self.step_time
+        self.result.macs += self.step_macs
+        self.result.steps += 1
 
 
 def _check_model(model: nn.Module, bn_mode: str) -> None:
@@ -171,8 +204,8 @@ def train_cohort_vmap(
         if bn_mode != cost.bn_mode:
             raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
     _check_model(model, bn_mode)
-    plans = [
-        _plan_client(
+    clients = [
+        _Client(
             info,
             s,
             c,
@@ -190,8 +223,7 @@ def train_cohort_vmap(
     names = list(info.tensor_names)
     given = dict(model.named_parameters())
     dev = given[names[0]].device
-    base = {k: v.detach() for k, v in given.items()}
-    stacked = {k: v.unsqueeze(0).repeat(n_clients, *([1] * v.dim())).contiguous() for k, v in base.items()}
+    stacked = {k: v.detach().unsqueeze(0).repeat(n_clients, *([1] * v.dim())).contiguous() for k, v in given.items()}
     bufs = {k: torch.zeros_like(v) for k, v in stacked.items()} if momentum > 0 else {}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
     xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
@@ -202,71 +234,113 @@ def train_cohort_vmap(
         return (nn.functional.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
 
     step_fn = vmap(grad_and_value(loss_fn))
-    horizon = max((len(p.steps) for p in plans), default=0)
-    for t in range(horizon):
-        active = [i for i, p in enumerate(plans) if t < len(p.steps)]  # a failed client runs its steps, then rolls back
-        if not active:
-            continue
-        every = len(active) == n_clients
-        act = torch.as_tensor(active, device=dev)
-        width = max(len(plans[i].steps[t]) for i in active)  # the longest batch of this step; shorter ones padded
-        x = torch.zeros((len(active), width, *xs[active[0]].shape[1:]), dtype=xs[active[0]].dtype, device=dev)
-        y = torch.zeros((len(active), width), dtype=ys[active[0]].dtype, device=dev)
-        w = torch.zeros((len(active), width), device=dev)
-        for row, i in enumerate(active):
-            idx = torch.as_tensor(plans[i].steps[t], device=dev)
+
+    def batch(rows: list[int], t: int):
+        """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest."""
+        width = max(len(clients[i].order[t]) for i in rows)
+        x = torch.zeros((len(rows), width, *xs[rows[0]].shape[1:]), dtype=xs[rows[0]].dtype, device=dev)
+        y = torch.zeros((len(rows), width), dtype=ys[rows[0]].dtype, device=dev)
+        w = torch.zeros((len(rows), width), device=dev)
+        for row, i in enumerate(rows):
+            idx = torch.as_tensor(clients[i].order[t], device=dev)
             x[row, : len(idx)], y[row, : len(idx)], w[row, : len(idx)] = xs[i][idx], ys[i][idx], 1.0
-        params = stacked if every else {k: v[act] for k, v in stacked.items()}
+        return x, y, w
+
+    def sgd(name, p, g, buf, lr_t, on):
+        """One optimizer step of tensor ``name`` where ``on`` (per client): (new values, new momentum)."""
+        shape = (-1,) + (1,) * (p.dim() - 1)
+        lr_col = lr_t.to(p.dtype).to(dev).view(shape)
+        if optimizer == "sgdw" and weight_decay:
+            new_p = p * (1 - lr_t * weight_decay).to(p.dtype).to(dev).view(shape)
+        else:
+            new_p = p
+            if weight_decay:
+                g = g + weight_decay * p
+        new_buf = None
+        if momentum > 0:
+            new_buf = buf * momentum + g
+            g = new_buf
+        keep = on.view(shape)
+        new_p = torch.where(keep, new_p - lr_col * g, p)
+        return new_p, None if new_buf is None else torch.where(keep, new_buf, buf)
+
+    def probe(rows: list[int], scopes: np.ndarray, t: int) -> np.ndarray:
+        """``importance_probe`` of clients ``rows`` on step ``t``'s batch, each over its scope."""
+        sel = torch.as_tensor(rows, device=dev)
+        params = {k: v[sel] for k, v in stacked.items()}
+        x, y, w = batch(rows, t)
+        lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+        on = torch.as_tensor(scopes, device=dev)
+        with torch.no_grad():
+            grads, _ = step_fn(params, x, y, w)
+            moved = dict(params)
+            for k, name in enumerate(names):
+                if bool(on[:, k].any()):
+                    moved[name] = sgd(
+                        name, params[name], grads[name], bufs[name][sel] if bufs else None, lr_t, on[:, k]
+                    )[0]
+            grads2, _ = step_fn(moved, x, y, w)
+            sums = [-(grads2[n] * (moved[n] - params[n])).flatten(1).sum(1) for n in names]
+        return torch.where(on, torch.stack(sums, 1), 0).double().cpu().numpy()
+
+    horizon = max((len(c.order) for c in clients), default=0)
+    for t in range(horizon):
+        active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
+        pending = {i: scopes for i in active if (scopes := clients[i].begin(t)) is not None}
+        probing = [i for i, scopes in pending.items() if scopes and not clients[i].failed]
+        importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
+        for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
+            rows = [i for i in probing if len(pending[i]) > j]
+            for i, imp in zip(rows, probe(rows, np.stack([pending[i][j] for i in rows]), t)):
+                importance[i] += imp
+        for i in pending:
+            if not clients[i].failed:
+                clients[i].finish(importance.get(i))
+        rows = [i for i in active if clients[i].trains()]
+        if not rows:
+            continue
+        every = len(rows) == n_clients
+        sel = torch.as_tensor(rows, device=dev)
+        x, y, w = batch(rows, t)
+        params = stacked if every else {k: v[sel] for k, v in stacked.items()}
         grads, losses = step_fn(params, x, y, w)
-        lr_t = torch.tensor([plans[i].lrs[t] for i in active], dtype=torch.float64)
-        masks = torch.as_tensor(np.stack([plans[i].masks[t] for i in active]), device=dev)
+        lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+        masks = torch.as_tensor(np.stack([clients[i].selection.mask for i in rows]), device=dev)  # type: ignore[union-attr]
         with torch.no_grad():
             for k, name in enumerate(names):
                 on = masks[:, k]
                 if not bool(on.any()):
                     continue
-                p, g = params[name], grads[name]
-                shape = (-1,) + (1,) * (p.dim() - 1)
-                if optimizer == "sgdw" and weight_decay:
-                    new_p = p * (1 - lr_t * weight_decay).to(p.dtype).to(dev).view(shape)
-                else:
-                    new_p = p
-                    if weight_decay:
-                        g = g + weight_decay * p
-                if momentum > 0:
-                    buf = bufs[name] if every else bufs[name][act]
-                    new_buf = buf * momentum + g
-                    g = new_buf
-                new_p = new_p - (lr_t.to(p.dtype).to(dev)).view(shape) * g
-                keep = on.view(shape)
+                buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
+                new_p, new_buf = sgd(name, params[name], grads[name], buf, lr_t, on)
                 if every:
-                    stacked[name].copy_(torch.where(keep, new_p, p))
-                    if momentum > 0:
-                        bufs[name].copy_(torch.where(keep, new_buf, buf))
+                    stacked[name].copy_(new_p)
+                    if new_buf is not None:
+                        bufs[name].copy_(new_buf)
                 else:
-                    stacked[name][act] = torch.where(keep, new_p, p)
-                    if momentum > 0:
-                        bufs[name][act] = torch.where(keep, new_buf, buf)
-        for i, loss in zip(active, losses.tolist()):
-            plans[i].losses.append(loss)
+                    stacked[name][sel] = new_p
+                    if new_buf is not None:
+                        bufs[name][sel] = new_buf
+        for i, loss in zip(rows, losses.tolist()):
+            clients[i].count_step(loss)
     wall = time.perf_counter() - start
-    total_steps = max(1, sum(len(p.steps) for p in plans))
+    total_steps = max(1, sum(c.result.steps for c in clients))
     results = []
-    for i, plan in enumerate(plans):
-        r = plan.result
+    for i, c in enumerate(clients):
+        r = c.result
         r.train_time_s += r.overhead_time_s
-        r.train_loss = float(np.mean(plan.losses)) if plan.losses else float("nan")
-        r.host_wall_s = wall * len(plan.steps) / total_steps
-        if plan.failed:
-            r.fits, r.reason = False, plan.failed
+        r.train_loss = float(np.mean(c.losses)) if c.losses else float("nan")
+        r.host_wall_s = wall * r.steps / total_steps
+        if c.failed:
+            r.fits, r.reason = False, c.failed
         else:
-            r.ratios = plan.union
+            r.ratios = c.union
             r.trained = {
-                names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(plan.union > 0)
+                names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(c.union > 0)
             }
-            if not r.steps and plan.planned:
+            if not r.steps and c.order:
                 r.reason = (
-                    f"strategy {type(strategies[i]).__name__} selected no tensor to train on this device "
+                    f"strategy {type(c.strategy).__name__} selected no tensor to train on this device "
                     "(its budget leaves no room beyond the forward pass, e.g. rho at or below the forward share)"
                 )
         results.append(r)

@@ -24,7 +24,7 @@ from fedelastic.devices import Quantity, get_profile
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
 from fedelastic.quant import Numerics
-from fedelastic.selection import make_strategy
+from fedelastic.selection import Selection, SelectionStrategy, make_strategy
 from fedelastic.training import train_local
 from fedelastic.vectorized import train_cohort_vmap
 
@@ -156,10 +156,20 @@ def test_a_selection_that_does_not_fit_fails_like_the_loop():
     assert_same(ref, got)
 
 
+class FirstChannel(SelectionStrategy):
+    """Trains output channel 0 of the first tensor only."""
+
+    name = "first_channel_test"
+
+    def select(self, ctx):
+        return Selection.from_channels(ctx.info, {0: np.array([0])})
+
+
 @pytest.mark.parametrize(
     "case, key",
     [
-        (dict(strategy="elastic_tensor"), "train.strategy"),
+        (dict(strategy="tinytrain"), "train.strategy"),  # the Fisher probe
+        (dict(partial=True), "train.strategy"),  # a channel-sparse selection
         (dict(bn_mode="train"), "train.bn_mode"),
         (dict(numerics=[Numerics("int8")] * 2), "train.numerics"),
         (dict(dropout=True), "model.name"),
@@ -172,6 +182,8 @@ def test_what_it_cannot_vectorise_is_refused_naming_the_key(case, key):
         else (lambda: small_cnn(width=4))
     )
     model, info, costs, strategies, data = setup(factory, 16, (20, 20), strategy=case.get("strategy", "full"))
+    if case.get("partial"):
+        strategies = [FirstChannel(), FirstChannel()]
     bn_mode = case.get("bn_mode", "frozen")
     costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -219,3 +231,41 @@ def test_on_a_gpu_the_cohort_matches_the_cpu_loop(monkeypatch):
     on_gpu = loop(gpu, info, strategies, costs, data, seeds, [0] * len(SIZES), **common)  # train_local on the GPU
     assert_same(ref, got, atol=1e-5, loss_rtol=1e-5)  # cuDNN's kernels sum in another order than the CPU's
     assert_same(ref, on_gpu, atol=1e-5, loss_rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["elastic_tensor", "elastic_layer"])
+def test_elastic_strategies_probe_and_select_like_the_loop(name):
+    # the importance probe runs vectorised on each client's current weights; reselection every 2 steps
+    options = {"rho": 0.5, "interval": 2, "interval_unit": "steps"}
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=8), 16, SIZES, strategy=name, options=options)
+    seeds = [[3, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="frozen")
+    fresh = [make_strategy(name, options) for _ in SIZES]
+    seen_vmap, seen_loop = recording(strategies), recording(fresh)
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+    ref = loop(model, info, fresh, costs, data, seeds, caps, **common)
+    assert [r.selections for r in ref] == [3, 1, 1, 2, 2]  # one selection every 2 steps: ceil(steps / 2)
+    assert all(0 < (r.ratios > 0).sum() < info.num_tensors for r in ref)  # real partial selections
+    assert_same(ref, got)
+    # the probe itself: the importance each selection saw (ElasticTrainer's -g * dw per tensor)
+    assert [len(v) for v in seen_vmap] == [len(v) for v in seen_loop]
+    for mine, theirs in zip(seen_vmap, seen_loop):
+        for a, b in zip(mine, theirs):
+            assert np.abs(b).max() > 0
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
+
+
+def recording(strategies):
+    """Wrap each strategy's select() to keep the importance it was given."""
+    seen = []
+    for s in strategies:
+        log: list[np.ndarray] = []
+        seen.append(log)
+
+        def select(ctx, inner=s.select, log=log):
+            log.append(ctx.importance.copy())
+            return inner(ctx)
+
+        s.select = select
+    return seen
