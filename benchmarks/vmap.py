@@ -9,7 +9,7 @@ keeping its own global model, FedAvg between rounds:
 * ``bare``: a plain torch loop, client after client (load the global weights, SGD over the
   client's batches): the same batches and optimizer as fedelastic, no pricing, no selections;
 * ``loop``: fedelastic's per-client path without Flower (``fl.client.train_partition``, i.e.
-  ``train_local`` with its cost pricing), client after client; CPU only, as fedelastic trains;
+  ``train_local`` with its cost pricing, written out here), client after client, on ``--device``;
 * ``vmap``: the whole cohort in one call (``vectorized.train_partitions_vmap``).
 
 Workloads. ``small`` (the issue's): 200 Dirichlet(0.5) clients on the digits (8x8), 50 a round,
@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.fl.env import RunEnvironment  # noqa: E402
+from fedelastic.quant import device_numerics  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
-from fedelastic.training import batches, make_optimizer, seed_everything  # noqa: E402
+from fedelastic.training import batches, make_optimizer, seed_everything, train_local  # noqa: E402
 from fedelastic.vectorized import Job, train_partitions_vmap  # noqa: E402
 
 
@@ -77,12 +78,15 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def make_env(workload: str, batch_size: int = 0) -> RunEnvironment:
+def make_env(workload: str, batch_size: int = 0, strategy: str = "") -> RunEnvironment:
     w = WORKLOADS[workload]
     raw = {"name": f"vmap-{workload}", "seed": 0, **w["scenario"]}
     raw["train"] = {**raw["train"], "numerics": "fp32", "bn_mode": "frozen"}
     if batch_size:
         raw["train"]["batch_size"] = batch_size
+    if strategy:
+        raw["train"]["strategy"] = strategy
+        raw["train"]["options"] = {"rho": 0.4} if strategy.startswith("elastic") else {}
     return RunEnvironment(parse_scenario(raw, src="<vmap benchmark>"))
 
 
@@ -111,9 +115,19 @@ def bare_round(env, model, pids, rnd, device):
     return out
 
 
-def loop_round(env, model, pids, rnd):
-    from fedelastic.fl.client import train_partition  # imports Flower (not needed by the other variants)
+def train_partition(env, model, strategy, pid: int, rnd: int):
+    """``fl.client.train_partition`` (no deadline cap), written out so that it runs where Flower is not installed."""
+    t = env.scenario.train
+    return train_local(
+        model, env.info, strategy, env.cost(env.devices[pid]), env.client_data(pid, rnd),
+        epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+        max_steps=t.max_steps, seed=[env.scenario.seed, rnd, pid],
+        numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype), bn_mode=env.bn_mode,
+        optimizer=t.optimizer, lr_schedule=t.lr_schedule,
+    )  # fmt: skip
 
+
+def loop_round(env, model, pids, rnd):
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     out = []
     for pid in pids:
@@ -130,11 +144,13 @@ def vmap_round(env, model, pids, rnd):
 
 
 def fedavg(model, updates) -> None:
-    total = sum(n for _, n in updates)
+    """Each tensor averaged over the clients that trained it (weighted by examples); untrained ones stay."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            avg = sum(u[name].astype(np.float64) * n for u, n in updates) / total
-            p.copy_(torch.from_numpy(avg.astype(np.float32)))
+            have = [(u[name], n) for u, n in updates if name in u]
+            if have:
+                avg = sum(u.astype(np.float64) * n for u, n in have) / sum(n for _, n in have)
+                p.copy_(torch.from_numpy(avg.astype(np.float32)))
 
 
 def main() -> None:
@@ -142,19 +158,20 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--variants", nargs="+", default=None, help="default: bare loop vmap (cpu), bare vmap (cuda)")
+    ap.add_argument("--variants", nargs="+", default=None, help="default: bare loop vmap")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=0, help="replace the workload's batch size")
+    ap.add_argument("--strategy", default="", help="replace the workload's strategy (elastic_*: rho 0.4)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     torch.set_num_threads(args.threads)
-    variants = args.variants or (["bare", "loop", "vmap"] if args.device == "cpu" else ["bare", "vmap"])
-    if "loop" in variants and args.device != "cpu":
-        sys.exit("the loop variant trains on the CPU (train_local); drop it with --device cuda")
+    variants = args.variants or ["bare", "loop", "vmap"]
+    if args.strategy not in ("", "full") and "bare" in variants:
+        variants.remove("bare")  # the bare loop trains every tensor: it has no selections
     w = WORKLOADS[args.workload]
-    env = make_env(args.workload, args.batch_size)
+    env = make_env(args.workload, args.batch_size, args.strategy)
     t0 = time.perf_counter()
     _ = env.data, env.info
     setup_s = time.perf_counter() - t0
@@ -214,13 +231,14 @@ def main() -> None:
         "local_steps": steps,
         "params": int(sum(p.numel() for p in models[ref].parameters())),
         "batch_size": env.scenario.train.batch_size,
+        "strategy": env.scenario.train.strategy,
         "setup_s": setup_s,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "variants": rows,
         "max_abs_diff_vs_" + ref: diffs,
     }
     print(f"workload {args.workload} on {info['device_name']} ({args.device}), {n_updates} updates, {steps} local steps, "
-          f"{info['params']} parameters, batch {info['batch_size']}, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
+          f"{info['params']} parameters, batch {info['batch_size']}, strategy {info['strategy']}, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
     print(f"| variant | train s | updates/s | steady updates/s (rounds 2+) | CPU s | vs {ref} (wall) | vs {ref} (CPU) | max abs diff vs {ref} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for v in variants:
