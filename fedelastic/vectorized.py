@@ -40,13 +40,16 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from .costmodel import CostModel
 from .data import ArrayDataset
+from .errors import ConfigError
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
 from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches
 
+_SOURCE = "<vectorised training>"
 
-def _refuse(key: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"vectorised training ({key}): expected {expected}, got {got!r}")
+
+def _refuse(key: str, expected: str, got: object, source: str = _SOURCE) -> ConfigError:
+    return ConfigError(source, key, f"{expected} (vectorised training)", got)
 
 
 class _Client:
@@ -355,6 +358,28 @@ class Job:
     server_round: int
     strategy: SelectionStrategy
     max_steps: int | None = None
+
+
+def check_vectorizable(env) -> None:
+    """Raise :class:`ConfigError` (naming the scenario file and key) if ``env``'s scenario cannot
+    be trained vectorised: what :func:`train_cohort_vmap` refuses, checked before any training."""
+    from .quant import device_numerics
+
+    src = env.scenario.source or "<scenario>"
+    t = env.scenario.train
+    strategy = env.strategy()
+    if strategy.probe not in (None, "importance"):
+        raise _refuse("train.strategy", "a strategy without a probe or with the importance probe", t.strategy, src)
+    for device in sorted(set(env.devices)):
+        dtype = device_numerics(t, env.profile(device).train_dtype).dtype
+        if dtype != "fp32":
+            raise _refuse(
+                "train.numerics", f'"fp32" (device {device} trains in {dtype} under "device")', t.numerics, src
+            )
+    try:
+        _check_model(env.new_model(), env.bn_mode)
+    except ConfigError as exc:
+        raise _refuse(exc.key, exc.expected.removesuffix(" (vectorised training)"), exc.got, src) from None
 
 
 def train_partitions_vmap(env, model: nn.Module, jobs: list) -> list[LocalResult]:

@@ -269,3 +269,26 @@ def recording(strategies):
 
         s.select = select
     return seen
+
+
+@pytest.mark.parametrize(
+    "train, key",
+    [
+        ({"strategy": "tinytrain", "numerics": "fp32", "bn_mode": "frozen"}, "train.strategy"),
+        ({"strategy": "full", "bn_mode": "frozen"}, "train.numerics"),  # stm32h743 trains in int8 under "device"
+        ({"strategy": "full", "numerics": "fp32", "bn_mode": "train"}, "train.bn_mode"),
+        ({"strategy": "elastic_tensor", "numerics": "fp32", "bn_mode": "frozen"}, None),
+    ],
+)
+def test_a_scenario_is_checked_before_training(make_scenario, train, key):
+    from fedelastic.errors import ConfigError
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.vectorized import check_vectorizable
+
+    env = RunEnvironment(make_scenario(train=train))
+    if key is None:
+        check_vectorizable(env)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_vectorizable(env)
+    assert err.value.key == key and "tiny.toml" in str(err.value) and "\n" not in str(err.value)
