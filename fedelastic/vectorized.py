@@ -14,7 +14,9 @@ failures and the reported figures.
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
 * Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, ``elastic_tensor``,
-  ``elastic_layer``, ...) are masks: an unselected tensor keeps its value and momentum. The
+  ``elastic_layer``, ...) are masks: an unselected tensor keeps its value and momentum, and a
+  step differentiates only the tensors some client of the step trains (so backprop stops below
+  the deepest of them, as in ``train_local``). The
   ``importance`` probe (ElasticTrainer's) runs vectorised too, on the clients that reselect at a
   step, on their current weights and batch, piece by piece where memory splits it; each client's
   selection is then taken on the host between steps, as ``train_local`` takes it.
@@ -232,11 +234,16 @@ def train_cohort_vmap(
     xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
     ys = [torch.as_tensor(d.y, device=dev) for d in datasets]
 
-    def loss_fn(params, x, y, w):
-        out = functional_call(model, (params, buffers), (x,))
+    def loss_fn(params, frozen, x, y, w):
+        out = functional_call(model, ({**params, **frozen}, buffers), (x,))
         return (nn.functional.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
 
-    step_fn = vmap(grad_and_value(loss_fn))
+    def step_fn(params, x, y, w, trained=None):
+        """Every client's (gradients, loss); gradients of the ``trained`` tensors only (default all):
+        autograd then skips the others' dW and stops below the deepest trained tensor."""
+        keep = {k: v for k, v in params.items() if trained is None or k in trained}
+        frozen = {k: v for k, v in params.items() if k not in keep}
+        return vmap(grad_and_value(loss_fn))(keep, frozen, x, y, w)
 
     def batch(rows: list[int], t: int):
         """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest."""
@@ -306,9 +313,10 @@ def train_cohort_vmap(
         sel = torch.as_tensor(rows, device=dev)
         x, y, w = batch(rows, t)
         params = stacked if every else {k: v[sel] for k, v in stacked.items()}
-        grads, losses = step_fn(params, x, y, w)
+        masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
+        grads, losses = step_fn(params, x, y, w, {names[k] for k in np.flatnonzero(masks_np.any(0))})
         lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
-        masks = torch.as_tensor(np.stack([clients[i].selection.mask for i in rows]), device=dev)  # type: ignore[union-attr]
+        masks = torch.as_tensor(masks_np, device=dev)
         with torch.no_grad():
             for k, name in enumerate(names):
                 on = masks[:, k]
