@@ -256,8 +256,8 @@ def train_cohort_vmap(
             x[row, : len(idx)], y[row, : len(idx)], w[row, : len(idx)] = xs[i][idx], ys[i][idx], 1.0
         return x, y, w
 
-    def sgd(name, p, g, buf, lr_t, on):
-        """One optimizer step of tensor ``name`` where ``on`` (per client): (new values, new momentum)."""
+    def sgd(p, g, buf, lr_t, on):
+        """One optimizer step of a stacked tensor, for the clients where ``on``: (new values, new momentum)."""
         shape = (-1,) + (1,) * (p.dim() - 1)
         lr_col = lr_t.to(p.dtype).to(dev).view(shape)
         if optimizer == "sgdw" and weight_decay:
@@ -281,16 +281,16 @@ def train_cohort_vmap(
         x, y, w = batch(rows, t)
         lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
         on = torch.as_tensor(scopes, device=dev)
-        with torch.no_grad():
-            grads, _ = step_fn(params, x, y, w)
+        scope = {names[k] for k in np.flatnonzero(scopes.any(0))}
+        with torch.no_grad():  # the grad transform differentiates all the same; nothing else records a graph
+            grads, _ = step_fn(params, x, y, w, scope)
             moved = dict(params)
             for k, name in enumerate(names):
-                if bool(on[:, k].any()):
-                    moved[name] = sgd(
-                        name, params[name], grads[name], bufs[name][sel] if bufs else None, lr_t, on[:, k]
-                    )[0]
-            grads2, _ = step_fn(moved, x, y, w)
-            sums = [-(grads2[n] * (moved[n] - params[n])).flatten(1).sum(1) for n in names]
+                if name in scope:
+                    moved[name] = sgd(params[name], grads[name], bufs[name][sel] if bufs else None, lr_t, on[:, k])[0]
+            grads2, _ = step_fn(moved, x, y, w, scope)
+            zero = torch.zeros(len(rows), device=dev)
+            sums = [-(grads2[n] * (moved[n] - params[n])).flatten(1).sum(1) if n in scope else zero for n in names]
         return torch.where(on, torch.stack(sums, 1), 0).double().cpu().numpy()
 
     horizon = max((len(c.order) for c in clients), default=0)
@@ -323,7 +323,7 @@ def train_cohort_vmap(
                 if not bool(on.any()):
                     continue
                 buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
-                new_p, new_buf = sgd(name, params[name], grads[name], buf, lr_t, on)
+                new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
                 if every:
                     stacked[name].copy_(new_p)
                     if new_buf is not None:

@@ -22,7 +22,7 @@ from fedelastic.costmodel import CostModel
 from fedelastic.data import ArrayDataset, load_digits_dataset
 from fedelastic.devices import Quantity, get_profile
 from fedelastic.modelinfo import describe
-from fedelastic.models.small import small_cnn
+from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.quant import Numerics
 from fedelastic.selection import Selection, SelectionStrategy, make_strategy
 from fedelastic.training import train_local
@@ -292,3 +292,27 @@ def test_a_scenario_is_checked_before_training(make_scenario, train, key):
     with pytest.raises(ConfigError) as err:
         check_vectorizable(env)
     assert err.value.key == key and "tiny.toml" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_memory_split_probe_and_a_probe_that_cannot_fit_match_the_loop():
+    # mcu_net width 16 on stm32f746 (320 KiB): the importance probe only fits in pieces (issue 7);
+    # the third client's device has 1000 bytes: nothing fits, it fails as the loop's client does
+    torch.manual_seed(0)
+    model = mcu_net(width=16, num_classes=10)
+    info = describe(model, torch.zeros(1, 1, 8, 8))
+    mcu = get_profile("stm32f746")
+    assert CostModel(info, mcu, 16).probe_plan("importance", mcu.memory_train_bytes.value)[0] == 0  # the premise
+    tiny = dataclasses.replace(mcu, memory_train_bytes=Quantity(1000.0, "test"))
+    costs = [CostModel(info, mcu, 16), CostModel(info, mcu, 16), CostModel(info, tiny, 16)]
+    options = {"rho": 0.4, "interval": 2, "interval_unit": "steps"}
+    data = clients((40, 23, 20))
+    seeds = [[5, 1, pid] for pid in range(3)]
+    common = dict(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="frozen")
+    got = train_cohort_vmap(
+        model, info, [make_strategy("elastic_tensor", options) for _ in range(3)], costs, data, seeds=seeds, **common
+    )
+    fresh = [make_strategy("elastic_tensor", options) for _ in range(3)]
+    ref = loop(model, info, fresh, costs, data, seeds, [0, 0, 0], **common)
+    assert ref[0].fits and ref[0].steps == 3 and ref[0].selections == 2
+    assert not ref[2].fits and ref[2].reason  # nothing fits 1000 bytes (here: no selection fits)
+    assert_same(ref, got)
