@@ -123,7 +123,7 @@ def test_clients_are_shared_longest_first_to_the_least_loaded_cohort(make_scenar
     for p in sorted(range(6), key=lambda p: (-steps[p], p)):
         j = 0 if load[0] <= load[1] else 1
         expected[j].append(p)
-        load[j] += steps[p]
+        load[j] += steps[p] + 1
     assert sorted(map(sorted, chunks)) == sorted(map(sorted, expected))
     assert sorted(sum(chunks, [])) == list(range(6))
 

@@ -24,8 +24,8 @@ What a client's own node would do, a cohort does per client:
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -78,16 +78,18 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
     abandoned = False
     if jobs:
         weights = record_to_torch(content["arrays"])
-        finished: queue.SimpleQueue = queue.SimpleQueue()
+        finished: list = []  # (job, reply content or exception), appended by the training thread
         cancelled = threading.Event()  # set when a client overran: the thread must not start another
+        progress = [time.monotonic()]  # when the running client started
 
         def report(j: int, result) -> bool:  # on the training thread: the reply is built there too
             try:
                 if isinstance(result, Exception):
                     raise result
-                finished.put((j, reply_content(env, jobs[j], result)))
+                finished.append((j, reply_content(env, jobs[j], result)))
             except Exception as exc:  # noqa: BLE001 (this client's failure)
-                finished.put((j, exc))
+                finished.append((j, exc))
+            progress[0] = time.monotonic()
             return not cancelled.is_set()
 
         def work(model: torch.nn.Module) -> None:
@@ -96,23 +98,25 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
         thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
         thread.start()
-        for _ in jobs:
-            try:
-                j, result = finished.get(timeout=timeout_s)
-            except queue.Empty:  # the running client overran: it times out, the rest go back unrun
-                late = next(i for i in where if status[i] == UNRUN)
-                status[late] = TIMEOUT
-                reasons[late] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
-                abandoned = True
+        done = len(jobs)
+        while True:  # wakes only at a client's deadline, not after every client
+            thread.join(max(0.0, progress[0] + timeout_s - time.monotonic()))
+            if not thread.is_alive():
+                break
+            done = len(finished)  # read before the deadline: a client finishing now is late
+            if time.monotonic() >= progress[0] + timeout_s:  # client `done` overran
                 cancelled.set()
+                abandoned = True
                 env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
                 break
+        for j, result in finished[:done]:
             if isinstance(result, Exception):
                 fail(where[j], result)
             else:
                 put(where[j], result)
-        if not abandoned:
-            thread.join()
+        if abandoned:  # the rest go back unrun
+            status[where[done]] = TIMEOUT
+            reasons[where[done]] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
     out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
     return Message(content=out, reply_to=msg)
 
@@ -207,7 +211,7 @@ class CohortGrid(Grid):
             for i in sorted(group, key=lambda i: (-self._steps[pid(i)], pid(i))):
                 j = int(np.argmin(load))
                 parts[j].append(i)
-                load[j] += max(self._steps[pid(i)], 1)
+                load[j] += self._steps[pid(i)] + 1  # a client costs about one step besides its steps
             chunks.extend(sorted(part, key=pid) for part in parts if part)
         return chunks
 
