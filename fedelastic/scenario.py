@@ -286,6 +286,11 @@ class SimulationConfig:
         "'per_client': every virtual client is its own Flower node",
     )
     cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
+    vectorize: bool = field(
+        False,
+        help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
+        "equal to the per-client path to float32 rounding, not byte for byte",
+    )
 
     def __post_init__(self):
         check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
@@ -294,6 +299,7 @@ class SimulationConfig:
         check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
         check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
+        check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
 
 
 @dataclass(frozen=True)

@@ -136,10 +136,25 @@ def train_cohort(
     This is the one training step of a cohort (a Flower node training many virtual clients per
     call): each job gives exactly what :func:`train_partition` gives for that client alone.
     ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
-    it returns False the remaining jobs are not started.
+    it returns False the remaining jobs are not started. With ``simulation.vectorize`` the jobs
+    train together in one vectorised call (:func:`fedelastic.vectorized.train_partitions_vmap`),
+    and ``done`` is called for each once all are trained.
     """
     out: list[LocalResult | Exception] = []
     load = weights_loader(model, weights)
+    if env.scenario.simulation.vectorize and jobs:  # all jobs in one batched call (fedelastic/vectorized.py)
+        from ..vectorized import train_partitions_vmap
+
+        load()
+        try:
+            batch: list[LocalResult | Exception] = list(train_partitions_vmap(env, model, jobs))
+        except Exception as exc:  # noqa: BLE001 (the cohort's failure is each of its clients' row)
+            batch = [exc] * len(jobs)
+        for i, result in enumerate(batch):
+            out.append(result)
+            if not done(i, result):
+                break
+        return out
     for i, job in enumerate(jobs):
         result: LocalResult | Exception
         try:

@@ -261,6 +261,10 @@ def _preflight(scenario: Scenario, env) -> dict:
         reason = one_line(f"{type(exc).__name__}: {exc}")
         raise ConfigError(src, "model.name", f"a model fedelastic can trace ({reason})", scenario.model.name) from None
     strategy = env.strategy()  # its options, checked once
+    if scenario.simulation.vectorize:  # what vectorised training cannot do stops the run here, naming the key
+        from ..vectorized import check_vectorizable
+
+        check_vectorizable(env)
     config = getattr(strategy, "config", None)
     if getattr(config, "infeasible", None) == "error" and hasattr(config, "rho"):
         for device in scenario.fleet:  # 'infeasible = "error"' stops the run before any client starts
