@@ -33,7 +33,9 @@ Variants, each run in a fresh subprocess, round-robin over variants for ``--runs
 On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`` with
 ``WeightByDatapoints``: how far its float32 arithmetic lands from the workload's) and
 ``ray-per-client`` (fedelastic on Ray with ``simulation.node_mode = "per_client"``, where the
-scenario has that key: one Flower node per virtual client).
+scenario has that key: one Flower node per virtual client), ``ray-vmap`` / ``inprocess-vmap``
+(``simulation.vectorize = true``: each cohort trained as one batched model with torch.func.vmap;
+equal to the others to float32 rounding only, so its checksum differs).
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
@@ -85,7 +87,7 @@ DEVICE = "raspberry_pi_4"  # fp32, no availability model: every client is always
 VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
 # on request only: pfl's own FederatedAveraging (float32 differences, WeightByDatapoints); fedelastic on
 # Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
-EXTRA_VARIANTS = ("pfl-stock", "ray-per-client")
+EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap")
 REFERENCE = "bare"
 
 
@@ -489,7 +491,9 @@ class Timers:
         setattr(owner, name, timed)
 
 
-def worker_fedelastic(wl: Workload, out: dict, backend: str, per_client: bool = False) -> dict[str, np.ndarray]:
+def worker_fedelastic(
+    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False
+) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
     import fedelastic.results as results
@@ -534,6 +538,8 @@ def worker_fedelastic(wl: Workload, out: dict, backend: str, per_client: bool = 
     scenario = wl.scenario(backend, tmp)
     if per_client:  # fedelastic's per-client node mode (the default before cohorts)
         scenario["simulation"]["node_mode"] = "per_client"
+    if vectorize:  # cohorts trained as one batched model (torch.func.vmap): equal to float32 rounding only
+        scenario["simulation"]["vectorize"] = True
     result = api.run(scenario, progress=progress)
     clients = result.clients
     rounds = result.rounds
@@ -564,7 +570,8 @@ def worker_main(args) -> None:
     elif variant == "flower":
         state = worker_flower(wl, out)
     else:
-        state = worker_fedelastic(wl, out, "inprocess" if variant == "inprocess" else "ray", variant == "ray-per-client")
+        backend = "inprocess" if variant.startswith("inprocess") else "ray"
+        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"))
     out.pop("_tmp", None)
     if state is None:  # a pfl worker other than rank 0
         return
@@ -670,6 +677,8 @@ LABELS = {
     "inprocess": "fedelastic, in-process",
     "pfl-stock": "pfl 0.6 own FedAvg (float32 differences), 1 process",
     "ray-per-client": "fedelastic, Ray, one Flower node per virtual client",
+    "ray-vmap": "fedelastic, Ray, vectorize = true",
+    "inprocess-vmap": "fedelastic, in-process, vectorize = true",
 }
 
 

@@ -19,6 +19,7 @@ used.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -56,7 +57,7 @@ def to_numpy(array: Array) -> np.ndarray:
             return array.numpy()
         _remember(_READ, header, info)
     shape, fortran, dtype = info
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: no overflow, and ~10x faster than np.prod on a tuple
     if len(data) != start + count * dtype.itemsize:
         return array.numpy()  # let numpy raise its own error
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
