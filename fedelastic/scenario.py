@@ -280,6 +280,17 @@ class SimulationConfig:
     client_retries: int = field(1, help="retries of a client whose process died (Ray), on a fresh worker")
     max_failure_rate: float = field(0.0, help="fraction of client results that may fail before the exit code says so")
     allow_empty_rounds: bool = field(False, help="a round in which no client trained is not an error")
+    node_mode: Literal["cohort", "per_client"] = field(
+        "cohort",
+        help="'cohort': each Flower node trains a share of a round's virtual clients per call (fast); "
+        "'per_client': every virtual client is its own Flower node",
+    )
+    cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
+    vectorize: bool = field(
+        False,
+        help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
+        "equal to the per-client path to float32 rounding, not byte for byte",
+    )
 
     def __post_init__(self):
         check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
@@ -287,6 +298,8 @@ class SimulationConfig:
         check(1 <= self.torch_threads <= 1024, "torch_threads", "an integer in [1, 1024]")
         check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
         check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
+        check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
+        check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..quant import device_numerics
 from ..scenario import Scenario
+from ..selection import SelectionStrategy
 from ..training import LocalResult, train_local
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
@@ -74,29 +76,119 @@ def train_partition(
     )
 
 
-def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
-    """Train on this node's partition from the global arrays in ``msg``."""
-    env = environment(scenario)
-    torch.set_num_threads(scenario.simulation.torch_threads)
-    pid = _partition_id(context)
-    config = msg.content["config"]
-    server_round = int(config["server-round"])
-    device = env.devices[pid]
-    cost = env.cost(device)
-    # a deadline policy sends this client its own rho or step cap
+@dataclass
+class CohortJob:
+    """One virtual client's work in a round: its partition, round, strategy (state loaded) and step cap."""
+
+    pid: int
+    server_round: int
+    strategy: SelectionStrategy
+    max_steps: int | None = None
+
+
+# modules whose state-dict loading is a plain copy into each tensor (BatchNorm's only adds a
+# missing num_batches_tracked, which weights_loader requires to be present)
+_PLAIN_LOADS = (torch.nn.Module._load_from_state_dict, torch.nn.modules.batchnorm._NormBase._load_from_state_dict)
+
+
+def weights_loader(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A function that loads ``weights`` into ``model``: what ``model.load_state_dict(weights)`` does.
+
+    ``load_state_dict`` walks every module and checks every key on every call (~0.2 ms for a
+    small CNN, as long as its training step). When every module loads plainly (no load hooks,
+    no custom ``_load_from_state_dict``), the keys match and the shapes agree, the returned
+    function copies each tensor in place, as ``load_state_dict`` does; otherwise it is
+    ``load_state_dict`` itself (which also raises its own errors).
+    """
+    targets = model.state_dict(keep_vars=True)
+    plain = (
+        list(targets) == list(weights)
+        and not torch.__future__.get_swap_module_params_on_conversion()
+        and all(
+            type(m)._load_from_state_dict in _PLAIN_LOADS
+            and not m._load_state_dict_pre_hooks
+            and not m._load_state_dict_post_hooks
+            for m in model.modules()
+        )
+        and all(targets[k].shape == weights[k].shape for k in targets)
+    )
+    if not plain:
+        return lambda: model.load_state_dict(weights)
+    pairs = [(targets[k], weights[k]) for k in targets]
+
+    def load() -> None:
+        with torch.no_grad():
+            for target, value in pairs:
+                target.copy_(value)
+
+    return load
+
+
+def train_cohort(
+    env: RunEnvironment,
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    jobs: list[CohortJob],
+    done: Callable[[int, LocalResult | Exception], bool] = lambda i, r: True,
+) -> list[LocalResult | Exception]:
+    """Train each job from ``weights``, one after another on ``model``; an exception is that job's result.
+
+    This is the one training step of a cohort (a Flower node training many virtual clients per
+    call): each job gives exactly what :func:`train_partition` gives for that client alone.
+    ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
+    it returns False the remaining jobs are not started. With ``simulation.vectorize`` the jobs
+    train together in one vectorised call (:func:`fedelastic.vectorized.train_partitions_vmap`),
+    and ``done`` is called for each once all are trained.
+    """
+    out: list[LocalResult | Exception] = []
+    load = weights_loader(model, weights)
+    if env.scenario.simulation.vectorize and jobs:  # all jobs in one batched call (fedelastic/vectorized.py)
+        from ..vectorized import train_partitions_vmap
+
+        load()
+        try:
+            batch: list[LocalResult | Exception] = list(train_partitions_vmap(env, model, jobs))
+        except Exception as exc:  # noqa: BLE001 (the cohort's failure is each of its clients' row)
+            batch = [exc] * len(jobs)
+        for i, result in enumerate(batch):
+            out.append(result)
+            if not done(i, result):
+                break
+        return out
+    for i, job in enumerate(jobs):
+        result: LocalResult | Exception
+        try:
+            load()
+            result = train_partition(env, model, job.strategy, job.pid, job.server_round, job.max_steps)
+        except Exception as exc:  # noqa: BLE001 (a client's failure is its own row, as on its own node)
+            result = exc
+        out.append(result)
+        if not done(i, result):
+            break
+    return out
+
+
+def prepare_job(env: RunEnvironment, pid: int, config: ConfigRecord, state: ArrayRecord | None) -> CohortJob | None:
+    """Partition ``pid``'s job from its round ``config`` and kept strategy ``state``; None if it is too slow.
+
+    A deadline policy sends the client its own rho or step cap; a device the deadline leaves no
+    time for even a forward pass is too slow and trains nothing.
+    """
+    cost = env.cost(env.devices[pid])
     rho = float(config["rho"]) if "rho" in config else None
     step_cap = int(config["max-steps"]) if "max-steps" in config else None
     if (rho is not None and (rho <= 0 or cost.backward_budget_s(rho) <= 0)) or step_cap == 0:
-        return too_slow_reply(env, msg, pid)
-    model = env.client_model
-    model.load_state_dict(record_to_torch(msg.content["arrays"]))
+        return None
     strategy = env.strategy(rho)
-    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
-        strategy.load_state(record_to_numpy(msg.content["strategy-state"]))
-    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
-        strategy.load_state(record_to_numpy(context.state["strategy-state"]))
-    result = train_partition(env, model, strategy, pid, server_round, step_cap)
-    context.state["strategy-state"] = record_from_numpy(strategy.state())
+    if state is not None:
+        strategy.load_state(record_to_numpy(state))
+    return CohortJob(pid, int(config["server-round"]), strategy, step_cap)
+
+
+def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> RecordDict:
+    """What a client sends back after training: its update, masks, figures and strategy state."""
+    scenario, pid = env.scenario, job.pid
+    cost = env.cost(env.devices[pid])
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
     figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
     if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
@@ -124,19 +216,40 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
         "host-wall-s": result.host_wall_s,
         "too-slow": 0,
     }
-    content = RecordDict(
+    return RecordDict(
         {
             "arrays": record_from_numpy(result.trained),
             "masks": record_from_numpy(result.channel_masks),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
-            "strategy-state": context.state["strategy-state"],  # the server checkpoints it (resume)
+            "strategy-state": record_from_numpy(job.strategy.state()),  # the server checkpoints it (resume)
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
         }
     )
+
+
+def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
+    """Train on this node's partition from the global arrays in ``msg`` (one virtual client per node)."""
+    env = environment(scenario)
+    torch.set_num_threads(scenario.simulation.torch_threads)
+    pid = _partition_id(context)
+    if "strategy-state" in msg.content:  # a resumed run hands the node its checkpointed state
+        state = msg.content["strategy-state"]
+    elif "strategy-state" in context.state:  # kept per node across rounds (e.g. static_elastic)
+        state = context.state["strategy-state"]
+    else:
+        state = None
+    job = prepare_job(env, pid, msg.content["config"], state)
+    if job is None:
+        return Message(content=too_slow_content(env, pid), reply_to=msg)
+    model = env.client_model
+    model.load_state_dict(record_to_torch(msg.content["arrays"]))
+    result = train_partition(env, model, job.strategy, pid, job.server_round, job.max_steps)
+    content = reply_content(env, job, result)
+    context.state["strategy-state"] = content["strategy-state"]
     return Message(content=content, reply_to=msg)
 
 
-def too_slow_reply(env: RunEnvironment, msg: Message, pid: int) -> Message:
+def too_slow_content(env: RunEnvironment, pid: int) -> RecordDict:
     """The deadline leaves this device no time for even a forward pass: it says so and sends no update."""
     cost = env.cost(env.devices[pid])
     nothing = np.zeros(env.info.num_tensors)
@@ -154,14 +267,13 @@ def too_slow_reply(env: RunEnvironment, msg: Message, pid: int) -> Message:
             "too-slow": 1,
         }
     )
-    content = RecordDict(
+    return RecordDict(
         {
             "arrays": record_from_numpy({}),
             "masks": record_from_numpy({}),
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
         }
     )
-    return Message(content=content, reply_to=msg)
 
 
 def check_same_code() -> None:
@@ -196,6 +308,10 @@ def make_client_app(scenario: Scenario) -> ClientApp:
     def query(msg: Message, context: Context) -> Message:
         check_same_code()
         adopt_plugins()
+        if "cohort" in msg.content:  # a cohort node's start-up query: build its data and model now
+            from .cohort import warm_up
+
+            warm_up(scenario)
         return Message(
             content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
         )
@@ -203,6 +319,10 @@ def make_client_app(scenario: Scenario) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         adopt_plugins()
+        if "cohort" in msg.content:  # this node trains a cohort of virtual clients (fl/cohort.py)
+            from .cohort import cohort_train
+
+            return cohort_train(scenario, msg)
         return client_train(scenario, msg, context)
 
     return app

@@ -186,8 +186,12 @@ _CACHE: dict[str, RunEnvironment] = {}
 
 def environment(scenario: Scenario) -> RunEnvironment:
     """The process-wide cached environment of ``scenario``."""
+    last = _CACHE.get("")
+    if last is not None and last.scenario is scenario:  # the same (frozen) object: no need to compare contents
+        return last
     key = json.dumps(scenario.to_dict(), sort_keys=True)
     if key not in _CACHE:
         _CACHE.clear()
         _CACHE[key] = RunEnvironment(scenario)
+    _CACHE[""] = _CACHE[key]
     return _CACHE[key]

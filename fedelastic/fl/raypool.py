@@ -14,6 +14,9 @@ client keeps the runtime (and the driver) alive forever.
   new one, so later rounds use the full pool;
 * stops waiting as soon as the run is over (``stop`` is set), so the driver exits.
 
+A cohort message (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that
+abandoned a hung client (its reply says so) has its worker replaced after it replies.
+
 Any other client error is returned to the pool and reported as before.
 """
 
@@ -88,11 +91,13 @@ def _call_client(self, message, context):
 
     pid = str(context.node_config["partition-id"])
     tries = _SETTINGS.retries + 1
+    # a cohort message (fl/cohort.py) trains several clients, each allowed timeout_s
+    members = len(message.content["cohort"]["partition-ids"]) if _is_cohort(message) else 1
     for attempt in range(1, tries + 1):
         future = self.pool.submit(
             lambda a, a_fn, mssg, cid, state: a.run.remote(a_fn, mssg, cid, state), (self.app_fn, message, pid, context)
         )
-        deadline = time.monotonic() + _SETTINGS.timeout_s
+        deadline = time.monotonic() + _SETTINGS.timeout_s * max(members, 1)
         while not ray.wait([future], timeout=0.2)[0]:
             if _SETTINGS.stop.is_set() or not ray.is_initialized():
                 _retire(self.pool, future, replace=False)
@@ -113,9 +118,24 @@ def _call_client(self, message, context):
         except Exception:
             self.pool.add_actor_back_to_pool(future)
             raise
-        self.pool.add_actor_back_to_pool(future)
+        if _abandoned(out_message):  # a cohort left a hung client running in this worker: replace it
+            _retire(self.pool, future, replace=not _SETTINGS.stop.is_set())
+        else:
+            self.pool.add_actor_back_to_pool(future)
         return out_message, updated_context
     raise AssertionError("unreachable")
+
+
+def _is_cohort(message) -> bool:
+    return message.has_content() and "cohort" in message.content and "partition-ids" in message.content["cohort"]
+
+
+def _abandoned(message) -> bool:
+    return _is_cohort_reply(message) and bool(message.content["cohort"]["abandoned"])
+
+
+def _is_cohort_reply(message) -> bool:
+    return message.has_content() and "cohort" in message.content and "abandoned" in message.content["cohort"]
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from ..results import Recorder, one_line, read_status
 from ..scenario import Scenario, is_plain_name, parse_scenario
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
+from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed
 from .env import environment
 from .raypool import resilient_actors
@@ -260,6 +261,10 @@ def _preflight(scenario: Scenario, env) -> dict:
         reason = one_line(f"{type(exc).__name__}: {exc}")
         raise ConfigError(src, "model.name", f"a model fedelastic can trace ({reason})", scenario.model.name) from None
     strategy = env.strategy()  # its options, checked once
+    if scenario.simulation.vectorize:  # what vectorised training cannot do stops the run here, naming the key
+        from ..vectorized import check_vectorizable
+
+        check_vectorizable(env)
     config = getattr(strategy, "config", None)
     if getattr(config, "infeasible", None) == "error" and hasattr(config, "rho"):
         for device in scenario.fleet:  # 'infeasible = "error"' stops the run before any client starts
@@ -331,6 +336,61 @@ def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
 
 
+def ray_workers(cpus_per_client: float) -> int:
+    """How many client workers Flower's Ray backend starts: per Ray node, its CPUs over a client's (at least 1)."""
+    import ray
+
+    total = sum(int(n["Resources"].get("CPU", 0) / cpus_per_client) for n in ray.nodes() if n.get("Resources"))
+    return max(1, total)
+
+
+def _start_ray(scenario: Scenario) -> None:
+    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up."""
+    import ray
+
+    sim, src = scenario.simulation, scenario.source or "<scenario>"
+    if not ray.is_initialized():
+        _probe(sim.ray_address, src)
+        try:
+            ray.init(**_ray_init_args(sim))
+        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
+            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
+
+
+def _preflight_beside_ray(scenario: Scenario, env) -> dict:
+    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
+
+    Ray's start is mostly waiting for its daemons; the checks are the driver's own work (data,
+    the model's description, starting weights). A check that fails wins: Ray is shut down and
+    the check's error is raised, as if Ray had not been started.
+    """
+    import ray
+
+    box: list = []
+
+    def check() -> None:
+        try:
+            box.append(_preflight(scenario, env))
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            box.append(exc)
+
+    thread = threading.Thread(target=check, name="fedelastic-preflight", daemon=True)
+    thread.start()
+    try:
+        _start_ray(scenario)
+    except BaseException:
+        thread.join()
+        if box and isinstance(box[0], BaseException):
+            raise box[0] from None
+        raise
+    thread.join()
+    if isinstance(box[0], BaseException):
+        if ray.is_initialized():
+            ray.shutdown()
+        raise box[0]
+    return box[0]
+
+
 def _run_ray(
     scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
 ) -> None:
@@ -339,29 +399,29 @@ def _run_ray(
     from flwr.simulation import run_simulation
 
     sim = scenario.simulation
-    src = scenario.source or "<scenario>"
     app = ServerApp()
+
+    nodes = scenario.num_clients
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            server(GuardedGrid(grid, stop))
+            guarded = GuardedGrid(grid, stop)
+            server(CohortGrid(guarded, environment(scenario), nodes) if cohort else guarded)
         finally:
             stop.set()  # the runtime's workers stop waiting on hung clients
 
-    if not ray.is_initialized():
-        _probe(sim.ray_address, src)
-        try:
-            ray.init(**_ray_init_args(sim))
-        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
+    _start_ray(scenario)
+    cohort = sim.node_mode == "cohort"
+    if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
+        nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
     try:
         with fast_dispatch(), resilient_actors(retries=sim.client_retries, timeout_s=sim.timeout_s, stop=stop) as pool:
             notes["actors_replaced"] = 0
             run_simulation(
                 server_app=app,
                 client_app=client_app,
-                num_supernodes=scenario.num_clients,
+                num_supernodes=nodes,
                 backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
             )
             notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
@@ -426,7 +486,10 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     stop = threading.Event()
     failure: list[BaseException] = []
     try:
-        state = _preflight(scenario, env)
+        if grid is None and scenario.simulation.backend == "ray":
+            state = _preflight_beside_ray(scenario, env)
+        else:
+            state = _preflight(scenario, env)
         start_round = 0
         if checkpoint is not None:
             state, start_round = dict(checkpoint["model"]), int(checkpoint["round"])
@@ -447,9 +510,12 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         if grid is not None:  # a Flower App's own grid (flwr run): pulls go over the network, keep 0.05 s
             server(GuardedGrid(grid, stop, pull_period_s=0.05))
         elif scenario.simulation.backend == "inprocess":
-            local = InProcessGrid(client_app, scenario.num_clients)
+            cohort = scenario.simulation.node_mode == "cohort"
+            nodes = cohort_count(scenario, 1) if cohort else scenario.num_clients
+            local = InProcessGrid(client_app, nodes)
             local.on_abandon = lambda: env.__dict__.pop("client_model", None)
-            server(GuardedGrid(local, stop))
+            guarded = GuardedGrid(local, stop)
+            server(CohortGrid(guarded, env, nodes) if cohort else guarded)
         else:
             _run_ray(scenario, server, client_app, stop, recorder.notes)
         if failure:

@@ -1,0 +1,283 @@
+"""Cohorts: one Flower node trains a share of a round's virtual clients per call (issue 10).
+
+With ``simulation.node_mode = "cohort"`` (the default) a run has a few Flower nodes, by default
+one per Ray worker, instead of one per virtual client. The server is unchanged: it still sees
+one node per virtual client and sends each its own message. :class:`CohortGrid`, between the
+server and Flower's grid, packs a round's messages into one message per cohort (the global
+arrays once, each client's config and kept strategy state), and unpacks each cohort's reply
+into the per-client replies the server expects. The node trains its clients one after another
+with :func:`~fedelastic.fl.client.train_cohort`, exactly as each would train on its own node
+(same seed per (seed, round, partition), same weights, same strategy state), so the results are
+byte-identical to ``node_mode = "per_client"`` (tested).
+
+What a client's own node would do, a cohort does per client:
+
+* a client that raises is an error reply for that client alone;
+* each client gets ``timeout_s`` from its start; one that overruns is a timeout for that client,
+  the node returns at once and the clients it had not started are sent again; its worker, which
+  still runs the abandoned client, is replaced (Ray) or its model rebuilt (in-process);
+* a cohort whose worker process died (after ``client_retries``), or that failed as a whole, is
+  sent again one client per message, so that only the client that causes it fails;
+* a client's strategy state (e.g. static_elastic's fixed selection) is kept by the driver
+  between rounds, as a node's context keeps it, and handed back with the client's next job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from ..fleet import local_steps
+from ..scenario import Scenario
+from .arrays import record_to_torch
+from .client import prepare_job, reply_content, too_slow_content, train_cohort
+from .env import RunEnvironment, environment
+
+# a member's state in a cohort's reply
+DONE, FAILED, TIMEOUT, UNRUN = "done", "failed", "timeout", "unrun"
+_MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
+
+
+def cohort_train(scenario: Scenario, msg: Message) -> Message:
+    """The ClientApp's train handler for a cohort message: every member's reply, packed into one."""
+    env = environment(scenario)
+    torch.set_num_threads(scenario.simulation.torch_threads)
+    content = msg.content
+    head = content["cohort"]
+    pids = [int(p) for p in head["partition-ids"]]
+    timeout_s = float(head["timeout-s"])
+    status, reasons = [UNRUN] * len(pids), [""] * len(pids)
+    out = RecordDict()
+
+    def put(i: int, member: RecordDict) -> None:
+        for key, record in member.items():
+            out[f"{key}.{i}"] = record
+        status[i] = DONE
+
+    def fail(i: int, exc: BaseException) -> None:
+        status[i], reasons[i] = FAILED, f"{type(exc).__name__}: {exc}"
+
+    jobs, where = [], []
+    for i, pid in enumerate(pids):
+        try:
+            state = content[f"strategy-state.{i}"] if f"strategy-state.{i}" in content else None
+            job = prepare_job(env, pid, content[f"config.{i}"], state)
+            if job is None:
+                put(i, too_slow_content(env, pid))
+            else:
+                jobs.append(job)
+                where.append(i)
+        except Exception as exc:  # noqa: BLE001 (this client's failure, as on its own node)
+            fail(i, exc)
+    abandoned = False
+    if jobs:
+        weights = record_to_torch(content["arrays"])
+        finished: list = []  # (job, reply content or exception), appended by the training thread
+        cancelled = threading.Event()  # set when a client overran: the thread must not start another
+        progress = [time.monotonic()]  # when the running client started
+
+        def report(j: int, result) -> bool:  # on the training thread: the reply is built there too
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                reply: RecordDict | Exception = reply_content(env, jobs[j], result)
+            except Exception as exc:  # noqa: BLE001 (this client's failure)
+                reply = exc
+            progress[0] = time.monotonic()  # before the result shows: a watchdog that sees it sees the new start
+            finished.append((j, reply))
+            return not cancelled.is_set()
+
+        def work(model: torch.nn.Module) -> None:
+            torch.set_num_threads(scenario.simulation.torch_threads)  # OpenMP's thread count is per thread
+            train_cohort(env, model, weights, jobs, done=report)
+
+        thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
+        thread.start()
+        done = len(jobs)
+        while True:  # wakes only at a client's deadline, not after every client
+            thread.join(max(0.0, progress[0] + timeout_s - time.monotonic()))
+            if not thread.is_alive():
+                break
+            done = len(finished)  # read before the deadline: a client finishing now is late
+            if time.monotonic() >= progress[0] + timeout_s:  # client `done` overran
+                cancelled.set()
+                abandoned = True
+                env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
+                break
+        for j, result in finished[:done]:
+            if isinstance(result, Exception):
+                fail(where[j], result)
+            else:
+                put(where[j], result)
+        if abandoned:  # the rest go back unrun
+            status[where[done]] = TIMEOUT
+            reasons[where[done]] = (
+                f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
+            )
+    out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
+    return Message(content=out, reply_to=msg)
+
+
+def warm_up(scenario: Scenario) -> None:
+    """Build what every cohort call needs (data, model, its description) while the run starts."""
+    env = environment(scenario)
+    _ = env.data, env.info, env.client_model
+
+
+class CohortGrid(Grid):
+    """The server's grid in cohort mode: one virtual node per client over a few Flower nodes.
+
+    ``grid`` is the runtime's grid (its nodes are the cohorts), ``cohorts`` how many of them
+    the round's clients are shared among. Only ``send_and_receive`` is used by the server.
+    """
+
+    def __init__(self, grid: Grid, env: RunEnvironment, cohorts: int):
+        self.grid, self.env, self.cohorts = grid, env, max(1, cohorts)
+        sc = env.scenario
+        self.timeout_s = sc.simulation.timeout_s
+        self.virtual = {p + 1: p for p in range(sc.num_clients)}  # virtual node id -> partition
+        self.real: list[int] = []
+        self.states: dict[int, object] = {}  # partition -> strategy state it kept (its node's context)
+        self.queried = False
+        self.sent = 0  # cohort messages sent (tags their replies)
+        t = sc.train
+        self._steps = {}
+        for p in range(sc.num_clients):
+            self._steps[p] = local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps)
+
+    def set_run(self, run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The virtual nodes, once every cohort node has registered (none before)."""
+        if len(self.real) < self.cohorts:
+            self.real = sorted(self.grid.get_node_ids())
+            if len(self.real) < self.cohorts:
+                return []
+        return list(self.virtual)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("CohortGrid answers send_and_receive only")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("CohortGrid answers send_and_receive only")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        queries = [m for m in messages if m.metadata.message_type == MessageType.QUERY]
+        trains = [m for m in messages if m.metadata.message_type != MessageType.QUERY]
+        replies = [self._answer_query(m, timeout) for m in queries]
+        if trains:
+            replies.extend(self._train(trains))
+        return replies
+
+    def _answer_query(self, msg: Message, timeout: float | None) -> Message:
+        """The partition of a virtual node; the first query also checks (and warms up) every cohort node."""
+        if not self.queried:
+            real = [
+                Message(
+                    content=RecordDict({"cohort": ConfigRecord({"warm-up": True})}),
+                    message_type=MessageType.QUERY,
+                    dst_node_id=n,
+                )
+                for n in self.real
+            ]
+            got = list(self.grid.send_and_receive(real, timeout=timeout))
+            for reply in got:
+                if reply.has_error():
+                    raise RuntimeError(
+                        f"node {reply.metadata.src_node_id} failed the start-up query: {reply.error.reason}"
+                    )
+            if len(got) != len(real):
+                raise RuntimeError(f"{len(got)} of {len(real)} nodes answered the start-up query")
+            self.queried = True
+        pid = self.virtual[msg.metadata.dst_node_id]
+        return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
+
+    def _chunks(self, members: list[int], trains: list[Message]) -> list[list[int]]:
+        """Members (indices into ``trains``) shared among the cohorts: the longest first, each to the least loaded."""
+        chunks: list[list[int]] = []
+        groups: dict[int, list[int]] = {}
+        for i in members:  # a cohort carries one set of global arrays
+            groups.setdefault(id(trains[i].content["arrays"]), []).append(i)
+        for group in groups.values():
+            pid = lambda i: self.virtual[trains[i].metadata.dst_node_id]  # noqa: E731
+            k = min(self.cohorts, len(group))
+            load, parts = np.zeros(k), [[] for _ in range(k)]
+            for i in sorted(group, key=lambda i: (-self._steps[pid(i)], pid(i))):
+                j = int(np.argmin(load))
+                parts[j].append(i)
+                load[j] += self._steps[pid(i)] + 1  # a client costs about one step besides its steps
+            chunks.extend(sorted(part, key=pid) for part in parts if part)
+        return chunks
+
+    def _pack(self, chunk: list[int], trains: list[Message], node: int) -> Message:
+        pids = [self.virtual[trains[i].metadata.dst_node_id] for i in chunk]
+        content = RecordDict({"arrays": trains[chunk[0]].content["arrays"]})
+        for j, (i, pid) in enumerate(zip(chunk, pids)):
+            member = trains[i].content
+            content[f"config.{j}"] = member["config"]
+            if "strategy-state" in member:  # a resumed run hands back the checkpointed state
+                content[f"strategy-state.{j}"] = member["strategy-state"]
+            elif pid in self.states:
+                content[f"strategy-state.{j}"] = self.states[pid]
+        content["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
+        self.sent += 1
+        return Message(
+            content=content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}"
+        )
+
+    def _train(self, trains: list[Message]) -> list[Message]:
+        replies: list[Message] = []
+        pending, alone = list(range(len(trains))), set()  # alone: sent one per message after a cohort failed
+        while pending:
+            chunks = self._chunks([i for i in pending if i not in alone], trains) + [[i] for i in pending if i in alone]
+            packed = [self._pack(c, trains, self.real[j % len(self.real)]) for j, c in enumerate(chunks)]
+            longest = max(len(c) for c in chunks)
+            got = {m.metadata.group_id: m for m in self.grid.send_and_receive(packed, timeout=self.timeout_s * longest)}
+            pending = []
+            for chunk, msg in zip(chunks, packed):
+                reply = got.get(msg.metadata.group_id)
+                if reply is None or reply.has_error():
+                    if len(chunk) > 1:  # the cohort failed as a whole: each of its clients on its own
+                        pending.extend(chunk)
+                        alone.update(chunk)
+                    elif reply is not None:
+                        replies.append(
+                            Message(Error(code=reply.error.code, reason=reply.error.reason), reply_to=trains[chunk[0]])
+                        )
+                    continue  # no reply at all: the server records the timeout
+                head = reply.content["cohort"]
+                for j, i in enumerate(chunk):
+                    state, reason = head["status"][j], head["reasons"][j]
+                    if state == DONE:
+                        member = RecordDict(
+                            {k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content}
+                        )
+                        if "strategy-state" in member:
+                            self.states[self.virtual[trains[i].metadata.dst_node_id]] = member["strategy-state"]
+                        replies.append(Message(content=member, reply_to=trains[i]))
+                    elif state in (FAILED, TIMEOUT):
+                        replies.append(Message(Error(code=0, reason=str(reason)), reply_to=trains[i]))
+                    else:
+                        pending.append(i)
+        return replies
+
+
+def cohort_count(scenario: Scenario, workers: int) -> int:
+    """How many cohort nodes a run has: ``simulation.cohorts``, else one per worker (at most one per client)."""
+    wanted = scenario.simulation.cohorts or workers
+    return max(1, min(wanted, scenario.num_clients))

@@ -1,0 +1,422 @@
+"""Vectorised cohort training: many clients trained as one batched model (``torch.func.vmap``).
+
+:func:`train_cohort_vmap` gives each client of a cohort what :func:`fedelastic.training.train_local`
+would give it, started from the same weights, but runs the cohort's steps together: the clients'
+parameters are stacked along a new first dimension and one ``vmap(grad(functional_call(...)))``
+call computes every client's gradient of its own batch at once. The host side is the same as
+``train_local``'s, client by client: the seeded batch order (``seed``, e.g. ``[seed, round, pid]``),
+the selections, their pricing on the client's :class:`~fedelastic.costmodel.CostModel`, memory
+failures and the reported figures.
+
+* Step ``t`` runs the clients that have a ``t``-th batch (the others are not computed and keep
+  their parameters); a short batch is padded with zero-weight samples to the step's widest batch,
+  so its loss and gradient are the mean over its valid samples only.
+* The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
+  coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
+* Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, ``elastic_tensor``,
+  ``elastic_layer``, ...) are masks: an unselected tensor keeps its value and momentum, and a
+  step differentiates only the tensors some client of the step trains (so backprop stops below
+  the deepest of them, as in ``train_local``). The
+  ``importance`` probe (ElasticTrainer's) runs vectorised too, on the clients that reselect at a
+  step, on their current weights and batch, piece by piece where memory splits it; each client's
+  selection is then taken on the host between steps, as ``train_local`` takes it.
+* Refused, with an error naming the key: the ``fisher`` probe (``tinytrain``) and
+  channel-sparse selections (``train.strategy``), BatchNorm in train mode (``train.bn_mode =
+  "train"`` on a model with norm layers), active dropout (``model.name``) and emulated int8/fp16
+  numerics (``train.numerics``).
+
+The weights agree with the per-client loop to float32 rounding, not bit for bit: a batched
+convolution is a grouped convolution with its own summation order, and the padded loss sums the
+same terms in another order (tests/test_vectorized.py states the tolerance).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from .costmodel import CostModel
+from .data import ArrayDataset
+from .errors import ConfigError
+from .modelinfo import ModelInfo
+from .selection import Selection, SelectionContext, SelectionStrategy
+from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches
+
+_SOURCE = "<vectorised training>"
+
+
+def _refuse(key: str, expected: str, got: object, source: str = _SOURCE) -> ConfigError:
+    return ConfigError(source, key, f"{expected} (vectorised training)", got)
+
+
+class _Client:
+    """One client's host side, step by step: ``train_local``'s loop without the tensors."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        strategy: SelectionStrategy,
+        cost: CostModel,
+        n: int,
+        *,
+        epochs: int,
+        batch_size: int,
+        lr: float,
+        max_steps: int,
+        seed: int | list[int],
+        lr_schedule: str,
+    ):
+        if strategy.probe not in (None, "importance"):
+            raise _refuse(
+                "train.strategy", "a strategy without a probe or with the importance probe", type(strategy).__name__
+            )
+        self.info, self.strategy, self.cost = info, strategy, cost
+        self.rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used (no dropout)
+        self.rng.integers(2**62)
+        self.order = list(batches(n, batch_size, epochs, self.rng, max_steps))
+        self.result = LocalResult(fits=True, num_examples=n)
+        self.union = np.zeros(info.num_tensors)
+        self.losses: list[float] = []
+        self.failed = ""
+        self.selection: Selection | None = None
+        self.ctx: SelectionContext | None = None
+        self.step_time = self.step_macs = 0.0
+        self.steps_per_epoch = -(-n // batch_size)
+        self.memory = cost.device.memory_train_bytes.value
+        self.lr, self.lr_schedule = lr, lr_schedule
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * 0.5 * (1 + np.cos(np.pi * step / len(self.order))) if self.lr_schedule == "cosine" else self.lr
+
+    def begin(self, step: int) -> list[np.ndarray] | None:
+        """Before ``step``: None if the selection stands, else the probe scopes to run (maybe none)."""
+        if self.selection is not None and not self.strategy.should_reselect(step, self.steps_per_epoch):
+            return None
+        info, cost, result, probe = self.info, self.cost, self.result, self.strategy.probe
+        self.ctx = ctx = SelectionContext(info, cost, step, self.rng)
+        if probe is None:
+            return []
+        ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
+        scope = self.strategy.probe_scope(ctx)
+        if scope is not None and not np.any(scope):  # nothing can be selected: no probe runs
+            return []
+        pieces = cost.probe_segments(probe, self.memory, scope)
+        if not pieces:
+            need = cost.probe_memory(probe, 1, np.arange(info.num_tensors) == info.num_tensors - 1)
+            result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, need.total_bytes)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, need.total_bytes)
+            self.failed = (
+                f"the {probe} probe needs {need.total_bytes:.0f} bytes for one sample of the last tensor; "
+                f"the device has {self.memory:.0f}"
+            )
+            return []
+        scopes = []
+        for piece, micro in pieces:
+            probe_peak = cost.probe_memory(probe, micro, piece).total_bytes
+            result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
+            result.overhead_time_s += cost.probe_time_s(probe, micro, piece)
+            scopes.append(np.ones(info.num_tensors, bool) if piece is None else np.asarray(piece, bool))
+        return scopes
+
+    def finish(self, importance: np.ndarray | None) -> None:
+        """Select with the probe's ``importance`` (summed over its pieces), price it, check memory."""
+        ctx, cost, result, strategy = self.ctx, self.cost, self.result, self.strategy
+        assert ctx is not None
+        if importance is not None:
+            ctx.importance = importance
+        evaluations = cost.evaluations
+        selection = strategy.select(ctx)
+        if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
+            raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
+        selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
+        result.selector_time_s += selector_s
+        result.overhead_time_s += selector_s
+        peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+        result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
+        if peak > ctx.memory_budget_bytes:
+            self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}"
+            return
+        self.selection = selection
+        result.selections += 1
+        self.union = np.maximum(self.union, selection.ratios)
+        self.step_time, self.step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
+
+    def trains(self) -> bool:
+        return not self.failed and self.selection is not None and bool(self.selection.mask.any())
+
+    def count_step(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.result.train_time_s += self.step_time
+        self.result.macs += self.step_macs
+        self.result.steps += 1
+
+
+def _check_model(model: nn.Module, bn_mode: str) -> None:
+    if bn_mode == "train" and any(isinstance(m, _NORM_TYPES) for m in model.modules()):
+        raise _refuse(
+            "train.bn_mode", '"frozen" on a model with BatchNorm (batch statistics are not vectorised)', bn_mode
+        )
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            raise _refuse("model.name", "a model without active dropout", f"{name}: {type(m).__name__}(p={m.p})")
+
+
+def train_cohort_vmap(
+    model: nn.Module,
+    info: ModelInfo,
+    strategies: list[SelectionStrategy],
+    costs: list[CostModel],
+    datasets: list[ArrayDataset],
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    max_steps: list[int] | int = 0,
+    seeds: list[int | list[int]],
+    bn_mode: str = "frozen",
+    optimizer: str = "sgd",
+    lr_schedule: str = "constant",
+    numerics: list | None = None,
+) -> list[LocalResult]:
+    """Train every client ``i`` from ``model``'s weights on ``datasets[i]`` (see the module doc).
+
+    The arguments are ``train_local``'s, one entry per client in ``strategies``, ``costs``,
+    ``datasets``, ``seeds`` (and ``max_steps`` if a list). ``model`` is left unchanged; it sets
+    the device and dtype of the computation. Returns one :class:`LocalResult` per client, as
+    ``train_local`` would; ``host_wall_s`` is the cohort's wall time shared out by steps.
+    """
+    start = time.perf_counter()
+    n_clients = len(datasets)
+    if not (len(strategies) == len(costs) == len(seeds) == n_clients):
+        raise ValueError("strategies, costs, datasets and seeds need one entry per client")
+    caps = max_steps if isinstance(max_steps, list) else [max_steps] * n_clients
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
+    if lr_schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
+    for nm in numerics or []:
+        if nm is not None and nm.dtype != "fp32":
+            raise _refuse("train.numerics", "fp32 training", nm.dtype)
+    for cost in costs:
+        if bn_mode != cost.bn_mode:
+            raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
+    _check_model(model, bn_mode)
+    clients = [
+        _Client(
+            info,
+            s,
+            c,
+            len(d),
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            max_steps=cap,
+            seed=seed,
+            lr_schedule=lr_schedule,
+        )
+        for s, c, d, cap, seed in zip(strategies, costs, datasets, caps, seeds)
+    ]
+    _set_norm_modes(model, bn_mode)
+    names = list(info.tensor_names)
+    given = dict(model.named_parameters())
+    dev = given[names[0]].device
+    stacked = {k: v.detach().unsqueeze(0).repeat(n_clients, *([1] * v.dim())).contiguous() for k, v in given.items()}
+    bufs = {k: torch.zeros_like(v) for k, v in stacked.items()} if momentum > 0 else {}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
+    ys = [torch.as_tensor(d.y, device=dev) for d in datasets]
+
+    def loss_fn(params, frozen, x, y, w):
+        out = functional_call(model, ({**params, **frozen}, buffers), (x,))
+        return (nn.functional.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
+
+    def step_fn(params, x, y, w, trained=None):
+        """Every client's (gradients, loss); gradients of the ``trained`` tensors only (default all):
+        autograd then skips the others' dW and stops below the deepest trained tensor."""
+        keep = {k: v for k, v in params.items() if trained is None or k in trained}
+        frozen = {k: v for k, v in params.items() if k not in keep}
+        return vmap(grad_and_value(loss_fn))(keep, frozen, x, y, w)
+
+    def batch(rows: list[int], t: int):
+        """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest."""
+        width = max(len(clients[i].order[t]) for i in rows)
+        x = torch.zeros((len(rows), width, *xs[rows[0]].shape[1:]), dtype=xs[rows[0]].dtype, device=dev)
+        y = torch.zeros((len(rows), width), dtype=ys[rows[0]].dtype, device=dev)
+        w = torch.zeros((len(rows), width), device=dev)
+        for row, i in enumerate(rows):
+            idx = torch.as_tensor(clients[i].order[t], device=dev)
+            x[row, : len(idx)], y[row, : len(idx)], w[row, : len(idx)] = xs[i][idx], ys[i][idx], 1.0
+        return x, y, w
+
+    def sgd(p, g, buf, lr_t, on):
+        """One optimizer step of a stacked tensor, for the clients where ``on``: (new values, new momentum)."""
+        shape = (-1,) + (1,) * (p.dim() - 1)
+        lr_col = lr_t.to(p.dtype).to(dev).view(shape)
+        if optimizer == "sgdw" and weight_decay:
+            new_p = p * (1 - lr_t * weight_decay).to(p.dtype).to(dev).view(shape)
+        else:
+            new_p = p
+            if weight_decay:
+                g = g + weight_decay * p
+        new_buf = None
+        if momentum > 0:
+            new_buf = buf * momentum + g
+            g = new_buf
+        keep = on.view(shape)
+        new_p = torch.where(keep, new_p - lr_col * g, p)
+        return new_p, None if new_buf is None else torch.where(keep, new_buf, buf)
+
+    def probe(rows: list[int], scopes: np.ndarray, t: int) -> np.ndarray:
+        """``importance_probe`` of clients ``rows`` on step ``t``'s batch, each over its scope."""
+        sel = torch.as_tensor(rows, device=dev)
+        params = {k: v[sel] for k, v in stacked.items()}
+        x, y, w = batch(rows, t)
+        lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+        on = torch.as_tensor(scopes, device=dev)
+        scope = {names[k] for k in np.flatnonzero(scopes.any(0))}
+        with torch.no_grad():  # the grad transform differentiates all the same; nothing else records a graph
+            grads, _ = step_fn(params, x, y, w, scope)
+            moved = dict(params)
+            for k, name in enumerate(names):
+                if name in scope:
+                    moved[name] = sgd(params[name], grads[name], bufs[name][sel] if bufs else None, lr_t, on[:, k])[0]
+            grads2, _ = step_fn(moved, x, y, w, scope)
+            zero = torch.zeros(len(rows), device=dev)
+            sums = [-(grads2[n] * (moved[n] - params[n])).flatten(1).sum(1) if n in scope else zero for n in names]
+        return torch.where(on, torch.stack(sums, 1), 0).double().cpu().numpy()
+
+    horizon = max((len(c.order) for c in clients), default=0)
+    for t in range(horizon):
+        active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
+        pending = {i: scopes for i in active if (scopes := clients[i].begin(t)) is not None}
+        probing = [i for i, scopes in pending.items() if scopes and not clients[i].failed]
+        importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
+        for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
+            rows = [i for i in probing if len(pending[i]) > j]
+            for i, imp in zip(rows, probe(rows, np.stack([pending[i][j] for i in rows]), t)):
+                importance[i] += imp
+        for i in pending:
+            if not clients[i].failed:
+                clients[i].finish(importance.get(i))
+        rows = [i for i in active if clients[i].trains()]
+        if not rows:
+            continue
+        every = len(rows) == n_clients
+        sel = torch.as_tensor(rows, device=dev)
+        x, y, w = batch(rows, t)
+        params = stacked if every else {k: v[sel] for k, v in stacked.items()}
+        masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
+        grads, losses = step_fn(params, x, y, w, {names[k] for k in np.flatnonzero(masks_np.any(0))})
+        lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+        masks = torch.as_tensor(masks_np, device=dev)
+        with torch.no_grad():
+            for k, name in enumerate(names):
+                on = masks[:, k]
+                if not bool(on.any()):
+                    continue
+                buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
+                new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
+                if every:
+                    stacked[name].copy_(new_p)
+                    if new_buf is not None:
+                        bufs[name].copy_(new_buf)
+                else:
+                    stacked[name][sel] = new_p
+                    if new_buf is not None:
+                        bufs[name][sel] = new_buf
+        for i, loss in zip(rows, losses.tolist()):
+            clients[i].count_step(loss)
+    wall = time.perf_counter() - start
+    total_steps = max(1, sum(c.result.steps for c in clients))
+    results = []
+    for i, c in enumerate(clients):
+        r = c.result
+        r.train_time_s += r.overhead_time_s
+        r.train_loss = float(np.mean(c.losses)) if c.losses else float("nan")
+        r.host_wall_s = wall * r.steps / total_steps
+        if c.failed:
+            r.fits, r.reason = False, c.failed
+        else:
+            r.ratios = c.union
+            r.trained = {
+                names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(c.union > 0)
+            }
+            if not r.steps and c.order:
+                r.reason = (
+                    f"strategy {type(c.strategy).__name__} selected no tensor to train on this device "
+                    "(its budget leaves no room beyond the forward pass, e.g. rho at or below the forward share)"
+                )
+        results.append(r)
+    return results
+
+
+@dataclass
+class Job:
+    """One virtual client's work in a round (the fields of ``fl.client.CohortJob``, which fits too)."""
+
+    pid: int
+    server_round: int
+    strategy: SelectionStrategy
+    max_steps: int | None = None
+
+
+def check_vectorizable(env) -> None:
+    """Raise :class:`ConfigError` (naming the scenario file and key) if ``env``'s scenario cannot
+    be trained vectorised: what :func:`train_cohort_vmap` refuses, checked before any training."""
+    from .quant import device_numerics
+
+    src = env.scenario.source or "<scenario>"
+    t = env.scenario.train
+    strategy = env.strategy()
+    if strategy.probe not in (None, "importance"):
+        raise _refuse("train.strategy", "a strategy without a probe or with the importance probe", t.strategy, src)
+    for device in sorted(set(env.devices)):
+        dtype = device_numerics(t, env.profile(device).train_dtype).dtype
+        if dtype != "fp32":
+            raise _refuse(
+                "train.numerics", f'"fp32" (device {device} trains in {dtype} under "device")', t.numerics, src
+            )
+    try:
+        _check_model(env.new_model(), env.bn_mode)
+    except ConfigError as exc:
+        raise _refuse(exc.key, exc.expected.removesuffix(" (vectorised training)"), exc.got, src) from None
+
+
+def train_partitions_vmap(env, model: nn.Module, jobs: list) -> list[LocalResult]:
+    """:func:`fedelastic.fl.client.train_partition` for a cohort of jobs (:class:`Job`, or anything
+    with its attributes), in one vectorised call.
+
+    Each job gets the scenario's training settings, its device's cost model and numerics, its
+    partition's data of that round and the seed ``[seed, round, pid]``, as ``train_partition``
+    gives them; all start from ``model``'s weights (the global model), which stay unchanged.
+    """
+    from .quant import device_numerics
+
+    t = env.scenario.train
+    caps = [t.max_steps if j.max_steps is None else min(j.max_steps, t.max_steps or j.max_steps) for j in jobs]
+    return train_cohort_vmap(
+        model,
+        env.info,
+        [j.strategy for j in jobs],
+        [env.cost(env.devices[j.pid]) for j in jobs],
+        [env.client_data(j.pid, j.server_round) for j in jobs],
+        epochs=t.local_epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        max_steps=caps,
+        seeds=[[env.scenario.seed, j.server_round, j.pid] for j in jobs],
+        bn_mode=env.bn_mode,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
+        numerics=[device_numerics(t, env.profile(env.devices[j.pid]).train_dtype) for j in jobs],
+    )

@@ -1,0 +1,258 @@
+"""Cohort mode (issue 10): one Flower node trains many virtual clients per call, with the results of one node each."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedelastic.errors import ConfigError
+from fedelastic.fl.cohort import CohortGrid
+from fedelastic.fl.env import environment
+from fedelastic.fl.runner import run_scenario
+from fedelastic.training import seed_torch
+
+from .test_faults import user_models
+
+
+def _tables(run_dir):
+    """Every column of both tables except host wall times, and a checksum of the final global model."""
+    clients = pd.read_parquet(run_dir / "clients.parquet").drop(columns=["host_wall_s"])
+    rounds = pd.read_parquet(run_dir / "rounds.parquet").drop(columns=["host_wall_s"])
+    model = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+    digest = hashlib.sha256()
+    for name in sorted(model):
+        digest.update(name.encode() + model[name].numpy().tobytes())
+    return clients, rounds, digest.hexdigest()
+
+
+def _same(a, b) -> None:
+    pd.testing.assert_frame_equal(a[0], b[0], check_exact=True)
+    pd.testing.assert_frame_equal(a[1], b[1], check_exact=True)
+    assert a[2] == b[2]
+
+
+def _both(make_scenario, cohorts: int = 0, **overrides):
+    runs = {}
+    for mode in ("per_client", "cohort"):
+        sim = {**overrides.pop("simulation", {}), "node_mode": mode, "cohorts": cohorts}
+        overrides["simulation"] = sim
+        runs[mode] = _tables(run_scenario(make_scenario(**overrides), run_id=mode))
+    return runs["per_client"], runs["cohort"]
+
+
+SIX = {"raspberry_pi_4": 2, "jetson_nano": 2, "stm32h743": 2}
+
+
+def test_cohorts_give_byte_identical_tables_and_model(make_scenario):
+    # static_elastic keeps each client's selection across rounds: the driver must hand it back
+    per_client, cohort = _both(
+        make_scenario, cohorts=2, fleet=SIX,
+        train={"strategy": "static_elastic", "options": {"rho": 0.7}, "max_steps": 3},
+        server={"rounds": 3, "clients_per_round": 4},
+    )  # fmt: skip
+    _same(per_client, cohort)
+    clients = cohort[0]
+    assert len(clients) == 12 and clients.partition_id.nunique() > 4  # samples differ per round
+    again = clients[clients.partition_id.duplicated(keep=False)].sort_values("round")
+    assert (
+        len(again)
+        and (again.groupby("partition_id").emulated_overhead_time_s.apply(lambda s: (s.iloc[1:] == 0).all())).all()
+    )
+
+
+def test_cohorts_keep_deadline_plans_and_too_slow_replies(make_scenario):
+    # a tight deadline: each client gets its own rho; the MCUs get none and reply 'too slow'
+    per_client, cohort = _both(
+        make_scenario, fleet=SIX,
+        train={"strategy": "elastic_tensor", "options": {"rho": 0.5}, "max_steps": 3},
+        server={"rounds": 2, "policy": "deadline_elastic", "deadline_quantile": 0.3},
+    )  # fmt: skip
+    _same(per_client, cohort)
+    status = cohort[0].status.value_counts()
+    assert status.get("too_slow", 0) >= 1 and status.get("counted", 0) >= 1
+    assert cohort[0].rho.nunique() > 1
+
+
+def test_a_client_that_raises_fails_alone_in_its_cohort(make_scenario, tmp_path, monkeypatch):
+    user_models(tmp_path, monkeypatch)
+    model = {"name": "faulty_models:net", "options": {"fault": "raise", "marker": str(tmp_path / "m")}}
+    runs = []
+    for mode in ("per_client", "cohort"):
+        (tmp_path / "m-raise").unlink(missing_ok=True)  # the fault strikes once per run
+        sc = make_scenario(fleet={"raspberry_pi_4": 4}, model=model, simulation={"node_mode": mode})
+        runs.append(_tables(run_scenario(sc, run_id=mode)))
+        failed = runs[-1][0][runs[-1][0].status == "failed"]
+        assert len(failed) == 1 and failed.error.iloc[0] == "RuntimeError: the device fell over"
+    _same(*runs)
+
+
+def test_a_hung_client_times_out_alone_and_the_rest_of_its_cohort_trains(make_scenario, tmp_path, monkeypatch):
+    user_models(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAULTY_HANG_S", "4")
+    marker = tmp_path / "m"
+    sc = make_scenario(
+        fleet={"raspberry_pi_4": 4},
+        model={"name": "faulty_models:net", "options": {"fault": "hang", "marker": str(marker)}},
+        simulation={"timeout_s": 1.5, "cohorts": 1},
+    )  # fmt: skip
+    clients = pd.read_parquet(run_scenario(sc, run_id="hang") / "clients.parquet")
+    assert clients.groupby("round").size().tolist() == [6, 6]  # the fleet merges with the fixture's
+    failed = clients[clients.status == "failed"]
+    assert len(failed) == 1 and failed["round"].tolist() == [1]
+    assert failed.error.iloc[0] == "timeout: no reply within simulation.timeout_s = 1.5 s"
+    assert clients[clients.status != "failed"].steps.gt(0).all()
+
+
+def test_clients_are_shared_longest_first_to_the_least_loaded_cohort(make_scenario):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    sc = make_scenario(fleet={"raspberry_pi_4": 6}, train={"max_steps": 0, "batch_size": 1})
+    env = environment(sc)
+    grid = CohortGrid(None, env, cohorts=2)  # type: ignore[arg-type]
+    steps = [len(env.data.client(p)) for p in range(6)]  # batch 1, one epoch: one step per sample
+    arrays = ArrayRecord()
+    msgs = [
+        Message(
+            RecordDict({"arrays": arrays, "config": ConfigRecord()}), message_type=MessageType.TRAIN, dst_node_id=p + 1
+        )
+        for p in range(6)
+    ]
+    chunks = grid._chunks(list(range(6)), msgs)
+    # brute force: the greedy rule by hand
+    load, expected = [0, 0], [[], []]
+    for p in sorted(range(6), key=lambda p: (-steps[p], p)):
+        j = 0 if load[0] <= load[1] else 1
+        expected[j].append(p)
+        load[j] += steps[p] + 1
+    assert sorted(map(sorted, chunks)) == sorted(map(sorted, expected))
+    assert sorted(sum(chunks, [])) == list(range(6))
+
+
+def test_seed_torch_draws_what_torch_manual_seed_draws():
+    for seed in (0, 7, 2**62 - 1):
+        torch.manual_seed(seed)
+        a = (torch.rand(5), torch.randn(3), torch.randperm(9))
+        seed_torch(seed)
+        b = (torch.rand(5), torch.randn(3), torch.randperm(9))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "sim, key",
+    [({"node_mode": "nodes"}, "simulation.node_mode"), ({"cohorts": -1}, "simulation.cohorts")],
+)
+def test_bad_cohort_keys_are_one_line_errors(make_scenario, sim, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        make_scenario(simulation=sim)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.ray
+def test_ray_cohorts_equal_per_client_nodes_in_process(make_scenario):
+    """Through Ray, two cohort nodes compute exactly what one Flower node per client computes."""
+    train = {"strategy": "static_elastic", "options": {"rho": 0.7}, "max_steps": 3}
+    server = {"rounds": 2, "clients_per_round": 4}
+    local = _tables(run_scenario(make_scenario(fleet=SIX, train=train, server=server,
+                                               simulation={"node_mode": "per_client"}), run_id="local"))  # fmt: skip
+    sc = make_scenario(fleet=SIX, train=train, server=server, simulation={"backend": "ray", "num_cpus_per_client": 1})
+    assert sc.simulation.node_mode == "cohort"  # the default
+    ray_run = _tables(run_scenario(sc, run_id="ray"))
+    _same(local, ray_run)
+    assert np.isfinite(ray_run[0].train_loss).any() and os.cpu_count()
+
+
+def test_weights_loader_copies_what_load_state_dict_loads_and_defers_to_it_otherwise():
+    from torch import nn
+
+    from fedelastic.fl.client import weights_loader
+    from fedelastic.models import build_model
+
+    torch.manual_seed(0)
+    source = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)  # BatchNorm included
+    for p in source.parameters():
+        p.data.normal_()
+    for m in source.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(), m.running_var.uniform_(1, 2), m.num_batches_tracked.fill_(7)
+    weights = {k: v.clone() for k, v in source.state_dict().items()}
+    ours = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    theirs = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    weights_loader(ours, weights)()
+    theirs.load_state_dict(weights)
+    for (k, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b) and a.dtype == b.dtype, k
+    assert all(p.requires_grad for p in ours.parameters())
+    # a load hook, or a missing key: load_state_dict itself (which raises on the missing key)
+    hooked = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8, width=4)
+    seen = []
+    hooked.register_load_state_dict_pre_hook(lambda *args: seen.append(1))
+    weights_loader(hooked, weights)()
+    assert seen == [1]
+    partial = {k: v for k, v in weights.items() if not k.endswith("num_batches_tracked")}
+    ours.load_state_dict(weights), theirs.load_state_dict(weights)
+    for m in (*ours.modules(), *theirs.modules()):
+        if isinstance(m, nn.BatchNorm2d):
+            m.num_batches_tracked.fill_(3)
+    weights_loader(ours, partial)()  # BatchNorm's own loader decides what a missing counter becomes
+    theirs.load_state_dict(partial)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_fast_array_records_are_flowers_own():
+    from flwr.app import ArrayRecord
+
+    from fedelastic.fl import arrays
+
+    assert arrays._FAST  # this Flower's constructors were matched at import
+    sample = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2, 1, 3), np.float64)}
+    ours = arrays.record_from_numpy(sample)
+    theirs = ArrayRecord({k: arrays.Array(v) for k, v in sample.items()})  # Flower's own, from the arrays
+    assert ours.object_id == theirs.object_id
+    assert {k: v.numpy().tolist() for k, v in ours.items()} == {k: v.numpy().tolist() for k, v in theirs.items()}
+
+
+EXIT_MODEL = """
+import os
+from torch import nn
+
+
+def net(num_classes, in_channels, input_size, size=0):
+    body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * input_size**2, num_classes))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            if self.training and x.shape[0] == size:  # one client's whole batch: its worker dies, every time
+                os._exit(1)
+            return self.body(x)
+
+    return Net()
+"""
+
+
+@pytest.mark.ray
+def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make_scenario, tmp_path, monkeypatch):
+    (tmp_path / "exit_models.py").write_text(EXIT_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    probe = make_scenario(fleet=SIX, train={"batch_size": 512, "max_steps": 1})
+    sizes = [len(environment(probe).data.client(p)) for p in range(6)]
+    culprit = next(p for p, n in enumerate(sizes) if sizes.count(n) == 1 and n > 1)  # a batch size only it has
+    sc = make_scenario(
+        fleet=SIX, train={"batch_size": 512, "max_steps": 1}, server={"rounds": 1},
+        model={"name": "exit_models:net", "options": {"size": sizes[culprit]}},
+        simulation={"backend": "ray", "num_cpus_per_client": 1, "client_retries": 0, "cohorts": 2},
+    )  # fmt: skip
+    clients = pd.read_parquet(run_scenario(sc, run_id="exit") / "clients.parquet")
+    assert len(clients) == 6  # no client vanished
+    failed = clients[clients.status == "failed"]
+    assert failed.partition_id.tolist() == [culprit] and "died" in failed.error.iloc[0]
+    assert clients[clients.status != "failed"].steps.eq(1).all()
