@@ -348,6 +348,21 @@ def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
                 mod.eval()
 
 
+def select_and_charge(strategy, ctx, cost, result) -> tuple:
+    """``strategy.select(ctx)``, its selector work charged to ``result`` and its peak memory recorded.
+
+    Returns (selection, the selection's peak memory in bytes).
+    """
+    evaluations = cost.evaluations
+    selection = strategy.select(ctx)
+    selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
+    result.selector_time_s += selector_s
+    result.overhead_time_s += selector_s
+    peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+    result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
+    return selection, peak
+
+
 @with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
@@ -435,13 +450,7 @@ def train_local(
                         else:
                             ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
                         result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
-            evaluations = cost.evaluations
-            selection = strategy.select(ctx)
-            selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
-            result.selector_time_s += selector_s
-            result.overhead_time_s += selector_s
-            peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
-            result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
+            selection, peak = select_and_charge(strategy, ctx, cost, result)
             if peak > ctx.memory_budget_bytes:
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
             applied = _Applied(model, info, params, selection, bn_mode)

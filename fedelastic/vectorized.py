@@ -45,7 +45,7 @@ from .data import ArrayDataset
 from .errors import ConfigError
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
-from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches
+from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches, select_and_charge
 
 _SOURCE = "<vectorised training>"
 
@@ -130,15 +130,9 @@ class _Client:
         assert ctx is not None
         if importance is not None:
             ctx.importance = importance
-        evaluations = cost.evaluations
-        selection = strategy.select(ctx)
+        selection, peak = select_and_charge(strategy, ctx, cost, result)
         if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
             raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
-        selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
-        result.selector_time_s += selector_s
-        result.overhead_time_s += selector_s
-        peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
-        result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
         if peak > ctx.memory_budget_bytes:
             self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}"
             return
