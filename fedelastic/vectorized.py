@@ -372,6 +372,11 @@ def check_vectorizable(env) -> None:
     strategy = env.strategy()
     if strategy.probe not in (None, "importance"):
         raise _refuse("train.strategy", "a strategy without a probe or with the importance probe", t.strategy, src)
+    if strategy.probe is None:  # its selections need no probe: those of step 0 on every device are checked now
+        for device in sorted(set(env.devices)):
+            selection = env.strategy().select(SelectionContext(env.info, env.cost(device), 0, np.random.default_rng(0)))
+            if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
+                raise _refuse("train.strategy", f"selections of whole tensors (on {device} it selects parts)", t.strategy, src)
     for device in sorted(set(env.devices)):
         dtype = device_numerics(t, env.profile(device).train_dtype).dtype
         if dtype != "fp32":

@@ -278,6 +278,9 @@ def recording(strategies):
         ({"strategy": "full", "bn_mode": "frozen"}, "train.numerics"),  # stm32h743 trains in int8 under "device"
         ({"strategy": "full", "numerics": "fp32", "bn_mode": "train"}, "train.bn_mode"),
         ({"strategy": "elastic_tensor", "numerics": "fp32", "bn_mode": "frozen"}, None),
+        # no probe, but Sparse Update trains a share of a tensor's input channels: refused before training
+        ({"strategy": "sparse_update", "numerics": "fp32", "bn_mode": "frozen", "options": {"channel_ratios": [0.25, 0.5]}},
+         "train.strategy"),
     ],
 )
 def test_a_scenario_is_checked_before_training(make_scenario, train, key):
