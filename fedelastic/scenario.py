@@ -300,6 +300,7 @@ class SimulationConfig:
         check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
         check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
+        check(self.cohorts == 0 or self.node_mode == "cohort", "cohorts", '0 unless node_mode = "cohort"')
 
 
 @dataclass(frozen=True)

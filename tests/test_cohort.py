@@ -39,7 +39,7 @@ def _same(a, b) -> None:
 def _both(make_scenario, cohorts: int = 0, **overrides):
     runs = {}
     for mode in ("per_client", "cohort"):
-        sim = {**overrides.pop("simulation", {}), "node_mode": mode, "cohorts": cohorts}
+        sim = {**overrides.pop("simulation", {}), "node_mode": mode, "cohorts": cohorts if mode == "cohort" else 0}
         overrides["simulation"] = sim
         runs[mode] = _tables(run_scenario(make_scenario(**overrides), run_id=mode))
     return runs["per_client"], runs["cohort"]
@@ -108,6 +108,43 @@ def test_a_hung_client_times_out_alone_and_the_rest_of_its_cohort_trains(make_sc
     assert clients[clients.status != "failed"].steps.gt(0).all()
 
 
+def test_a_training_thread_that_fails_outside_any_client_fails_its_clients(make_scenario, monkeypatch):
+    import signal
+
+    import fedelastic.fl.cohort as cohort
+
+    def broken(*args, **kwargs):  # e.g. the global weights do not load into the model
+        raise RuntimeError("weights did not load")
+
+    monkeypatch.setattr(cohort, "train_cohort", broken)
+    def hung(*args):
+        raise TimeoutError("the run did not end: the failed cohort is re-sent forever")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)  # before the fix the cohort was re-sent forever: fail instead of hanging the suite
+    try:
+        clients = pd.read_parquet(run_scenario(make_scenario(server={"rounds": 1}), run_id="crash") / "clients.parquet")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert len(clients) > 0 and clients.status.eq("failed").all()
+    assert clients.error.eq("RuntimeError: weights did not load").all()
+
+
+def test_vectorised_cohorts_get_each_clients_timeout(make_scenario, tmp_path, monkeypatch):
+    """One batched call reports every client at its end: a cohort of 6 gets 6 x timeout_s, not one client's."""
+    user_models(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAULTY_HANG_S", "2")
+    sc = make_scenario(
+        fleet={"raspberry_pi_4": 4}, train={"numerics": "fp32"},
+        model={"name": "faulty_models:net", "options": {"fault": "hang", "marker": str(tmp_path / "m")}},
+        simulation={"timeout_s": 1.5, "cohorts": 1, "vectorize": True}, server={"rounds": 1},
+    )  # fmt: skip
+    clients = pd.read_parquet(run_scenario(sc, run_id="vhang") / "clients.parquet")
+    assert (tmp_path / "m-hang").exists()  # the 2 s hang struck, inside the one batched call
+    assert len(clients) == 6 and clients.status.eq("counted").all() and clients.steps.gt(0).all()
+
+
 def test_clients_are_shared_longest_first_to_the_least_loaded_cohort(make_scenario):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
@@ -144,7 +181,11 @@ def test_seed_torch_draws_what_torch_manual_seed_draws():
 
 @pytest.mark.parametrize(
     "sim, key",
-    [({"node_mode": "nodes"}, "simulation.node_mode"), ({"cohorts": -1}, "simulation.cohorts")],
+    [
+        ({"node_mode": "nodes"}, "simulation.node_mode"),
+        ({"cohorts": -1}, "simulation.cohorts"),
+        ({"cohorts": 2, "node_mode": "per_client"}, "simulation.cohorts"),  # would be ignored: refused
+    ],
 )
 def test_bad_cohort_keys_are_one_line_errors(make_scenario, sim, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:

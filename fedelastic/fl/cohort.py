@@ -93,19 +93,27 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             finished.append((j, reply))
             return not cancelled.is_set()
 
+        crashed: list[BaseException] = []  # what stopped the training thread outside any one client
+
         def work(model: torch.nn.Module) -> None:
             torch.set_num_threads(scenario.simulation.torch_threads)  # OpenMP's thread count is per thread
-            train_cohort(env, model, weights, jobs, done=report)
+            try:
+                train_cohort(env, model, weights, jobs, done=report)
+            except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: every client left fails)
+                crashed.append(exc)
 
         thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
         thread.start()
         done = len(jobs)
+        # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
+        budget_s = timeout_s * (len(jobs) if scenario.simulation.vectorize else 1)
         while True:  # wakes only at a client's deadline, not after every client
-            thread.join(max(0.0, progress[0] + timeout_s - time.monotonic()))
+            thread.join(max(0.0, progress[0] + budget_s - time.monotonic()))
             if not thread.is_alive():
+                done = len(finished)
                 break
             done = len(finished)  # read before the deadline: a client finishing now is late
-            if time.monotonic() >= progress[0] + timeout_s:  # client `done` overran
+            if time.monotonic() >= progress[0] + budget_s:  # client `done` overran
                 cancelled.set()
                 abandoned = True
                 env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
@@ -115,11 +123,12 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 fail(where[j], result)
             else:
                 put(where[j], result)
-        if abandoned:  # the rest go back unrun
-            status[where[done]] = TIMEOUT
-            reasons[where[done]] = (
-                f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
-            )
+        for j in range(done, len(jobs)) if crashed else ():  # never reported: the thread's failure is theirs
+            fail(where[j], crashed[0])
+        if abandoned:  # the overrunning client timed out (vectorised: all of them, one call); the rest go back unrun
+            for j in range(done, len(jobs) if scenario.simulation.vectorize else done + 1):
+                status[where[j]] = TIMEOUT
+                reasons[where[j]] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
     out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
     return Message(content=out, reply_to=msg)
 
