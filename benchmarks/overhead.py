@@ -33,9 +33,7 @@ sensitive than wall time to other load on the machine.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -46,6 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measuring import Timers, tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "simulations" / "quickstart.toml"
@@ -74,60 +73,6 @@ def scaled_scenario(num_clients: int, rounds: int, backend: str, output_dir: str
 # workers (one per subprocess)
 
 
-def tree_cpu_s(root: int | None = None) -> float:
-    """CPU seconds (user + system) used so far by process ``root`` and all its live descendants.
-
-    Ray's GCS, raylet and actor processes descend from the driver, so this counts the whole
-    simulation's CPU, a figure less sensitive than wall time to other load on the machine.
-    """
-    root = root or os.getpid()
-    parent, ticks = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    children = collections.defaultdict(list)
-    for pid, ppid in parent.items():
-        children[ppid].append(pid)
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += ticks.get(pid, 0)
-        stack.extend(children[pid])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-class Timers:
-    """Wall-time accumulators wrapped around functions (monkeypatched in the worker only)."""
-
-    def __init__(self):
-        self.total = collections.defaultdict(float)
-        self.calls = collections.Counter()
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total[label] += time.perf_counter() - start
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
-
-    def snapshot(self) -> dict:
-        return {k: {"s": self.total[k], "calls": self.calls[k]} for k in sorted(self.total)}
-
-
 def worker_bare(sc) -> dict:
     """(a): the clients' work in one plain loop, mirroring ``fedelastic.fl.client.client_train``."""
     import torch
@@ -150,7 +95,7 @@ def worker_bare(sc) -> dict:
     startup = time.perf_counter() - t0
     rounds, cpu, train_s, agg_s, losses = [], [], [], [], {}
     for rnd in range(1, sc.server.rounds + 1):
-        start, cpu0 = time.perf_counter(), tree_cpu_s()
+        start, cpu0 = time.perf_counter(), tree_usage().cpu_s
         updates, tr = [], 0.0
         for pid in sampler.sample(rnd):
             model.load_state_dict({k: torch.from_numpy(v) for k, v in glob.items()})
@@ -167,7 +112,7 @@ def worker_bare(sc) -> dict:
         glob = aggregate_partial(glob, updates)
         agg_s.append(time.perf_counter() - a0)
         rounds.append(time.perf_counter() - start)
-        cpu.append(tree_cpu_s() - cpu0)
+        cpu.append(tree_usage().cpu_s - cpu0)
         train_s.append(tr)
     return {
         "startup_s": startup,
@@ -211,7 +156,7 @@ def worker_fl(sc) -> dict:
 
     def progress(row: dict) -> None:
         stamps.append(time.perf_counter())
-        cpu.append(tree_cpu_s())
+        cpu.append(tree_usage().cpu_s)
 
     t0 = time.perf_counter()
     run_dir = run_scenario(sc, progress=progress)

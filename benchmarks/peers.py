@@ -48,8 +48,6 @@ process. For fedelastic, wall-time timers around its phases say where a round go
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import hashlib
 import importlib
 import json
@@ -70,6 +68,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # measuring.py beside this file, also when tests load this file by path
+from measuring import Timers, tree_usage  # noqa: E402
 
 # the shared workload
 SEED = 0
@@ -238,39 +238,7 @@ def accuracy(state: dict, wl: Workload) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# process-tree accounting
-
-
-def _proc_table() -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
-    """pid -> parent, pid -> (cpu ticks, rss pages), from /proc."""
-    parent, usage = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        usage[int(entry)] = (int(fields[11]) + int(fields[12]), int(fields[21]))
-    return parent, usage
-
-
-def tree_usage(root: int) -> tuple[float, int]:
-    """(CPU seconds, RSS bytes) of process ``root`` and all its live descendants."""
-    parent, usage = _proc_table()
-    children = collections.defaultdict(list)
-    for pid, ppid in parent.items():
-        children[ppid].append(pid)
-    ticks = pages = 0
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        t, p = usage.get(pid, (0, 0))
-        ticks, pages = ticks + t, pages + p
-        stack.extend(children[pid])
-    return ticks / os.sysconf("SC_CLK_TCK"), pages * os.sysconf("SC_PAGE_SIZE")
+# process-tree memory
 
 
 class PeakRSS(threading.Thread):
@@ -283,7 +251,7 @@ class PeakRSS(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.peak = max(self.peak, tree_usage(self.pid)[1])
+            self.peak = max(self.peak, tree_usage(self.pid).rss_bytes)
             self.done.wait(self.period_s)
 
 
@@ -294,7 +262,7 @@ class PeakRSS(threading.Thread):
 def worker_bare(wl: Workload, out: dict) -> dict[str, np.ndarray]:
     model = initial_model()
     glob = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    cpu0 = tree_usage(os.getpid())[0]
+    cpu0 = tree_usage(os.getpid()).cpu_s
     stamps = [time.time()]
     for rnd in range(1, wl.rounds + 1):
         updates = []
@@ -305,7 +273,7 @@ def worker_bare(wl: Workload, out: dict) -> dict[str, np.ndarray]:
             updates.append((len(y), {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}))
         glob = fedavg(updates, glob)
         stamps.append(time.time())
-    out.update(stamps=stamps, train_cpu_s=tree_usage(os.getpid())[0] - cpu0)
+    out.update(stamps=stamps, train_cpu_s=tree_usage(os.getpid()).cpu_s - cpu0)
     return glob
 
 
@@ -399,12 +367,12 @@ def worker_pfl(wl: Workload, out: dict, stock: bool = False) -> dict[str, np.nda
     )  # fmt: skip
     train_params = NNTrainHyperParams(local_learning_rate=LR, local_num_epochs=EPOCHS, local_batch_size=BATCH)
     cpu_root = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-    cpu0 = tree_usage(cpu_root)[0]
+    cpu0 = tree_usage(cpu_root).cpu_s
     algorithm.run(
         algorithm_params=params, backend=backend, model=model, model_train_params=train_params,
         model_eval_params=NNEvalHyperParams(local_batch_size=512), callbacks=[stamps],
     )  # fmt: skip
-    out.update(stamps=stamps.stamps, train_cpu_s=tree_usage(cpu_root)[0] - cpu0)
+    out.update(stamps=stamps.stamps, train_cpu_s=tree_usage(cpu_root).cpu_s - cpu0)
     if get_ops().distributed.global_rank != 0:
         return None
     return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
@@ -456,39 +424,13 @@ def worker_flower(wl: Workload, out: dict) -> dict[str, np.ndarray]:
         )
         final.update({k: v.numpy().copy() for k, v in result.arrays.to_torch_state_dict().items()})
 
-    cpu0 = tree_usage(os.getpid())[0]
+    cpu0 = tree_usage(os.getpid()).cpu_s
     run_simulation(
         server_app=server_app, client_app=client_app, num_supernodes=wl.clients,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
     )  # fmt: skip
-    out.update(stamps=stamps, train_cpu_s=tree_usage(os.getpid())[0] - cpu0)
+    out.update(stamps=stamps, train_cpu_s=tree_usage(os.getpid()).cpu_s - cpu0)
     return final
-
-
-class Timers:
-    """Wall-time accumulators wrapped around functions of this process."""
-
-    def __init__(self):
-        self.total: dict[str, float] = collections.defaultdict(float)
-        self.calls: collections.Counter = collections.Counter()
-        self.since = float("inf")  # only calls that start after this perf_counter() time count
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        fn = getattr(owner, name, None)
-        if fn is None:  # not in this version of fedelastic
-            return
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if start >= self.since:
-                    self.total[label] += time.perf_counter() - start
-                    self.calls[label] += 1
-
-        setattr(owner, name, timed)
 
 
 def worker_fedelastic(
@@ -499,7 +441,7 @@ def worker_fedelastic(
     import fedelastic.results as results
     from fedelastic import api
 
-    timers = Timers()
+    timers = Timers(since=float("inf"))  # counts from round 1 (progress sets since)
     timers.wrap(server.PartialFedAvg, "configure_train", "server: configure_train (sample, price, messages)")
     timers.wrap(server.PartialFedAvg, "aggregate_train", "server: aggregate_train (all of it)")
     timers.wrap(server, "aggregate_partial", "server: aggregate_partial (the FedAvg arithmetic)")
@@ -531,7 +473,7 @@ def worker_fedelastic(
     def progress(row: dict) -> None:  # round 0's row: the initial model evaluated, round 1 starts
         stamps.append(time.time())
         if row["round"] in (0, wl.rounds):  # Ray's processes are still alive at the last round's row
-            cpu.append(tree_usage(os.getpid())[0])
+            cpu.append(tree_usage(os.getpid()).cpu_s)
         if row["round"] == 0:
             timers.since = time.perf_counter()
 
@@ -546,7 +488,7 @@ def worker_fedelastic(
     out.update(
         stamps=stamps,
         train_cpu_s=cpu[-1] - cpu[0],
-        phases={k: {"s": timers.total[k], "calls": timers.calls[k]} for k in sorted(timers.total)},
+        phases=timers.snapshot(),
         train_local_s_per_round=clients.groupby("round")["host_wall_s"].sum().tolist(),
         round_host_wall_s=rounds["host_wall_s"].tolist()[1:],
         status=result.status.get("status"),

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measuring import tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEET = {"raspberry_pi_4": 0.4, "jetson_nano": 0.4, "phone_midrange": 0.2}  # device mix, scaled to --clients
@@ -92,32 +93,6 @@ def rss_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
-
-
-def tree_usage(root: int | None = None) -> dict:
-    """RSS (summed; shared pages count in each) and CPU seconds of ``root`` and its live descendants."""
-    root = root or os.getpid()
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    rss, cpu, count, stack = 0, 0, 0, [root]
-    while stack:
-        pid = stack.pop()
-        rss += rss_bytes(pid)
-        cpu += ticks.get(pid, 0)
-        count += 1
-        stack.extend(children.get(pid, []))
-    hz = os.sysconf("SC_CLK_TCK")
-    return {"rss": rss, "cpu_s": cpu / hz, "driver_cpu_s": ticks.get(root, 0) / hz, "processes": count}
 
 
 class FileWatch:
@@ -174,13 +149,13 @@ def worker(args, backend: str) -> dict:
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            t0, cpu0, tree0 = time.perf_counter(), time.process_time(), tree_usage()["cpu_s"]
+            t0, cpu0, tree0 = time.perf_counter(), time.process_time(), tree_usage().cpu_s
             try:
                 return fn(*a, **kw)
             finally:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
                 phases[f"{name}_driver_cpu"] = time.process_time() - cpu0  # all the driver's threads
-                phases[f"{name}_tree_cpu"] = tree_usage()["cpu_s"] - tree0
+                phases[f"{name}_tree_cpu"] = tree_usage().cpu_s - tree0
 
         setattr(owner, name, wrapper)
 
@@ -212,10 +187,10 @@ def worker(args, backend: str) -> dict:
                 "wall_s": now - last[0],
                 "since_start_s": now - start,
                 "driver_rss_bytes": rss_bytes(),
-                "tree_rss_bytes": usage["rss"],
-                "tree_processes": usage["processes"],
-                "driver_cpu_s": usage["driver_cpu_s"],  # cumulative
-                "tree_cpu_s": usage["cpu_s"],  # cumulative; exited processes are not counted
+                "tree_rss_bytes": usage.rss_bytes,
+                "tree_processes": usage.processes,
+                "driver_cpu_s": usage.root_cpu_s,  # cumulative
+                "tree_cpu_s": usage.cpu_s,  # cumulative; exited processes are not counted
                 "files": files["sizes"],
                 "rewritten": files["rewritten"],
                 "clients": row["clients"],
@@ -230,7 +205,7 @@ def worker(args, backend: str) -> dict:
             r = records[-1]
             print(
                 f"[scale] {backend} round {rnd}: {r['wall_s']:.2f} s, driver RSS {r['driver_rss_bytes'] / 2**20:.0f} MB, "
-                f"tree {usage['rss'] / 2**20:.0f} MB, {r['since_start_s']:.0f} s since start",
+                f"tree {usage.rss_bytes / 2**20:.0f} MB, {r['since_start_s']:.0f} s since start",
                 file=sys.stderr,
                 flush=True,
             )

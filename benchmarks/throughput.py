@@ -142,9 +142,9 @@ def worker_run(sc, spawned: float) -> dict:
 
 
 def tree_cpu_s(pid: int) -> float:
-    from overhead import tree_cpu_s as cpu  # noqa: PLC0415 (the sibling benchmark's process-tree CPU)
+    from measuring import tree_usage  # noqa: PLC0415 (the benchmarks' shared helper, beside this file)
 
-    return cpu(pid)
+    return tree_usage(pid).cpu_s
 
 
 def run_one(variant: str, tmp: str, tag: str) -> dict:

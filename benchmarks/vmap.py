@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from fedelastic.fl.env import RunEnvironment  # noqa: E402
 from fedelastic.quant import device_numerics  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
-from fedelastic.training import batches, make_optimizer, seed_everything, train_local  # noqa: E402
-from fedelastic.vectorized import Job, train_partitions_vmap  # noqa: E402
+from fedelastic.training import CohortJob, batches, make_optimizer, seed_everything, train_local  # noqa: E402
+from fedelastic.vectorized import train_partitions_vmap  # noqa: E402
 
 
 def tiny_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8) -> nn.Sequential:
@@ -139,7 +139,7 @@ def loop_round(env, model, pids, rnd):
 
 
 def vmap_round(env, model, pids, rnd):
-    results = train_partitions_vmap(env, model, [Job(pid, rnd, env.strategy()) for pid in pids])
+    results = train_partitions_vmap(env, model, [CohortJob(pid, rnd, env.strategy()) for pid in pids])
     return [(r.trained, r.num_examples) for r in results]
 
 

@@ -43,6 +43,21 @@ SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
+class CohortJob:
+    """One virtual client's work in a round: its partition, round, strategy (state loaded) and step cap."""
+
+    pid: int
+    server_round: int
+    strategy: SelectionStrategy
+    max_steps: int | None = None  # a deadline's cap, below the scenario's own
+
+
+def step_cap(scenario_cap: int, deadline_cap: int | None) -> int:
+    """The steps a client may run: the scenario's ``train.max_steps`` (0: no cap), lowered by a deadline's cap."""
+    return scenario_cap if deadline_cap is None else min(deadline_cap, scenario_cap or deadline_cap)
+
+
+@dataclass
 class LocalResult:
     """What one client's local training produced."""
 

@@ -33,7 +33,6 @@ same terms in another order (tests/test_vectorized.py states the tolerance).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,7 +44,17 @@ from .data import ArrayDataset
 from .errors import ConfigError
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
-from .training import _NORM_TYPES, OPTIMIZERS, SCHEDULES, LocalResult, _set_norm_modes, batches, select_and_charge
+from .training import (
+    _NORM_TYPES,
+    OPTIMIZERS,
+    SCHEDULES,
+    CohortJob,
+    LocalResult,
+    _set_norm_modes,
+    batches,
+    select_and_charge,
+    step_cap,
+)
 
 _SOURCE = "<vectorised training>"
 
@@ -352,16 +361,6 @@ def train_cohort_vmap(
     return results
 
 
-@dataclass
-class Job:
-    """One virtual client's work in a round (the fields of ``fl.client.CohortJob``, which fits too)."""
-
-    pid: int
-    server_round: int
-    strategy: SelectionStrategy
-    max_steps: int | None = None
-
-
 def check_vectorizable(env) -> None:
     """Raise :class:`ConfigError` (naming the scenario file and key) if ``env``'s scenario cannot
     be trained vectorised: what :func:`train_cohort_vmap` refuses, checked before any training."""
@@ -389,9 +388,8 @@ def check_vectorizable(env) -> None:
         raise _refuse(exc.key, exc.expected.removesuffix(" (vectorised training)"), exc.got, src) from None
 
 
-def train_partitions_vmap(env, model: nn.Module, jobs: list) -> list[LocalResult]:
-    """:func:`fedelastic.fl.client.train_partition` for a cohort of jobs (:class:`Job`, or anything
-    with its attributes), in one vectorised call.
+def train_partitions_vmap(env, model: nn.Module, jobs: list[CohortJob]) -> list[LocalResult]:
+    """:func:`fedelastic.fl.client.train_partition` for a cohort of jobs, in one vectorised call.
 
     Each job gets the scenario's training settings, its device's cost model and numerics, its
     partition's data of that round and the seed ``[seed, round, pid]``, as ``train_partition``
@@ -400,7 +398,7 @@ def train_partitions_vmap(env, model: nn.Module, jobs: list) -> list[LocalResult
     from .quant import device_numerics
 
     t = env.scenario.train
-    caps = [t.max_steps if j.max_steps is None else min(j.max_steps, t.max_steps or j.max_steps) for j in jobs]
+    caps = [step_cap(t.max_steps, j.max_steps) for j in jobs]
     return train_cohort_vmap(
         model,
         env.info,

@@ -197,7 +197,8 @@ def test_a_scenario_cohort_matches_train_partition(make_scenario):
     # the Flower client's own entry point, client by client, against one vectorised call
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.env import RunEnvironment
-    from fedelastic.vectorized import Job, train_partitions_vmap
+    from fedelastic.training import CohortJob
+    from fedelastic.vectorized import train_partitions_vmap
 
     scenario = make_scenario(
         train={
@@ -211,7 +212,7 @@ def test_a_scenario_cohort_matches_train_partition(make_scenario):
         }
     )
     env = RunEnvironment(scenario)
-    jobs = [Job(pid, 2, env.strategy(), cap) for pid, cap in ((0, None), (1, 2), (3, None), (2, None))]
+    jobs = [CohortJob(pid, 2, env.strategy(), cap) for pid, cap in ((0, None), (1, 2), (3, None), (2, None))]
     got = train_partitions_vmap(env, env.new_model(), jobs)
     ref = [train_partition(env, env.new_model(), j.strategy, j.pid, j.server_round, j.max_steps) for j in jobs]
     sizes = [len(env.data.client(j.pid)) for j in jobs]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +14,7 @@ from flwr.clientapp import ClientApp
 
 from ..quant import device_numerics
 from ..scenario import Scenario
-from ..selection import SelectionStrategy
-from ..training import LocalResult, train_local
+from ..training import CohortJob, LocalResult, step_cap, train_local
 from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
@@ -55,7 +54,6 @@ def train_partition(
     ``max_steps`` (from a deadline) caps the steps below the scenario's own cap.
     """
     t = env.scenario.train
-    cap = t.max_steps if max_steps is None else min(max_steps, t.max_steps or max_steps)
     return train_local(
         model,
         env.info,
@@ -67,23 +65,13 @@ def train_partition(
         lr=t.lr,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
-        max_steps=cap,
+        max_steps=step_cap(t.max_steps, max_steps),
         seed=[env.scenario.seed, server_round, pid],
         numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype),
         bn_mode=env.bn_mode,
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
     )
-
-
-@dataclass
-class CohortJob:
-    """One virtual client's work in a round: its partition, round, strategy (state loaded) and step cap."""
-
-    pid: int
-    server_round: int
-    strategy: SelectionStrategy
-    max_steps: int | None = None
 
 
 # modules whose state-dict loading is a plain copy into each tensor (BatchNorm's only adds a

@@ -38,6 +38,7 @@ from ..scenario import Scenario
 from .arrays import record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment
+from .raypool import timeout_reason
 
 # a member's state in a cohort's reply
 DONE, FAILED, TIMEOUT, UNRUN = "done", "failed", "timeout", "unrun"
@@ -128,7 +129,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         if abandoned:  # the overrunning client timed out (vectorised: all of them, one call); the rest go back unrun
             for j in range(done, len(jobs) if scenario.simulation.vectorize else done + 1):
                 status[where[j]] = TIMEOUT
-                reasons[where[j]] = f"timeout: no reply within simulation.timeout_s = {scenario.simulation.timeout_s:g} s"
+                reasons[where[j]] = timeout_reason(scenario.simulation.timeout_s)
     out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
     return Message(content=out, reply_to=msg)
 

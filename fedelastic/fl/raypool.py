@@ -46,6 +46,11 @@ class ClientTimeout(TimeoutError):
     pass
 
 
+def timeout_reason(timeout_s: float) -> str:
+    """The error of a client that did not reply in time (its row's ``error``; the same on every path)."""
+    return f"timeout: no reply within simulation.timeout_s = {timeout_s:g} s"
+
+
 def _retire(pool, future, *, replace: bool) -> None:
     """Kill the actor that ran ``future`` and, unless the run is stopping, put a fresh one in the pool."""
     import ray
@@ -104,7 +109,7 @@ def _call_client(self, message, context):
                 raise ClientTimeout("the run ended before this client replied")
             if time.monotonic() > deadline:
                 _retire(self.pool, future, replace=True)
-                raise ClientTimeout(f"timeout: no reply within simulation.timeout_s = {_SETTINGS.timeout_s:g} s")
+                raise ClientTimeout(timeout_reason(_SETTINGS.timeout_s))
         try:
             _, out_message, updated_context = ray.get(future)
         except ray.exceptions.RayActorError as exc:  # the actor's process died

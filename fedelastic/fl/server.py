@@ -51,6 +51,7 @@ from .arrays import record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
 from .clock import COUNTED, EXTRA, LATE, Arrival, Trip, run_async, staleness_weight, sync_round
 from .env import RunEnvironment, environment
+from .raypool import timeout_reason
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout_s: float) -> list[int]:
@@ -485,7 +486,7 @@ class PartialFedAvg(FedAvg):
         replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
         for p in sampled:  # no reply within the round's timeout: a row, not a gap
             if p not in replied:
-                failures[p] = f"timeout: no reply within simulation.timeout_s = {self.sc.simulation.timeout_s:g} s"
+                failures[p] = timeout_reason(self.sc.simulation.timeout_s)
         return ok, failures
 
     def _update(self, m: Message) -> ClientUpdate:
