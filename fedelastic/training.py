@@ -139,6 +139,51 @@ def ordered_params(model: nn.Module, info: ModelInfo) -> list[nn.Parameter]:
     return [params[name] for name in info.tensor_names]
 
 
+class Prepared:
+    """What :func:`train_local` derives from a model alone, worked out once for many calls on it.
+
+    A cohort trains many clients one after another on one model: this spares each of them
+    walking the module tree (parameters, state dict, modules) and building an optimizer. It
+    stays valid while the model's parameters, buffers and modules stay the same objects (loading
+    weights copies them in place). The optimizer is reused with its state cleared and its
+    learning rate reset: what a fresh one starts from.
+    """
+
+    def __init__(self, model: nn.Module, info: ModelInfo):
+        self.model, self.info = model, info
+        self.params = ordered_params(model, info)
+        self.state = model.state_dict(keep_vars=True)  # name -> the live parameter or buffer
+        self.modules = dict(model.named_modules())
+        self.norms = [m for m in self.modules.values() if isinstance(m, _NORM_TYPES)]
+        # every module's train() is nn.Module's own: setting the flags is all model.train() does
+        self.plain_modes = all(type(m).train is nn.Module.train for m in self.modules.values())
+        self._optimizers: dict[tuple, torch.optim.SGD] = {}
+
+    def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+        """:func:`make_optimizer` over the model's parameters, as freshly made."""
+        key = (optimizer, lr, momentum, weight_decay)
+        opt = self._optimizers.get(key)
+        if opt is None:
+            opt = self._optimizers[key] = make_optimizer(self.params, optimizer, lr, momentum, weight_decay)
+        else:
+            opt.state.clear()
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return opt
+
+    def set_norm_modes(self, bn_mode: str) -> None:
+        """:func:`_set_norm_modes`, without walking the module tree."""
+        if not self.plain_modes:
+            _set_norm_modes(self.model, bn_mode)
+            return
+        for mod in self.modules.values():
+            if not mod.training:  # most are already: a cohort's clients leave them so
+                mod.training = True
+        if bn_mode != "train":
+            for mod in self.norms:
+                mod.training = False
+
+
 def count_backward_nodes(loss: torch.Tensor) -> int:
     """Autograd nodes a backward from ``loss`` would run (a FLOP-free proxy of backward work)."""
     seen, stack = set(), [loss.grad_fn]
@@ -293,12 +338,18 @@ class _Applied:
     """A selection applied to a model: requires_grad, norm modes and channel masks."""
 
     def __init__(
-        self, model: nn.Module, info: ModelInfo, params: list[nn.Parameter], selection: Selection, bn_mode: str
+        self,
+        model: nn.Module,
+        info: ModelInfo,
+        params: list[nn.Parameter],
+        selection: Selection,
+        bn_mode: str,
+        modules: dict[str, nn.Module] | None = None,
     ):
         self.params, self.selection = params, selection
         for p, r in zip(params, selection.ratios):
             p.requires_grad_(bool(r > 0))
-        modules = dict(model.named_modules())
+        modules = dict(model.named_modules()) if modules is None else modules
         for layer in info.layers:
             mod = modules[layer.name]
             if isinstance(mod, _NORM_TYPES):
@@ -340,6 +391,13 @@ class _Applied:
                 state_buf = optimizer.state.get(p, {}).get("momentum_buffer")
                 if state_buf is not None:
                     state_buf[frozen] = 0 if buf is None else buf
+
+
+def _mean(losses: list[float]) -> float:
+    """``float(np.mean(losses))`` (nan if empty); one loss is its own mean, without numpy's call overhead."""
+    if len(losses) == 1:
+        return float(losses[0])
+    return float(np.mean(losses)) if losses else float("nan")
 
 
 def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_steps: int = 0):
@@ -396,12 +454,14 @@ def train_local(
     bn_mode: str = "frozen",
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
+    prepared: Prepared | None = None,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
     ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
     ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
     steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
+    ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
     """
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
@@ -409,12 +469,14 @@ def train_local(
         raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
     start = time.perf_counter()
     rng = seed_everything(seed)
-    params = ordered_params(model, info)
-    opt = make_optimizer(params, optimizer, lr, momentum, weight_decay)
+    if prepared is None or prepared.model is not model:
+        prepared = Prepared(model, info)
+    params = prepared.params
+    opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
     x_all, y_all = torch.from_numpy(data.x).to(dev), torch.from_numpy(data.y).to(dev)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    _set_norm_modes(model, bn_mode)
+    before = {k: v.detach().clone() for k, v in prepared.state.items()}
+    prepared.set_norm_modes(bn_mode)
     result = LocalResult(fits=True, num_examples=len(data))
     union = np.zeros(info.num_tensors)
     channel_union: dict[int, tuple[int, np.ndarray]] = {}  # partial tensor -> (axis, kept channels)
@@ -423,14 +485,14 @@ def train_local(
     step_time = step_macs = 0.0
     memory = cost.device.memory_train_bytes.value
     steps_per_epoch = -(-len(data) // batch_size)
-    plan = list(batches(len(data), batch_size, epochs, rng, max_steps))
+    plan = [torch.from_numpy(idx) for idx in batches(len(data), batch_size, epochs, rng, max_steps)]
 
     def fail(reason: str) -> LocalResult:
         model.load_state_dict(before)
         result.fits, result.reason = False, reason
         result.train_time_s += result.overhead_time_s
         result.trained, result.channel_masks, result.ratios = {}, {}, None
-        result.train_loss = float(np.mean(losses)) if losses else float("nan")
+        result.train_loss = _mean(losses)
         result.host_wall_s = time.perf_counter() - start
         return result
 
@@ -468,7 +530,7 @@ def train_local(
             selection, peak = select_and_charge(strategy, ctx, cost, result)
             if peak > ctx.memory_budget_bytes:
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
-            applied = _Applied(model, info, params, selection, bn_mode)
+            applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
             result.selections += 1
             for k in np.flatnonzero(selection.ratios > 0):
                 k = int(k)
@@ -478,7 +540,10 @@ def train_local(
                     kept = np.flatnonzero(mask.numpy())
                 else:
                     axis, kept = 0, np.arange(info.tensor_channels[k])
-                old_axis, old = channel_union.get(k, (axis, np.zeros(0, np.int64)))
+                if k not in channel_union:  # kept is sorted and unique: it is its own union with nothing
+                    channel_union[k] = (axis, kept.astype(np.int64))
+                    continue
+                old_axis, old = channel_union[k]
                 if old_axis != axis:  # trained along both axes in one round: send it whole
                     axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
                 channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
@@ -494,7 +559,7 @@ def train_local(
         result.macs += step_macs
         result.steps += 1
     result.train_time_s += result.overhead_time_s
-    result.train_loss = float(np.mean(losses)) if losses else float("nan")
+    result.train_loss = _mean(losses)
     if not result.steps and plan:  # it fits, yet no step ran: say why (the server counts it apart)
         result.reason = (
             f"strategy {type(strategy).__name__} selected no tensor to train on this device "
@@ -503,8 +568,7 @@ def train_local(
     result.ratios = union
     for p in params:
         p.requires_grad_(True)
-    state = model.state_dict()
-    modules = dict(model.named_modules())
+    state, modules = prepared.state, prepared.modules
     for k in np.flatnonzero(union > 0):
         name = info.tensor_names[k]
         result.trained[name] = state[name].detach().cpu().numpy().copy()
@@ -520,7 +584,7 @@ def train_local(
         for layer in info.layers:
             if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):
                 for buf in ("running_mean", "running_var"):
-                    result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].cpu().numpy().copy()
+                    result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].detach().cpu().numpy().copy()
     result.host_wall_s = time.perf_counter() - start
     return result
 
