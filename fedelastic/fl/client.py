@@ -257,11 +257,16 @@ def _fast_records_match() -> bool:
         _FAST = True
         ours_m, ours_r = metric_record(values), record_dict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
         _FAST = False
-        theirs_m, theirs_r = MetricRecord(values), RecordDict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
+        theirs_m, theirs_r = (
+            MetricRecord(values),
+            RecordDict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})}),
+        )
         same_m = vars(ours_m).keys() == vars(theirs_m).keys() and list(ours_m.items()) == list(theirs_m.items())
         same_r = vars(ours_r).keys() == vars(theirs_r).keys() and list(ours_r.keys()) == list(theirs_r.keys())
         same_r = same_r and all(type(ours_r[k]) is type(theirs_r[k]) for k in ours_r)
-        return bool(same_m and same_r and ours_m.object_id == theirs_m.object_id and ours_r.object_id == theirs_r.object_id)
+        return bool(
+            same_m and same_r and ours_m.object_id == theirs_m.object_id and ours_r.object_id == theirs_r.object_id
+        )
     except Exception:  # noqa: BLE001 (another Flower: use its constructors)
         return False
     finally:
