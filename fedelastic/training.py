@@ -158,6 +158,7 @@ class Prepared:
         # every module's train() is nn.Module's own: setting the flags is all model.train() does
         self.plain_modes = all(type(m).train is nn.Module.train for m in self.modules.values())
         self._optimizers: dict[tuple, torch.optim.SGD] = {}
+        self._prices: dict[tuple, tuple[float, float, float]] = {}
 
     def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
         """:func:`make_optimizer` over the model's parameters, as freshly made."""
@@ -170,6 +171,23 @@ class Prepared:
             for group in opt.param_groups:
                 group["lr"] = lr
         return opt
+
+    def prices(self, cost: CostModel, selection: Selection) -> tuple[float, float, float]:
+        """(peak memory bytes, step time s, step MACs) of ``selection`` on ``cost``.
+
+        Pure functions of the cost model and the selection: a cohort's clients mostly select
+        alike (fixed schemes select the same tensors for every client), so each distinct
+        selection is priced once.
+        """
+        ratios, sparse = selection.ratios, selection.input_sparse
+        key = (cost, ratios.dtype.str, ratios.tobytes(), None if sparse is None else np.asarray(sparse, bool).tobytes())
+        got = self._prices.get(key)
+        if got is None:
+            if len(self._prices) >= 4096:
+                self._prices.clear()
+            got = (cost.peak_memory_bytes(ratios, sparse), cost.step_time_s(ratios), cost.step_macs(ratios))
+            self._prices[key] = got
+        return got
 
     def set_norm_modes(self, bn_mode: str) -> None:
         """:func:`_set_norm_modes`, without walking the module tree."""
@@ -421,17 +439,20 @@ def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
                 mod.eval()
 
 
-def select_and_charge(strategy, ctx, cost, result) -> tuple:
+def select_and_charge(strategy, ctx, cost, result, prepared: Prepared | None = None) -> tuple:
     """``strategy.select(ctx)``, its selector work charged to ``result`` and its peak memory recorded.
 
-    Returns (selection, the selection's peak memory in bytes).
+    Returns (selection, the selection's peak memory in bytes); ``prepared`` prices it (cached).
     """
     evaluations = cost.evaluations
     selection = strategy.select(ctx)
     selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
     result.selector_time_s += selector_s
     result.overhead_time_s += selector_s
-    peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+    if prepared is None:
+        peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+    else:
+        peak = prepared.prices(cost, selection)[0]
     result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
     return selection, peak
 
@@ -527,7 +548,7 @@ def train_local(
                         else:
                             ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
                         result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
-            selection, peak = select_and_charge(strategy, ctx, cost, result)
+            selection, peak = select_and_charge(strategy, ctx, cost, result, prepared)
             if peak > ctx.memory_budget_bytes:
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
             applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
@@ -547,7 +568,7 @@ def train_local(
                 if old_axis != axis:  # trained along both axes in one round: send it whole
                     axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
                 channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
-            step_time, step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
+            _, step_time, step_macs = prepared.prices(cost, selection)
         if not selection.mask.any():
             continue  # nothing to train: no step runs
         opt.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ the cost models. Nothing large travels with the messages but the model arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cached_property
 
@@ -41,6 +42,7 @@ class RunEnvironment:
         self.scenario = scenario
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, DeviceProfile] = {}
+        self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}
 
     @cached_property
     def external(self) -> FederatedData | None:
@@ -175,10 +177,21 @@ class RunEnvironment:
         return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
     def strategy(self, rho: float | None = None) -> SelectionStrategy:
-        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option."""
+        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option.
+
+        A fresh instance each call, of a class and (frozen) config validated once per ``rho``.
+        """
+        known = self._strategies.get(rho)
+        if known is not None:
+            cls, config = known
+            return cls(config)
         t = self.scenario.train
         options = t.options if rho is None else {**t.options, "rho": rho}
-        return make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
+        strategy = make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
+        config = strategy.config
+        if dataclasses.is_dataclass(config) and type(config).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            self._strategies[rho] = (type(strategy), config)  # shared by its instances: it cannot change
+        return strategy
 
 
 _CACHE: dict[str, RunEnvironment] = {}
