@@ -166,6 +166,9 @@ class Prepared:
         self.plain_modes = all(type(m).train is nn.Module.train for m in self.modules.values())
         self._optimizers: dict[tuple, torch.optim.SGD] = {}
         self._prices: dict[tuple, tuple[float, float, float]] = {}
+        self.all_channels = [np.arange(int(c), dtype=np.int64) for c in info.tensor_channels]  # read only
+        for kept in self.all_channels:
+            kept.setflags(write=False)
 
     def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
         """:func:`make_optimizer` over the model's parameters, as freshly made."""
@@ -577,9 +580,9 @@ def train_local(
                     axis, mask = applied.masks[k]
                     kept = np.flatnonzero(mask.numpy())
                 else:
-                    axis, kept = 0, np.arange(info.tensor_channels[k])
+                    axis, kept = 0, prepared.all_channels[k]
                 if k not in channel_union:  # kept is sorted and unique: it is its own union with nothing
-                    channel_union[k] = (axis, kept.astype(np.int64))
+                    channel_union[k] = (axis, kept if kept.dtype == np.int64 else kept.astype(np.int64))
                     continue
                 old_axis, old = channel_union[k]
                 if old_axis != axis:  # trained along both axes in one round: send it whole
