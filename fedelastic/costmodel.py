@@ -302,7 +302,13 @@ class CostModel:
 
     # ---- uncertainty ------------------------------------------------------------------------
     def roofline_share(self) -> float:
-        """Share of the full step's time priced by the roofline (not by a measured table)."""
+        """Share of the full step's time priced by the roofline (not by a measured table); worked out once."""
+        share = self.__dict__.get("_roofline_share")
+        if share is None:
+            share = self._roofline_share = self._compute_roofline_share()
+        return share
+
+    def _compute_roofline_share(self) -> float:
         full = self.full_step_time_s()
         if self.measured is None or full <= 0:
             return 1.0

@@ -252,9 +252,12 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
 _RECORDS = (ArrayRecord, MetricRecord, ConfigRecord)
 
 
+_SCALARS = (int, float, np.float64)  # what Flower's check accepts (np.float64 is a float), exactly these types
+
+
 def metric_record(values: dict[str, int | float]) -> MetricRecord:
     """``MetricRecord(values)`` for plain ints and floats, without the per-item checks."""
-    if not _FAST or not all(type(v) is float or type(v) is int for v in values.values()):
+    if not _FAST or not all(type(v) in _SCALARS for v in values.values()):
         return MetricRecord(values)
     record = MetricRecord()
     record.__dict__["_data"].update(values)
@@ -274,7 +277,7 @@ def _fast_records_match() -> bool:
     """Whether :func:`metric_record` and :func:`record_dict` build what Flower's constructors build."""
     global _FAST
     try:
-        values = {"a": 1, "b": 2.5, "c": -0.0}
+        values = {"a": 1, "b": 2.5, "c": -0.0, "d": np.float64(3.0)}
         _FAST = True
         ours_m, ours_r = metric_record(values), record_dict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
         _FAST = False
