@@ -184,11 +184,13 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         abandoned = bool(late)
         for k in late:
             env.drop_client_model(k)  # its abandoned thread still trains on it
+        with lock:  # an abandoned thread may still report
+            final = dict(finished)
         timed_out = set(late.values())
         if abandoned and sim.vectorize:  # one call: all of its clients timed out
-            timed_out = set(range(len(jobs))) - set(finished)
-        for j in sorted(finished):
-            reply = finished[j]
+            timed_out = set(range(len(jobs))) - set(final)
+        for j in sorted(final):
+            reply = final[j]
             if j in timed_out or isinstance(reply, TorchRngUsed):  # TorchRngUsed: left unrun, sent again
                 continue
             if isinstance(reply, Exception):
@@ -198,7 +200,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         for j in sorted(timed_out):
             status[where[j]], reasons[where[j]] = TIMEOUT, timeout_reason(sim.timeout_s)
         for j in range(len(jobs)) if crashed else ():  # never reported: the thread's failure is theirs
-            if j not in finished and j not in timed_out:
+            if j not in final and j not in timed_out:
                 fail(where[j], crashed[0])
         if n > 1 and not abandoned:  # torch's generator as one thread leaves it: seeded by the last client
             last = jobs[-1]
