@@ -289,7 +289,7 @@ class SimulationConfig:
     train_threads: int = field(
         0,
         help="cohort mode: threads training a cohort's clients side by side in one process, each on its own "
-        "model (0: 2 in-process where 2 cores are usable, 1 on Ray); results are the same for any count",
+        "model (0: automatic: 1 on Ray, in-process 2 while they keep 2 cores busy); the same results for any count",
     )
     vectorize: bool = field(
         False,

@@ -241,3 +241,37 @@ def test_training_threads_that_fail_outside_any_client_fail_its_clients(fp32_sce
     clients = pd.read_parquet(run_scenario(sc, run_id="crash") / "clients.parquet")
     assert len(clients) == 6 and clients.status.eq("failed").all()
     assert clients.error.eq("RuntimeError: weights did not load").all()
+
+
+def test_the_automatic_count_keeps_threads_only_while_they_run_side_by_side():
+    from fedelastic.fl.cohort import ThreadGauge
+
+    gauge = ThreadGauge(min_cores=1.3, retry=4)
+    assert gauge.threads(2) == 2  # call 1: threads until found otherwise
+    gauge.record(2, wall_s=1.0, cpu_s=1.9)  # the two threads kept ~2 cores busy
+    assert gauge.threads(2) == 2  # call 2
+    gauge.record(2, wall_s=1.0, cpu_s=1.05)  # one core's worth: they took turns
+    assert [gauge.threads(2) for _ in range(4)] == [1, 2, 1, 1]  # calls 3-6: every 4th call tries again
+    gauge.record(1, wall_s=1.0, cpu_s=1.0)  # a one-thread call says nothing about threads
+    assert gauge.threads(2) == 1
+    gauge.record(2, wall_s=1.0, cpu_s=1.6)  # a retry found a free core
+    assert gauge.threads(2) == 2
+
+
+def test_automatic_threads_fall_back_to_one_where_they_take_turns(fp32_scenario, monkeypatch):
+    import fedelastic.fl.cohort as cohort
+    from fedelastic.fl.cohort import ThreadGauge
+
+    seen: set[tuple[int, str]] = set()
+    reply = cohort.reply_content
+
+    def spy(env, job, result):
+        seen.add((job.server_round, threading.current_thread().name))
+        return reply(env, job, result)
+
+    monkeypatch.setattr(cohort, "reply_content", spy)
+    sc = fp32_scenario(server={"rounds": 3, "clients_per_round": 6})
+    environment(sc).thread_gauge = ThreadGauge(min_cores=100.0, retry=1000)  # never side by side enough
+    run_scenario(sc, run_id="gauge")
+    assert {name for rnd, name in seen if rnd == 1} == {"cohort-0", "cohort-1"}
+    assert {name for rnd, name in seen if rnd > 1} == {"cohort-0"}

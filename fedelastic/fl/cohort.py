@@ -52,10 +52,11 @@ _MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
 def training_threads(env: RunEnvironment, jobs: list) -> int:
     """Threads that train a cohort call's jobs side by side, each on its own model instance.
 
-    ``simulation.train_threads`` (0: two in-process where the process may use two cores or more,
-    one on Ray, whose workers are the parallelism), at most one per job. One thread where threads
-    could race, whatever was asked: a vectorised cohort (one batched call), a client whose numerics
-    are emulated (int8/fp16: their optimizer hooks are process-wide), a model off the CPU, and a
+    ``simulation.train_threads``, at most one per job; ``0`` (automatic): on Ray 1 (its workers
+    are the parallelism), in-process 2 where the process may use two cores or more, while the
+    :class:`ThreadGauge` finds that they do run side by side. One thread where threads could race,
+    whatever was asked: a vectorised cohort (one batched call), a client whose numerics are
+    emulated (int8/fp16: their optimizer hooks are process-wide), a model off the CPU, and a
     model that drew from torch's global random generator (each client seeds it).
     """
     sim = env.scenario.simulation
@@ -68,7 +69,36 @@ def training_threads(env: RunEnvironment, jobs: list) -> int:
         return 1
     if any(p.device.type != "cpu" for p in env.client_model.parameters()):
         return 1
+    if sim.train_threads == 0:
+        if env.thread_gauge is None:
+            env.thread_gauge = ThreadGauge()
+        n = env.thread_gauge.threads(n)
     return n
+
+
+class ThreadGauge:
+    """Whether training threads run side by side in this process (the automatic thread count).
+
+    Threads pay off only where a second core is free: the Python between torch's kernels holds
+    the GIL, and on a machine whose cores are taken by other work, threads hand the GIL to each
+    other through the scheduler and train slower than one thread. After a call on threads, the
+    process's CPU time over the call's wall time is the number of cores the threads got: below
+    ``min_cores`` the next calls train on one thread, and every ``retry``-th call tries threads
+    again. The results do not depend on it (every thread count gives the same results).
+    """
+
+    def __init__(self, min_cores: float = 1.3, retry: int = 8):
+        self.min_cores, self.retry = min_cores, retry
+        self.parallel, self.calls = True, 0
+
+    def threads(self, wanted: int) -> int:
+        self.calls += 1
+        return wanted if self.parallel or self.calls % self.retry == 0 else 1
+
+    def record(self, threads: int, wall_s: float, cpu_s: float) -> None:
+        """A finished call on ``threads`` threads: ``wall_s`` long, ``cpu_s`` of the process's CPU time."""
+        if threads > 1 and wall_s > 0:
+            self.parallel = cpu_s / wall_s >= self.min_cores
 
 
 def usable_cores() -> int:
@@ -163,6 +193,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 crashed.append(exc)
 
         threads = [threading.Thread(target=work, args=(k,), name=f"cohort-{k}", daemon=True) for k in range(n)]
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         for thread in threads:
             thread.start()
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
@@ -182,6 +213,8 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 break
             threads[live[0]].join(max(0.0, min(waits, default=budget_s)))
         abandoned = bool(late)
+        if env.thread_gauge is not None and not abandoned:
+            env.thread_gauge.record(n, time.perf_counter() - wall0, time.process_time() - cpu0)
         for k in late:
             env.drop_client_model(k)  # its abandoned thread still trains on it
         with lock:  # an abandoned thread may still report

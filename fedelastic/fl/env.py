@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ class RunEnvironment:
         self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}
         self._thread_models: list[nn.Module | None] = []  # training threads' models beyond client_model
         self.torch_rng_used = False  # a client drew from torch's global generator: cohorts train on one thread
+        self.thread_gauge: Any = None  # fl.cohort.ThreadGauge: whether training threads run side by side here
 
     @cached_property
     def external(self) -> FederatedData | None:
