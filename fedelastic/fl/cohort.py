@@ -383,7 +383,7 @@ class CohortGrid(Grid):
                 for j, i in enumerate(chunk):
                     state, reason = head["status"][j], head["reasons"][j]
                     if state == DONE:
-                        member = RecordDict(
+                        member = record_dict(
                             {k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content}
                         )
                         if "strategy-state" in member:
