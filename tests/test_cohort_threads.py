@@ -275,3 +275,20 @@ def test_automatic_threads_fall_back_to_one_where_they_take_turns(fp32_scenario,
     run_scenario(sc, run_id="gauge")
     assert {name for rnd, name in seen if rnd == 1} == {"cohort-0", "cohort-1"}
     assert {name for rnd, name in seen if rnd > 1} == {"cohort-0"}
+
+
+@pytest.mark.parametrize(
+    "train",
+    [
+        {"strategy": "elastic_tensor", "options": {"rho": 0.4, "interval": 2}, "momentum": 0.9, "max_steps": 6},
+        {"strategy": "sparse_update", "optimizer": "sgdw", "weight_decay": 0.01, "lr_schedule": "cosine"},
+    ],
+    ids=["elastic_tensor", "sparse_update"],
+)
+def test_threads_equal_one_flower_node_per_client(fp32_scenario, train):
+    """Per client, a node builds its optimizer and model view afresh: the reference for what threads reuse."""
+    runs = []
+    for sim in ({"node_mode": "per_client"}, {"train_threads": 2}):
+        sc = fp32_scenario(train=train, server={"rounds": 2, "clients_per_round": 8}, simulation=sim)
+        runs.append(_tables(run_scenario(sc, run_id=sim.get("node_mode", "threads"))))
+    _same(*runs)
