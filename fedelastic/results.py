@@ -377,7 +377,9 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
 
     timeline = "dispatch_s" in clients.columns and clients.dispatch_s.notna().any()
     fig, axes = plt.subplots(1, 3 if timeline else 2, figsize=(17 if timeline else 11, 4))
-    curve = rounds[np.isfinite(rounds.get("sim_time_s", pd.Series(dtype=float)).astype(float))] if len(rounds) else rounds
+    finite = lambda col: np.isfinite(rounds.get(col, pd.Series(dtype=float)).astype(float))  # noqa: E731
+    # NaN accuracy: a round that server.evaluate_every skipped
+    curve = rounds[finite("sim_time_s") & finite("test_accuracy")] if len(rounds) else rounds
     if len(curve):
         sns.lineplot(data=curve, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
     acc = curve["test_accuracy"].astype(float) if len(curve) else pd.Series(dtype=float)

@@ -700,16 +700,24 @@ class PartialFedAvg(FedAvg):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
-    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Global test accuracy after every round; writes the round's row."""
-        model = self.env.new_model()
-        model.load_state_dict(record_to_torch(arrays))
-        if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
-            rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
-            self.recorder.add_tasks(rows)
-        else:
-            test = self.env.data.test
-            accuracy, loss = evaluate_model(model, test.x, test.y)
+    def evaluates(self, server_round: int) -> bool:
+        """Whether the global model is evaluated after ``server_round`` (``server.evaluate_every``; 0 and the last always)."""
+        server = self.sc.server
+        return server_round % server.evaluate_every == 0 or server_round >= server.rounds
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
+        accuracy = loss = float("nan")
+        evaluated = self.evaluates(server_round)
+        if evaluated:
+            model = self.env.new_model()
+            model.load_state_dict(record_to_torch(arrays))
+            if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+                rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+                self.recorder.add_tasks(rows)
+            else:
+                test = self.env.data.test
+                accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -722,7 +730,7 @@ class PartialFedAvg(FedAvg):
         }
         self.recorder.add_round(row)
         self.progress(row)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        return MetricRecord({"accuracy": accuracy, "loss": loss}) if evaluated else None
 
 
 def server_main(
