@@ -109,6 +109,9 @@ class _Table:
         self.n_rows = 0
         self.columns: list[str] | None = None
         self._schema = None  # the parts' Arrow schema
+        self._typed: dict[tuple, object] = {}  # value types of an append's columns -> its Arrow schema (_write_part)
+        self._column_set: frozenset[str] = frozenset()
+        self.direct_parts = 0  # parts built without pandas (see _write_part)
         # never overwrite a part already there (a resumed run's table that was not reloaded)
         self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
@@ -118,21 +121,53 @@ class _Table:
             return []
         frame = pd.read_parquet(self.parquet)
         self.columns = list(frame.columns)
+        self._column_set = frozenset(self.columns)
         rows = [r for r in frame.to_dict("records") if keep(r)]
-        self.rows, self.n_rows, self._schema, self._parts = [], 0, None, 0
+        self.rows, self.n_rows, self._parts = [], 0, 0
+        self._set_schema(None)
         self.csv.unlink(missing_ok=True)
         _remove(self.parquet)
         if rows:
             self.append(rows)
         return rows
 
-    def _write_part(self, frame: pd.DataFrame, schema=None) -> tuple[Path, Path]:
-        """Write ``frame`` (cast to ``schema`` if given) as a hidden temporary part; returns (temporary, final)."""
+    def _write_part(self, rows: list[dict], merge: bool = False) -> tuple[Path, Path]:
+        """Write ``rows`` as a hidden temporary part; returns (temporary, final).
+
+        The part is exactly what ``pd.DataFrame(rows, columns=...).to_parquet(index=False,
+        schema=...)`` writes, with the earlier parts' schema (``merge``: none, types as pandas
+        infers them). Building that DataFrame, and pyarrow's
+        conversion from it, cost ~5 ms an append (issue 10), so once an append's per-column value
+        types (its *signature*) have been written that way without any cast, appends with the same
+        signature build the Arrow columns straight from the values, with that append's schema
+        (pandas' metadata included): the same bytes. Anything the fast path cannot convert, or a
+        new signature, goes through pandas.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         self.parquet.mkdir(exist_ok=True)
         final = self.parquet / f"part-{self._parts + 1:06d}.parquet"
         tmp = self.parquet / f".{final.name}.tmp"
+        assert self.columns is not None
+        values = [[row.get(c, _MISSING) for row in rows] for c in self.columns]  # DataFrame(rows, columns=...)
+        signature = tuple(frozenset(map(type, column)) for column in values)
+        table = None
+        schema = None if merge else self._typed.get(signature)
+        if schema is not None:
+            try:
+                arrays = [pa.array(v, type=f.type, from_pandas=True) for v, f in zip(values, schema)]
+                table = pa.Table.from_arrays(arrays, schema=schema)
+                self.direct_parts += 1
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                table = None  # e.g. an int beyond int64: pandas decides, as it always did
+        if table is None:
+            frame = pd.DataFrame(rows, columns=self.columns)
+            table = pa.Table.from_pandas(frame, schema=None if merge else self._schema, preserve_index=False)
+            if not merge and _plain(frame, table.schema):
+                self._typed[signature] = table.schema
         try:
-            frame.to_parquet(tmp, index=False, schema=schema)
+            pq.write_table(table, tmp, compression="snappy")  # as pandas' to_parquet
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -145,24 +180,28 @@ class _Table:
             return
         if self.columns is None:
             self.columns = list(rows[0])
+            self._column_set = frozenset(self.columns)
+        for row in rows:  # csv.DictWriter's check, before anything is written
+            if not row.keys() <= self._column_set:
+                wrong = [repr(k) for k in row if k not in self._column_set]
+                raise ValueError("dict contains fields not in fieldnames: " + ", ".join(wrong))
         new = not self.csv.exists()
         size = 0 if new else self.csv.stat().st_size
-        frame = pd.DataFrame(rows, columns=self.columns)
         tmp, merged = None, False
         try:
             try:  # the earlier parts' types (e.g. an all-empty column takes their string type)
-                tmp, final = self._write_part(frame, self._schema)
+                tmp, final = self._write_part(rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 # the types changed (a column that was all empty gets values, ints get a NaN): one
                 # part holding every row, typed as one frame of all rows would be
                 every = pd.read_parquet(self.parquet).to_dict("records") + rows
-                tmp, final = self._write_part(pd.DataFrame(every, columns=self.columns))
+                tmp, final = self._write_part(every, merge=True)
                 merged = True
             with self.csv.open("a", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=self.columns)
+                writer = csv.writer(fh)
                 if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+                    writer.writerow(self.columns)
+                writer.writerows([[row.get(c, "") for c in self.columns] for row in rows])
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
@@ -184,17 +223,36 @@ class _Table:
         if self._schema is None or merged:
             import pyarrow.parquet as pq
 
-            self._schema = pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet")
+            self._set_schema(pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet"))
         self.n_rows += len(rows)
         if self.keep_rows:
             self.rows.extend(rows)
         elif self.keep_last:
             self.rows = rows[-1:]
 
+    def _set_schema(self, schema) -> None:
+        """The parts' schema changed: what pandas makes of each signature may change with it."""
+        self._schema = schema
+        self._typed = {}
+
     def frame(self) -> pd.DataFrame:
         if not self.keep_rows:
             return pd.read_parquet(self.parquet) if self.parquet.exists() else pd.DataFrame(columns=self.columns)
         return pd.DataFrame(self.rows, columns=self.columns)
+
+
+_MISSING = float("nan")  # a key a row lacks: what pd.DataFrame(rows, columns=...) puts there
+# pandas dtypes whose Arrow column _write_part may build from the values directly
+_PLAIN_DTYPES = {"int64": "int64", "float64": "double", "bool": "bool", "str": "large_string"}
+
+
+def _plain(frame: pd.DataFrame, schema) -> bool:
+    """Whether pyarrow built ``schema`` from ``frame`` without a cast: every column a plain dtype, kept as it is."""
+    for dtype, name in zip(frame.dtypes, frame.columns):
+        arrow = _PLAIN_DTYPES.get(str(dtype))
+        if arrow is None or str(schema.field(name).type) != arrow:
+            return False
+    return True
 
 
 def _remove(path: Path) -> None:

@@ -147,3 +147,194 @@ def test_the_command_line_shows_skipped_rounds_and_reports_the_last_accuracy(tmp
     assert "accuracy   -    simulated" in lines["round 1"]
     assert "accuracy   -  " not in lines["round 2"] and "accuracy   -  " not in lines["round 3"]
     assert "nan" not in out.split("final accuracy")[1].split(",")[0]
+
+
+# -- results files: byte for byte what the pandas writer wrote ------------------------------------
+
+
+def _same_files(new: Path, old: Path, name: str) -> None:
+    assert (new / f"{name}.csv").read_bytes() == (old / f"{name}.csv").read_bytes(), name
+    parts = sorted(p.name for p in (new / f"{name}.parquet").iterdir())
+    assert parts == sorted(p.name for p in (old / f"{name}.parquet").iterdir()), name
+    for part in parts:
+        a, b = (new / f"{name}.parquet" / part).read_bytes(), (old / f"{name}.parquet" / part).read_bytes()
+        assert a == b, f"{name}.parquet/{part}"
+
+
+def _mixed_rows(r: int, plain: bool = False) -> list[dict]:
+    """Value types that change between appends: pandas decides each append's column types.
+
+    ``plain``: only the kinds of values a run's rows hold (str, int, float, bool, NaN; no None).
+    """
+    big = 2**63 + 5 if r == 7 else r  # beyond int64 once: pandas makes it uint64 (a merge)
+    if plain:
+        return [
+            {
+                "round": r,
+                "id": np.int64(i),
+                "loss": np.float64(0.25 * i) if i else 1,  # an int among floats
+                "error": "boom" if (r == 3 and i == 1) else "",
+                "n": math.nan if (r == 5 and i == 0) else i,  # an int column gets a NaN: a merge
+                "fits": bool(i % 2),
+                "big": 2**62 if r == 8 else r,
+                "x": 2**53 + 1 if r == 9 else 0.5,  # an int that a float64 rounds
+                **({} if r >= 4 and i == 2 else {"late": 1.5}),
+            }
+            for i in range(3)
+        ]
+    return [
+        {
+            "round": r,
+            "id": np.int64(i),
+            "loss": np.float64(0.25 * i) if i else 1,  # an int among floats
+            "error": "boom" if (r == 3 and i == 1) else None,
+            "n": math.nan if (r == 5 and i == 0) else i,
+            "fits": None if r == 6 else bool(i % 2),
+            "flag": np.bool_(i == 2),
+            "big": big,
+            "name": "" if i else "x,\"quoted\"\nline",
+            **({} if r >= 4 and i == 2 else {"late": 1.5}),  # a key some rows lack
+        }
+        for i in range(3)
+    ]
+
+
+def test_appends_write_the_pandas_writers_bytes(tmp_path):
+    from fedelastic.results import _Table
+
+    from .pandas_writer import PandasTable
+
+    (tmp_path / "new").mkdir(), (tmp_path / "old").mkdir()
+    for name, keep_last, plain in (("mixed", False, False), ("single", True, False), ("plain", False, True)):
+        new, old = _Table(tmp_path / "new", name, keep_rows=False), PandasTable(tmp_path / "old", name)
+        for r in range(1, 10):
+            rows = _mixed_rows(r, plain)
+            if keep_last:  # one row per append, as the rounds table
+                rows = rows[r % 3 : r % 3 + 1]
+            new.append([dict(row) for row in rows])
+            old.append([dict(row) for row in rows])
+            _same_files(tmp_path / "new", tmp_path / "old", name)
+        assert len(pd.read_parquet(tmp_path / "new" / f"{name}.parquet")) == (9 if keep_last else 27)
+        assert (new.direct_parts >= 4) == plain  # None in a column: always through pandas
+        extra = [{**_mixed_rows(1)[0], "surprise": 1}]  # a key the table has no column for: refused by both
+        with pytest.raises(ValueError, match="surprise"):
+            new.append(extra)
+        with pytest.raises(ValueError, match="surprise"):
+            old.append(extra)
+        _same_files(tmp_path / "new", tmp_path / "old", name)
+
+
+def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scenario, tmp_path, monkeypatch):
+    """Every append of a real run (failed clients, late ones, NaN columns) also goes to the old writer."""
+    import fedelastic.fl.client as client
+    import fedelastic.results as results
+
+    from .pandas_writer import PandasTable
+
+    real_train = client.train_local
+
+    def flaky(*args, seed, **kwargs):
+        if seed[2] == 1 and seed[1] % 2:  # partition 1 fails in odd rounds
+            raise RuntimeError("device fell over")
+        return real_train(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(client, "train_local", flaky)
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    oracles: dict[str, PandasTable] = {}
+    direct: dict[str, int] = {}
+    real_append = results._Table.append
+
+    def both(self, rows):
+        oracle = oracles.setdefault(self.csv.stem, PandasTable(old_dir, self.csv.stem))
+        oracle.append([dict(row) for row in rows])
+        real_append(self, rows)
+        direct[self.csv.stem] = self.direct_parts
+
+    monkeypatch.setattr(results._Table, "append", both)
+    sc = make_scenario(
+        server={"rounds": 5, "policy": "deadline_drop", "deadline_quantile": 0.6, "evaluate_every": 2},
+        network={"model": "lognormal"},
+    )
+    run_dir = run_scenario(sc, run_id="new")
+    clients = pd.read_parquet(run_dir / "clients.parquet")
+    assert set(clients.status) >= {"counted", "failed", "late"}  # the rows cover those kinds
+    for name in ("clients", "rounds"):
+        _same_files(run_dir, old_dir, name)
+    assert direct["clients"] >= 1 and direct["rounds"] >= 2, direct  # the rows took the fast path too
+
+
+# -- aggregation: bit for bit the arithmetic of before ---------------------------------------------
+
+
+def _old_value_and_weight(upd, name, current):  # fedelastic/fl/aggregate.py at b83672d
+    value = np.asarray(upd.arrays[name], dtype=np.float64)
+    w = np.full(current.shape, float(upd.weight))
+    if name in upd.channel_masks:
+        mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
+        if mask.ndim == 1:
+            mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+        w = w * np.broadcast_to(mask, current.shape)
+    return value, w
+
+
+def _old_aggregate_partial(global_state, updates):
+    new_state = {}
+    for name, current in global_state.items():
+        num = np.zeros(current.shape, dtype=np.float64)
+        den = np.zeros(current.shape, dtype=np.float64)
+        for upd in updates:
+            if name not in upd.arrays:
+                continue
+            value, w = _old_value_and_weight(upd, name, current)
+            num += w * value
+            den += w
+        trained = den > 0
+        merged = np.where(trained, num / np.where(trained, den, 1.0), current)
+        new_state[name] = merged.astype(current.dtype, copy=False)
+    return new_state
+
+
+def _old_aggregate_buffered(global_state, updates, bases, discounts):
+    new_state = {}
+    for name, current in global_state.items():
+        num = np.zeros(current.shape, dtype=np.float64)
+        den = np.zeros(current.shape, dtype=np.float64)
+        for upd, base, discount in zip(updates, bases, discounts):
+            if name not in upd.arrays:
+                continue
+            value, w = _old_value_and_weight(upd, name, current)
+            num += discount * w * (value - np.asarray(base[name], dtype=np.float64))
+            den += w
+        trained = den > 0
+        merged = np.asarray(current, dtype=np.float64) + np.where(trained, num / np.where(trained, den, 1.0), 0.0)
+        new_state[name] = merged.astype(current.dtype, copy=False)
+    return new_state
+
+
+def test_aggregation_is_bit_for_bit_the_old_arithmetic():
+    from fedelastic.fl.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
+
+    rng = np.random.default_rng(7)
+    shapes = {"conv": (6, 3, 3, 3), "bias": (6,), "fc": (10, 24), "half": (4, 4)}
+    state = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    state["half"] = state["half"].astype(np.float64)
+    updates, bases = [], []
+    for i in range(9):
+        arrays = {k: (v + rng.normal(scale=0.1, size=v.shape)).astype(v.dtype) for k, v in state.items() if (i + len(k)) % 4}
+        for v in arrays.values():
+            v.setflags(write=False)  # as the read-only views of a reply's bytes
+        masks = {}
+        if "conv" in arrays and i % 2:
+            masks["conv"] = (rng.random(6) < 0.5).astype(np.float32)  # output channels
+        if "fc" in arrays and i % 3 == 0:
+            masks["fc"] = (rng.random((1, 24)) < 0.5).astype(np.float32)  # broadcasts over rows
+        updates.append(ClientUpdate(float(rng.integers(1, 90)), arrays, masks))
+        bases.append({k: (v + rng.normal(scale=0.01, size=v.shape)).astype(v.dtype) for k, v in state.items()})
+    discounts = [1 / math.sqrt(1 + i % 3) for i in range(9)]
+    for new, old in (
+        (aggregate_partial(state, updates), _old_aggregate_partial(state, updates)),
+        (aggregate_buffered(state, updates, bases, discounts), _old_aggregate_buffered(state, updates, bases, discounts)),
+    ):
+        for k in state:
+            assert new[k].dtype == old[k].dtype and new[k].tobytes() == old[k].tobytes(), k

@@ -94,11 +94,16 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     return mapping
 
 
-def nonfinite_update(reply: Message) -> str:
-    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure)."""
+def nonfinite_update(reply: Message, arrays: dict[str, np.ndarray] | None = None) -> str:
+    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure).
+
+    ``arrays``: the reply's arrays, if already decoded.
+    """
     loss = float(reply.content["metrics"]["train-loss"])
-    for name, value in record_to_numpy(reply.content["arrays"]).items():
-        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+    if arrays is None:
+        arrays = record_to_numpy(reply.content["arrays"], copy=False)
+    for name, value in arrays.items():
+        if value.dtype.kind == "f" and not np.isfinite(value).all():  # kind "f": np.floating
             return f"non-finite update: tensor {name!r} holds NaN/inf (train loss {loss:g}); update rejected"
     if reply.content["metrics"]["fits"] and int(reply.content["metrics"]["steps"]) and not np.isfinite(loss):
         return f"non-finite update: train loss is {loss:g}; update rejected"
@@ -469,8 +474,11 @@ class PartialFedAvg(FedAvg):
             "error": reason,
         }
 
-    def _failures(self, replies: list[Message], sampled: list[int]) -> tuple[list[Message], dict[int, str]]:
-        """Replies that can be used, and partition -> reason for the rest (errors, NaN/inf, no reply)."""
+    def _failures(
+        self, replies: list[Message], sampled: list[int]
+    ) -> tuple[list[tuple[Message, dict[str, np.ndarray]]], dict[int, str]]:
+        """Replies that can be used, each with its arrays (read-only views), and partition -> reason
+        for the rest (errors, NaN/inf, no reply)."""
         failures = {
             self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
         }
@@ -478,23 +486,29 @@ class PartialFedAvg(FedAvg):
         for m in replies:
             if m.has_error():
                 continue
-            bad = nonfinite_update(m)  # a NaN/inf update is rejected and recorded with its client
+            arrays = record_to_numpy(m.content["arrays"], copy=False)  # decoded once: checked, then averaged
+            bad = nonfinite_update(m, arrays)  # a NaN/inf update is rejected and recorded with its client
             if bad:
                 failures[int(m.content["metrics"]["partition-id"])] = bad
             else:
-                ok.append(m)
+                ok.append((m, arrays))
         replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
         for p in sampled:  # no reply within the round's timeout: a row, not a gap
             if p not in replied:
                 failures[p] = timeout_reason(self.sc.simulation.timeout_s)
         return ok, failures
 
-    def _update(self, m: Message) -> ClientUpdate:
+    @staticmethod
+    def _update(m: Message, arrays: dict[str, np.ndarray]) -> ClientUpdate:
         return ClientUpdate(
-            float(m.content["metrics"]["num-examples"]),
-            record_to_numpy(m.content["arrays"]),
-            record_to_numpy(m.content["masks"]),
+            float(m.content["metrics"]["num-examples"]), arrays, record_to_numpy(m.content["masks"], copy=False)
         )
+
+    @staticmethod
+    def _metrics(m: Message) -> dict:
+        """The reply's figures the server uses (METRIC_KEYS), as a plain dict."""
+        every = dict(m.content["metrics"].items())
+        return {k: every[k] for k in METRIC_KEYS}
 
     def _summary(self, rows: list[dict], failed: int, start_s: float, end_s: float) -> dict:
         fitted = [r for r in rows if r["fits"] and r["status"] != "too_slow"]
@@ -538,14 +552,14 @@ class PartialFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
         ok, failures = self._failures(replies, getattr(self, "_sampled", []))
-        metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
+        metrics = [self._metrics(m) for m, _ in ok]
         start = self.sim_time_s
         trips = [self._trip(r, start, server_round - 1) for r in metrics]
         deadline = self._deadline if self.policy != "wait_all" else None
         keep = (self.sc.server.clients_per_round or self.sc.num_clients) if self.policy == "overcommit" else None
         end, status = sync_round(trips, start, deadline, keep)
         rows = []
-        for m, r, trip in zip(ok, metrics, trips):
+        for (m, _), r, trip in zip(ok, metrics, trips):
             state = status[trip.partition_id]
             cost = self.fleet.cost(trip.partition_id)
             # a late or surplus client is told to stop when the round closes
@@ -559,11 +573,11 @@ class PartialFedAvg(FedAvg):
         )
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
-        counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
-        updates = [self._update(m) for m, _ in counted]
+        counted = [(m, arrays, row) for (m, arrays), row in zip(ok, rows) if row["counted"]]
+        updates = [self._update(m, arrays) for m, arrays, _ in counted]
         if self.sc.server.fednova and (self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0):
             updates = fednova_rescale(
-                current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
+                current, updates, [row["steps"] for _, _, row in counted], set(self.env.info.tensor_names)
             )
         new_state = aggregate_partial(current, updates)
         self._check_finite(server_round, new_state)
@@ -591,7 +605,7 @@ class PartialFedAvg(FedAvg):
         self.evaluate(0, initial_arrays)
         states = {0: record_to_numpy(initial_arrays)}
         version, last_t, dispatched = 0, 0.0, 0
-        replies: dict[Trip, tuple[dict, Message]] = {}
+        replies: dict[Trip, tuple[dict, Message, dict[str, np.ndarray]]] = {}
         pending: list[dict] = []  # rows since the last aggregation
         failures = 0
 
@@ -636,15 +650,15 @@ class PartialFedAvg(FedAvg):
                 if failures > 10 * n + sc.server.rounds * buffer_size:
                     raise RuntimeError("asynchronous run: clients keep failing")
                 pending.append(self._failed_row(version + 1, p, why))
-            for m in ok:
-                r = {k: m.content["metrics"][k] for k in METRIC_KEYS}
+            for m, arrays in ok:
+                r = self._metrics(m)
                 trip = self._trip(r, t, v)
-                replies[trip] = (r, m)
+                replies[trip] = (r, m, arrays)
                 trips.append(trip)
             return trips
 
         def discard(trip: Trip, t: float, why: str) -> None:
-            r, m = replies.pop(trip)
+            r, m, _ = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
             pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m)))
             self.fleet.drain(trip.partition_id, t, energy)
@@ -653,11 +667,11 @@ class PartialFedAvg(FedAvg):
             nonlocal version, last_t
             rows, updates, bases, discounts = [], [], [], []
             for a in buffer:
-                r, m = replies.pop(a.trip)
+                r, m, arrays = replies.pop(a.trip)
                 energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
                 rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness, _fits_reason(m)))
                 self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
-                updates.append(self._update(m))
+                updates.append(self._update(m, arrays))
                 bases.append(states[a.trip.version])
                 discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
             states[v] = aggregate_buffered(states[version], updates, bases, discounts)

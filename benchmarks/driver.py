@@ -1,0 +1,96 @@
+"""Where the ServerApp driver's main thread spends a round (issue 10): cProfile of the peers workload.
+
+    python benchmarks/driver.py                      # in-process, 10 rounds x 50 of 200 clients
+    python benchmarks/driver.py --evaluate-every 5   # the central evaluation on rounds 5 and 10 only
+
+Runs ``benchmarks/peers.py``'s workload in-process through ``fedelastic.api.run`` and profiles the
+main thread from the initial evaluation's row to the last round's row (the training phase). It
+prints, per round, the cumulative CPU time and call count of each part of the driver's own work
+(the ServerApp's configure/aggregate/evaluate and the results and checkpoint writes), the
+training phase's wall time, and the time the main thread waited for clients. cProfile time is
+CPU time of the profiled thread plus profiling overhead: compare runs of this script, not wall
+clocks of other benchmarks. ``--top N`` also prints pstats' top N by cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# (label, file suffix, function name): the driver's parts, outermost first
+PARTS = (
+    ("configure_train", "fl/server.py", "configure_train"),
+    ("aggregate_train", "fl/server.py", "aggregate_train"),
+    ("  _failures (decode, NaN checks)", "fl/server.py", "_failures"),
+    ("  aggregate_partial", "fl/aggregate.py", "aggregate_partial"),
+    ("  Recorder.add_clients", "results.py", "add_clients"),
+    ("evaluate (server)", "fl/server.py", "evaluate"),
+    ("  evaluate_model (test set)", "training.py", "evaluate_model"),
+    ("  Recorder.add_round", "results.py", "add_round"),
+    ("checkpoint evaluate (all of it)", "fl/checkpoint.py", "evaluate"),
+    ("  save_checkpoint", "fl/checkpoint.py", "save_checkpoint"),
+    ("_Table.append (both tables)", "results.py", "append"),
+    ("results writer flush", "results.py", "flush"),
+    ("os.fsync", "~", "<built-in method posix.fsync>"),
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--per-round", type=int, default=50)
+    p.add_argument("--evaluate-every", type=int, default=1)
+    p.add_argument("--top", type=int, default=0, help="also print pstats' top N by cumulative time")
+    args = p.parse_args()
+
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    torch.set_num_threads(1)
+    importlib.import_module("torch._dynamo")  # imported by the first optimizer: not a round's cost
+    import peers
+
+    from fedelastic import api
+
+    wl = peers.Workload(args.clients, args.rounds, args.per_round)
+    sc = wl.scenario("inprocess", tempfile.mkdtemp(prefix="driver-"))
+    sc["server"]["evaluate_every"] = args.evaluate_every
+    t: dict = {}
+
+    def progress(row: dict) -> None:
+        if row["round"] == 0:
+            t["prof"] = cProfile.Profile()
+            t["prof"].enable()
+            t["t0"] = time.perf_counter()
+        if row["round"] == wl.rounds:
+            t["prof"].disable()
+            t["t1"] = time.perf_counter()
+
+    api.run(sc, progress=progress)
+    stats = pstats.Stats(t["prof"])
+    rounds = args.rounds
+    print(f"training phase: {t['t1'] - t['t0']:.3f} s wall for {rounds} rounds of {args.per_round} clients")
+    print(f"{'part (main thread, per round)':40s} {'cum ms':>8s} {'calls':>6s}")
+    table = stats.stats  # type: ignore[attr-defined]
+    for label, suffix, name in PARTS:
+        hits = [(v[1], v[3]) for (f, _, fn), v in table.items() if fn == name and f.endswith(suffix)]
+        if not hits:
+            continue
+        calls, cum = sum(h[0] for h in hits), sum(h[1] for h in hits)
+        print(f"{label:40s} {1000 * cum / rounds:8.2f} {calls / rounds:6.1f}")
+    wait = sum(v[3] for (f, _, fn), v in table.items() if fn == "send_and_receive" and f.endswith("runner.py"))
+    print(f"{'waiting for clients (runner send_and_receive)':40s} {1000 * wait / rounds:8.2f}")
+    if args.top:
+        stats.sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
