@@ -14,12 +14,14 @@ import csv
 import json
 import os
 import platform
+import queue
 import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -293,12 +295,54 @@ def read_status(run_dir: str | Path) -> dict:
     return doc
 
 
+class _Writer:
+    """One thread that runs the jobs handed to it, in order; after a job fails it runs no more."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="fedelastic-writer", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job()
+            except BaseException as exc:  # noqa: BLE001 (handed to the driver's thread: Recorder.flush)
+                self.error = exc
+            finally:
+                self._jobs.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        self._jobs.join()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
 class Recorder:
     """Writes one run's results into ``folder`` as the run goes.
 
     ``status.json`` carries the PID, host and a heartbeat (rewritten every ``HEARTBEAT_S`` while
     the process lives), so :func:`read_status` tells a killed run from a running one. Every
     client error goes to ``errors.log`` in full; the tables keep one clean line.
+
+    Writes are made in the caller's thread, or, after :meth:`write_behind`, in order on one
+    background thread, beside the next round's training: a round's writes are kept until
+    :meth:`hand_over` (at the round's end; with the writer busy during the round, the driver's
+    thread would wait for the GIL), then written while the next round trains. :meth:`add_clients`
+    first waits for everything handed over before it (the previous round's rows and
+    checkpoint), so at most one round waits to be written, and raises the error of a write that
+    failed; :meth:`flush` writes and waits for all of it, and a final :meth:`status`,
+    :meth:`finish` and :meth:`close` do too.
     """
 
     def __init__(self, folder: str | Path, config: dict, *, resume: bool = False, planned_rounds: int | None = None):
@@ -321,6 +365,8 @@ class Recorder:
         self.notes: dict = {}  # figures the runtime adds to every status document (e.g. actors_replaced)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._writer: _Writer | None = None
+        self._kept: list[Callable[[], None]] = []  # writes not handed over yet (write_behind)
         if not resume:
             (self.folder / "config.toml").write_text(tomli_w.dumps(config))
             (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
@@ -366,7 +412,40 @@ class Recorder:
             }
             _write_atomic(self.folder / "status.json", json.dumps(doc, indent=2))
 
+    def write_behind(self) -> None:
+        """From now on, write on a background thread (see the class docstring)."""
+        if self._writer is None:
+            self._writer = _Writer()
+
+    def write(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a write) now, or keep it for :meth:`hand_over` (:meth:`write_behind`)."""
+        if self._writer is None:
+            job()
+        else:
+            self._kept.append(job)
+
+    def hand_over(self) -> None:
+        """Give the writes kept so far to the background writer, in order."""
+        if self._writer is not None:
+            for job in self._kept:
+                self._writer.submit(job)
+        self._kept = []
+
+    def flush(self) -> None:
+        """Make every write kept or handed over; raise the error of one that failed."""
+        self.flush_quietly()
+        if self._writer is not None and self._writer.error is not None:
+            raise self._writer.error
+
+    def flush_quietly(self) -> None:
+        """Make every write kept or handed over, stopping at one that fails (for a run that fails already)."""
+        if self._writer is not None:
+            self.hand_over()
+            self._writer.wait()
+
     def status(self, state: str, **extra) -> None:
+        if state != "running":
+            self.flush_quietly()  # the final state describes every row written
         self._state, self._extra = state, extra
         if state != "running":
             self._stop.set()
@@ -374,6 +453,7 @@ class Recorder:
 
     def finish(self, max_failure_rate: float = 0.0) -> dict:
         """Write the final status from what was recorded; returns the status document's counts and verdict."""
+        self.flush_quietly()
         counts = self.counts()
         errors = bool(counts["clients_failed"] or counts["empty_rounds"])
         state = "completed_with_errors" if errors else "completed"
@@ -390,10 +470,19 @@ class Recorder:
             if row.get("error"):
                 self.log_error(f"round {row.get('round')} partition {row.get('partition_id')}:\n{row['error']}")
                 row["error"] = one_line(row["error"])
-        self.clients.append(rows)
-        for row in rows:
-            if row.get("error"):
-                self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+        rows = [dict(row) for row in rows]  # the caller may go on using its rows
+
+        def write() -> None:
+            self.clients.append(rows)
+            for row in rows:
+                if row.get("error"):
+                    self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+
+        if self._writer is not None:  # the previous round's writes are done, or their error is raised
+            self._writer.wait()
+            if self._writer.error is not None:
+                raise self._writer.error
+        self.write(write)
 
     def reload(self, keep) -> None:
         """Resume: keep an earlier run's client and round rows where ``keep(row)``."""
@@ -405,18 +494,28 @@ class Recorder:
         self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
     def add_tasks(self, rows: list[dict]) -> None:
-        self.tasks.append(rows)
+        rows = [dict(row) for row in rows]
+        self.write(lambda: self.tasks.append(rows))
 
     def add_round(self, row: dict) -> None:
-        self.rounds.append([row])
-        trained = (
-            row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
-        )
-        if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
-            self.empty_rounds.append(int(row["round"]))
-        self.status("running")
+        row = dict(row)  # a progress callback may change the caller's row
+
+        def write() -> None:
+            self.rounds.append([row])
+            trained = (
+                row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
+            )
+            if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
+                self.empty_rounds.append(int(row["round"]))
+            self.status("running")
+
+        self.write(write)
 
     def close(self) -> None:
+        self.flush_quietly()
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         self._stop.set()
 
 

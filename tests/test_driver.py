@@ -338,3 +338,80 @@ def test_aggregation_is_bit_for_bit_the_old_arithmetic():
     ):
         for k in state:
             assert new[k].dtype == old[k].dtype and new[k].tobytes() == old[k].tobytes(), k
+
+
+# -- results written behind, beside the next round --------------------------------------------------
+
+
+def test_rows_and_checkpoint_are_written_behind_in_order(make_scenario, monkeypatch):
+    """Round 2's client rows are written while round 3 trains; its checkpoint never overtakes
+    them; the finished run's files are the same as when every write is made at once."""
+    import threading
+
+    import torch
+
+    import fedelastic.fl.client as client
+    import fedelastic.results as results
+
+    release, blocked = threading.Event(), threading.Event()
+    real_append, real_train = results._Table.append, client.train_local
+
+    def slow_append(self, rows):
+        if self.csv.stem == "clients" and rows[0]["round"] == 2 and not release.is_set():
+            blocked.set()
+            assert release.wait(60)
+        real_append(self, rows)
+
+    seen = {}
+
+    def train(*args, seed, **kwargs):
+        if seed[1] == 3 and not release.is_set():  # round 3 trains while the writer is on round 2's rows
+            assert blocked.wait(60)
+            run = Path(sc.output_dir) / "tiny" / "behind"
+            seen["csv_rounds"] = set(pd.read_csv(run / "clients.csv")["round"])
+            seen["checkpoint"] = torch.load(run / "checkpoint.pt", weights_only=True)["round"]
+            release.set()
+        return real_train(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(results._Table, "append", slow_append)
+    monkeypatch.setattr(client, "train_local", train)
+    sc = make_scenario(server={"rounds": 3})
+    behind = run_scenario(sc, run_id="behind")
+    assert seen == {"csv_rounds": {1}, "checkpoint": 1}
+    monkeypatch.setattr(results.Recorder, "write_behind", lambda self: None)  # every write at once
+    at_once = run_scenario(sc, run_id="at_once")
+    for name in ("clients", "rounds"):
+        pd.testing.assert_frame_equal(
+            _no_host(pd.read_parquet(behind / f"{name}.parquet")), _no_host(pd.read_parquet(at_once / f"{name}.parquet"))
+        )
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (behind, at_once))
+    assert a["round"] == b["round"] == 3 and a["server"] == b["server"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert results.read_status(behind)["status"] == "completed" and results.read_status(behind)["rounds_done"] == 3
+
+
+def test_a_failed_write_behind_fails_the_run_and_keeps_earlier_rounds(make_scenario, monkeypatch):
+    import errno
+
+    import fedelastic.results as results
+
+    real_append = results._Table.append
+
+    def full_disk(self, rows):
+        if self.csv.stem == "clients" and rows[0]["round"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(self, rows)
+
+    monkeypatch.setattr(results._Table, "append", full_disk)
+    sc = make_scenario(server={"rounds": 4})
+    with pytest.raises(OSError, match="No space left"):
+        run_scenario(sc, run_id="full")
+    run = Path(sc.output_dir) / "tiny" / "full"
+    status = results.read_status(run)
+    assert status["status"] == "failed" and "No space left" in status["error"]
+    # round 1 complete (rows and checkpoint); nothing after the failed write
+    assert set(pd.read_csv(run / "clients.csv")["round"]) == {1}
+    assert list(pd.read_csv(run / "rounds.csv")["round"]) == [0, 1]
+    import torch
+
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 1

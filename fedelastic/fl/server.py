@@ -382,6 +382,9 @@ class PartialFedAvg(FedAvg):
             messages.append(
                 Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
             )
+        # the previous round's rows and checkpoint are written while this round trains (now: while
+        # this thread works on, the writer would make it wait for the GIL)
+        self.recorder.hand_over()
         return messages
 
     def _trip(self, metrics: dict, dispatch_s: float, version: int) -> Trip:
@@ -598,7 +601,7 @@ class PartialFedAvg(FedAvg):
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
     def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
         """FedBuff on the clock: up to ``concurrency`` clients in flight, an aggregation every ``buffer_size`` arrivals."""
-        sc, n = self.sc, self.sc.num_clients
+        sc, n, recorder = self.sc, self.sc.num_clients, self.recorder
         concurrency = sc.server.concurrency or sc.server.clients_per_round or n
         buffer_size = sc.server.buffer_size or max(1, concurrency // 2)
         rng = np.random.default_rng([sc.seed, 0xA5])
@@ -640,6 +643,7 @@ class PartialFedAvg(FedAvg):
                     )
                 )
             trips = []
+            recorder.hand_over()  # earlier aggregations' writes: made while these clients train
             got = sorted(
                 grid.send_and_receive(messages, timeout=timeout),
                 key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
@@ -744,7 +748,11 @@ class PartialFedAvg(FedAvg):
         }
         self.recorder.add_round(row)
         self.progress(row)
+        self.keep_state(server_round, arrays)  # its writes are handed over when the next round is sent
         return MetricRecord({"accuracy": accuracy, "loss": loss}) if evaluated else None
+
+    def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
+        """What a round leaves besides its rows (:class:`~fedelastic.fl.checkpoint.Resumable`: the checkpoint)."""
 
 
 def server_main(
@@ -757,24 +765,35 @@ def server_main(
     strategy_cls: Callable[..., PartialFedAvg] | None = None,
     start_round: int = 0,
 ) -> None:
-    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on)."""
+    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on).
+
+    The results are written behind (:meth:`~fedelastic.results.Recorder.write_behind`): a round's
+    rows and checkpoint are written while the next round trains; all of them are written when
+    this returns or raises.
+    """
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
-    if scenario.server.policy == "async":
-        if start_round:
-            raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
-        strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
-    else:
-        strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-            num_rounds=scenario.server.rounds - start_round,
-            timeout=timeout,
-            evaluate_fn=strategy.evaluate,
-        )
+    recorder.write_behind()
+    try:
+        if scenario.server.policy == "async":
+            if start_round:
+                raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
+            strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
+        else:
+            strategy.start(
+                grid=grid,
+                initial_arrays=ArrayRecord(torch_state_dict=initial_state),
+                num_rounds=scenario.server.rounds - start_round,
+                timeout=timeout,
+                evaluate_fn=strategy.evaluate,
+            )
+    except BaseException:
+        recorder.flush_quietly()  # the finished rounds reach disk; the run's error is this one
+        raise
+    recorder.flush()
     if scenario.stream is not None:
         continual_report(recorder.folder, scenario.stream.recover_share)
 
