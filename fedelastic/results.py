@@ -5,7 +5,8 @@ and ``clients.parquet`` (one row per client per round), ``rounds.csv`` and ``rou
 (one row per round), ``status.json``, and at the end a figure and a summary. CSV rows are
 appended and flushed every round; each ``.parquet`` is a folder that gains one part file per
 round (written atomically; ``pd.read_parquet`` reads the folder as one table), so a killed run
-leaves every finished round readable and a round's write does not grow with the run.
+leaves every finished round readable and a round's write does not grow with the run. During a
+run the rows are written behind, while the next round trains (:class:`Recorder`).
 """
 
 from __future__ import annotations
