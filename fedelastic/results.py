@@ -338,8 +338,8 @@ class Recorder:
 
     Writes are made in the caller's thread, or, after :meth:`write_behind`, in order on one
     background thread, beside the next round's training: a round's writes are kept until
-    :meth:`hand_over` (at the round's end; with the writer busy during the round, the driver's
-    thread would wait for the GIL), then written while the next round trains. :meth:`add_clients`
+    :meth:`hand_over` (called as the next round is sent: with the writer busy while the driver
+    works, the driver's thread would wait for the GIL), then written while that round trains. :meth:`add_clients`
     first waits for everything handed over before it (the previous round's rows and
     checkpoint), so at most one round waits to be written, and raises the error of a write that
     failed; :meth:`flush` writes and waits for all of it, and a final :meth:`status`,

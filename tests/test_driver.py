@@ -178,7 +178,7 @@ def _mixed_rows(r: int, plain: bool = False) -> list[dict]:
                 "fits": bool(i % 2),
                 "big": 2**62 if r == 8 else r,
                 "x": 2**53 + 1 if r == 9 else 0.5,  # an int that a float64 rounds
-                **({} if r >= 4 and i == 2 else {"late": 1.5}),
+                **({} if r >= 4 and i == 2 else {"late": 1.5, "tag": f"t{i}"}),  # keys some rows lack
             }
             for i in range(3)
         ]

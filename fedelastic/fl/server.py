@@ -501,8 +501,7 @@ class PartialFedAvg(FedAvg):
                 failures[p] = timeout_reason(self.sc.simulation.timeout_s)
         return ok, failures
 
-    @staticmethod
-    def _update(m: Message, arrays: dict[str, np.ndarray]) -> ClientUpdate:
+    def _update(self, m: Message, arrays: dict[str, np.ndarray]) -> ClientUpdate:
         return ClientUpdate(
             float(m.content["metrics"]["num-examples"]), arrays, record_to_numpy(m.content["masks"], copy=False)
         )
