@@ -415,3 +415,22 @@ def test_a_failed_write_behind_fails_the_run_and_keeps_earlier_rounds(make_scena
     import torch
 
     assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 1
+
+
+def test_a_comparison_with_skipped_evaluations(tmp_path):
+    import tomli_w
+
+    from fedelastic.api import stop_at_accuracy
+    from fedelastic.compare import run_comparison
+
+    raw = small_scenario_dict(tmp_path, server={"rounds": 3, "evaluate_every": 2})
+    raw["compare"] = {"strategies": ["full"], "fleets": {"sbc": {"raspberry_pi_4": 3}}, "seeds": [0, 1]}
+    path = tmp_path / "cmp.toml"
+    path.write_text(tomli_w.dumps(raw))
+    out = run_comparison(path, output=tmp_path / "cmp")
+    runs = pd.read_csv(out / "runs.csv")
+    assert runs.loc[runs.test_accuracy.isna(), "round"].unique().tolist() == [1]  # rounds 0, 2, 3 evaluated
+    assert pd.read_csv(out / "summary.csv").final_accuracy.notna().all()
+    assert (out / "comparison.png").stat().st_size > 0
+    # early stopping never fires on a round without an accuracy
+    assert not stop_at_accuracy(0.0)({"round": 1, "test_accuracy": math.nan})
