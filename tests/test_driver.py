@@ -434,3 +434,12 @@ def test_a_comparison_with_skipped_evaluations(tmp_path):
     assert (out / "comparison.png").stat().st_size > 0
     # early stopping never fires on a round without an accuracy
     assert not stop_at_accuracy(0.0)({"round": 1, "test_accuracy": math.nan})
+
+
+def test_a_progress_callback_that_changes_its_row_does_not_change_the_results(make_scenario):
+    def meddle(row):  # the row is written after progress sees it: a copy is written
+        row["test_accuracy"], row["clients"] = 123.0, -1
+
+    run = run_scenario(make_scenario(server={"rounds": 2}), run_id="meddle", progress=meddle)
+    rounds = pd.read_parquet(run / "rounds.parquet")
+    assert (rounds.test_accuracy <= 1).all() and rounds.clients.tolist() == [0, 4, 4]
