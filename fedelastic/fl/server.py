@@ -382,8 +382,8 @@ class PartialFedAvg(FedAvg):
             messages.append(
                 Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
             )
-        # the previous round's rows and checkpoint are written while this round trains (now: while
-        # this thread works on, the writer would make it wait for the GIL)
+        # the previous round's rows and checkpoint: written while this round trains (handed over
+        # here, not at that round's end: a writer busy while this thread works makes it wait for the GIL)
         self.recorder.hand_over()
         return messages
 
