@@ -29,6 +29,9 @@ Variants, each run in a fresh subprocess, round-robin over variants for ``--runs
 * ``ray`` / ``inprocess``: fedelastic through its public API (``fedelastic.api.run``), the model
   given as a user factory (``benchmarks/peers.py:cnn``), ``train.strategy = "full"``, 200
   ``raspberry_pi_4`` devices (always available, fp32), backend ``ray`` (the default) or ``inprocess``.
+  ``server.evaluate_every`` is the number of rounds: the central test set is evaluated on the
+  initial model and after the last round only, as close as fedelastic comes to pfl and the bare
+  loop, which never evaluate during the run.
 
 On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`` with
 ``WeightByDatapoints``: how far its float32 arithmetic lands from the workload's) and
@@ -36,7 +39,7 @@ On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`
 scenario has that key: one Flower node per virtual client), ``ray-vmap`` / ``inprocess-vmap``
 (``simulation.vectorize = true``: each cohort trained as one batched model with torch.func.vmap;
 equal to the others to float32 rounding only, so its checksum differs), ``inprocess-1thread``
-(``simulation.train_threads = 1``: the in-process cohort trained on one thread, not the default two).
+(``simulation.train_threads = 1``: the in-process cohort trained on one thread, not the automatic count).
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
@@ -189,7 +192,9 @@ class Workload:
                 "momentum": 0.0,
                 "weight_decay": 0.0,
             },
-            "server": {"rounds": self.rounds, "clients_per_round": self.per_round},
+            # pfl (evaluation_frequency past the last round) and the bare loop never evaluate centrally:
+            # fedelastic evaluates the initial model and the last round only
+            "server": {"rounds": self.rounds, "clients_per_round": self.per_round, "evaluate_every": self.rounds},
             "simulation": {"backend": backend, "torch_threads": 1},
         }
 

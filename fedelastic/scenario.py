@@ -188,6 +188,11 @@ class ServerConfig:
     staleness: Literal["inverse_sqrt", "none"] = field(
         "inverse_sqrt", help="policy 'async': weight of an update s versions old: 1/sqrt(1+s), or 1"
     )
+    evaluate_every: int = field(
+        1,
+        help="evaluate the global model on the test set after rounds that are multiples of this, the initial "
+        "model and the last round; other rounds' rows carry NaN accuracy and loss",
+    )
 
     def __post_init__(self):
         check(self.rounds >= 1, "rounds", "an integer >= 1")
@@ -209,6 +214,7 @@ class ServerConfig:
         check(self.min_rho == 0 or self.policy == "deadline_elastic", "min_rho", "0 unless policy = 'deadline_elastic'")
         check(self.concurrency >= 0, "concurrency", "an integer >= 0")
         check(self.buffer_size >= 0, "buffer_size", "an integer >= 0")
+        check(self.evaluate_every >= 1, "evaluate_every", "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -345,6 +351,11 @@ class Scenario:
             self.stream is None or self.stream.federated or self.num_clients == 1,
             "stream.federated",
             "true unless the fleet is one device",
+        )
+        check(
+            self.stream is None or self.server.evaluate_every == 1,
+            "server.evaluate_every",
+            "1 for a continual stream (its accuracy matrix needs every round)",
         )
 
     @property

@@ -56,17 +56,18 @@ def peers():
 
 @pytest.fixture
 def thread_names(monkeypatch):
-    """Names of the threads that built client replies (each training thread builds its own)."""
+    """Names of the threads that trained a cohort's clients (each calls train_cohort once per cohort call;
+    which clients each trains depends on timing)."""
     import fedelastic.fl.cohort as cohort
 
     names: set[str] = set()
-    reply = cohort.reply_content
+    train = cohort.train_cohort
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         names.add(threading.current_thread().name)
-        return reply(*args)
+        return train(*args, **kwargs)
 
-    monkeypatch.setattr(cohort, "reply_content", spy)
+    monkeypatch.setattr(cohort, "train_cohort", spy)
     return names
 
 
@@ -86,7 +87,7 @@ def test_threads_end_with_the_bare_torch_loops_model_bit_for_bit(peers, tmp_path
         torch.set_num_threads(before)
     final = torch.load(result.run_dir / "checkpoint.pt", weights_only=True)["model"]
     assert peers.checksum({k: v.numpy() for k, v in final.items()}) == peers.checksum(bare)
-    assert thread_names == {f"cohort-{k}" for k in range(threads)}  # every thread trained clients
+    assert thread_names == {f"cohort-{k}" for k in range(threads)}
 
 
 @pytest.mark.parametrize(
@@ -263,13 +264,13 @@ def test_automatic_threads_fall_back_to_one_where_they_take_turns(fp32_scenario,
     from fedelastic.fl.cohort import ThreadGauge
 
     seen: set[tuple[int, str]] = set()
-    reply = cohort.reply_content
+    train = cohort.train_cohort
 
-    def spy(env, job, result):
-        seen.add((job.server_round, threading.current_thread().name))
-        return reply(env, job, result)
+    def spy(env, model, weights, jobs, *args, **kwargs):
+        seen.add((jobs[0].server_round, threading.current_thread().name))
+        return train(env, model, weights, jobs, *args, **kwargs)
 
-    monkeypatch.setattr(cohort, "reply_content", spy)
+    monkeypatch.setattr(cohort, "train_cohort", spy)
     sc = fp32_scenario(server={"rounds": 3, "clients_per_round": 6})
     environment(sc).thread_gauge = ThreadGauge(min_cores=100.0, retry=1000)  # never side by side enough
     run_scenario(sc, run_id="gauge")

@@ -81,8 +81,8 @@ class ThreadGauge:
 
     Threads pay off only where a second core is free: the Python between torch's kernels holds
     the GIL, and on a machine whose cores are taken by other work, threads hand the GIL to each
-    other through the scheduler and train slower than one thread. After a call on threads, the
-    process's CPU time over the call's wall time is the number of cores the threads got: below
+    other through the scheduler and train slower than one thread. After a call on threads, their
+    CPU time (summed) over the call's wall time is the number of cores they got: below
     ``min_cores`` the next calls train on one thread, and every ``retry``-th call tries threads
     again. The results do not depend on it (every thread count gives the same results).
     """
@@ -96,7 +96,7 @@ class ThreadGauge:
         return wanted if self.parallel or self.calls % self.retry == 0 else 1
 
     def record(self, threads: int, wall_s: float, cpu_s: float) -> None:
-        """A finished call on ``threads`` threads: ``wall_s`` long, ``cpu_s`` of the process's CPU time."""
+        """A finished call on ``threads`` threads: ``wall_s`` long, ``cpu_s`` of the threads' CPU time."""
         if threads > 1 and wall_s > 0:
             self.parallel = cpu_s / wall_s >= self.min_cores
 
@@ -184,16 +184,19 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             return not cancelled.is_set()
 
         crashed: list[BaseException] = []  # what stopped a training thread outside any one client
+        cpu_s = [0.0] * n  # each thread's own CPU time (the process's other threads, e.g. a writer, left out)
 
         def work(k: int) -> None:
+            start = time.thread_time()
             torch.set_num_threads(sim.torch_threads)  # OpenMP's thread count is per thread
             try:
                 train_cohort(env, models[k], weights, jobs, partial(report, k), take(k), alone=n == 1)
             except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: its clients fail)
                 crashed.append(exc)
+            cpu_s[k] = time.thread_time() - start
 
         threads = [threading.Thread(target=work, args=(k,), name=f"cohort-{k}", daemon=True) for k in range(n)]
-        wall0, cpu0 = time.perf_counter(), time.process_time()
+        wall0 = time.perf_counter()
         for thread in threads:
             thread.start()
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
@@ -214,7 +217,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             threads[live[0]].join(max(0.0, min(waits, default=budget_s)))
         abandoned = bool(late)
         if env.thread_gauge is not None and not abandoned:
-            env.thread_gauge.record(n, time.perf_counter() - wall0, time.process_time() - cpu0)
+            env.thread_gauge.record(n, time.perf_counter() - wall0, sum(cpu_s))
         for k in late:
             env.drop_client_model(k)  # its abandoned thread still trains on it
         with lock:  # an abandoned thread may still report
