@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -422,15 +423,22 @@ class Recorder:
         """Run ``job`` (a write) now, or keep it for :meth:`hand_over` (:meth:`write_behind`)."""
         if self._writer is None:
             job()
-        else:
-            self._kept.append(job)
+            return
+        done: list[bool] = []
+
+        def once() -> None:
+            if not done:
+                done.append(True)
+                job()
+
+        self._kept.append(once)
 
     def hand_over(self) -> None:
         """Give the writes kept so far to the background writer, in order."""
         if self._writer is not None:
             for job in self._kept:
                 self._writer.submit(job)
-        self._kept = []
+        self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each job runs once (write)
 
     def flush(self) -> None:
         """Make every write kept or handed over; raise the error of one that failed."""
@@ -438,11 +446,20 @@ class Recorder:
         if self._writer is not None and self._writer.error is not None:
             raise self._writer.error
 
-    def flush_quietly(self) -> None:
-        """Make every write kept or handed over, stopping at one that fails (for a run that fails already)."""
+    def flush_quietly(self, failing: BaseException | None = None) -> None:
+        """Make every write kept or handed over, stopping at one that fails (for a run that fails already).
+
+        A failed write is not raised but logged to errors.log and noted on ``failing`` (the run's
+        own error), so that neither is lost.
+        """
         if self._writer is not None:
             self.hand_over()
             self._writer.wait()
+            error = self._writer.error
+            if failing is not None and error is not None and error is not failing:
+                with suppress(OSError):
+                    self.log_error(f"writing results failed:\n{type(error).__name__}: {error}")
+                failing.add_note(f"writing results also failed: {type(error).__name__}: {error}")
 
     def status(self, state: str, **extra) -> None:
         if state != "running":
@@ -480,6 +497,7 @@ class Recorder:
                     self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
 
         if self._writer is not None:  # the previous round's writes are done, or their error is raised
+            self.hand_over()  # async: several aggregations may come without a launch between them
             self._writer.wait()
             if self._writer.error is not None:
                 raise self._writer.error

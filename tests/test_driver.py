@@ -443,3 +443,97 @@ def test_a_progress_callback_that_changes_its_row_does_not_change_the_results(ma
     run = run_scenario(make_scenario(server={"rounds": 2}), run_id="meddle", progress=meddle)
     rounds = pd.read_parquet(run / "rounds.parquet")
     assert (rounds.test_accuracy <= 1).all() and rounds.clients.tolist() == [0, 4, 4]
+
+
+def test_a_failed_write_is_raised_at_the_next_round_and_stops_training(make_scenario, monkeypatch):
+    """At most one round waits to be written: round 2's failed write stops the run before round 4 is sent."""
+    import errno
+
+    import fedelastic.results as results
+    from fedelastic.fl import server
+
+    real_append, real_configure = results._Table.append, server.PartialFedAvg.configure_train
+    sent: list[int] = []
+
+    def full_disk(self, rows):
+        if self.csv.stem == "clients" and rows[0]["round"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(self, rows)
+
+    def spy(self, server_round, *args, **kwargs):
+        sent.append(server_round)
+        return real_configure(self, server_round, *args, **kwargs)
+
+    monkeypatch.setattr(results._Table, "append", full_disk)
+    monkeypatch.setattr(server.PartialFedAvg, "configure_train", spy)
+    sc = make_scenario(server={"rounds": 6})
+    with pytest.raises(OSError, match="No space left"):
+        run_scenario(sc, run_id="full")
+    assert sent == [1, 2, 3]  # round 3's client rows wait for round 2's write, which failed
+
+
+def test_a_failed_write_in_the_round_a_callback_stops_fails_the_run(make_scenario, monkeypatch):
+    import errno
+
+    import fedelastic.results as results
+    from fedelastic.errors import StopRun
+
+    real_append = results._Table.append
+
+    def full_disk(self, rows):
+        if self.csv.stem == "clients" and rows[0]["round"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(self, rows)
+
+    def stop_at_2(row):
+        if row["round"] == 2:
+            raise StopRun("enough")
+
+    monkeypatch.setattr(results._Table, "append", full_disk)
+    sc = make_scenario(server={"rounds": 4})
+    with pytest.raises(OSError, match="No space left"):
+        run_scenario(sc, run_id="stop", progress=stop_at_2)
+    status = results.read_status(Path(sc.output_dir) / "tiny" / "stop")
+    assert status["status"] == "failed" and "No space left" in status["error"]
+
+
+def test_async_aggregations_are_handed_to_the_writer_before_the_next_one(make_scenario, monkeypatch):
+    import fedelastic.results as results
+
+    real = results.Recorder.add_clients
+    waiting: list[int] = []
+
+    def spy(self, rows):
+        real(self, rows)  # hands over and waits for everything before this aggregation
+        waiting.append(len(self._kept))  # this aggregation's own rows only
+
+    monkeypatch.setattr(results.Recorder, "add_clients", spy)
+    sc = make_scenario(
+        server={"rounds": 8, "policy": "async", "concurrency": 4, "buffer_size": 1}, fleet={"raspberry_pi_4": 4}
+    )
+    run_scenario(sc, run_id="async")
+    assert waiting and max(waiting) == 1
+
+
+def test_a_hand_over_interrupted_by_ctrl_c_writes_each_job_once(tmp_path):
+    from fedelastic.results import Recorder
+
+    rec = Recorder(tmp_path / "run", {"x": 1})
+    rec.write_behind()
+    ran: list[int] = []
+    for i in range(3):
+        rec.write(lambda i=i: ran.append(i))
+    real, calls = rec._writer.submit, []
+
+    def submit(job):
+        calls.append(job)
+        real(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C lands inside the hand-over, after two jobs were queued
+
+    rec._writer.submit = submit
+    with pytest.raises(KeyboardInterrupt):
+        rec.hand_over()
+    rec.flush_quietly()
+    rec.close()
+    assert ran == [0, 1, 2]

@@ -27,7 +27,7 @@ from flwr.supercore import log
 from ..continual import evaluate_tasks
 from ..continual import report as continual_report
 from ..costmodel import CostModel
-from ..errors import RunFailed
+from ..errors import RunFailed, StopRun
 from ..fleet import (
     Availability,
     Batteries,
@@ -789,8 +789,11 @@ def server_main(
                 timeout=timeout,
                 evaluate_fn=strategy.evaluate,
             )
-    except BaseException:
-        recorder.flush_quietly()  # the finished rounds reach disk; the run's error is this one
+    except StopRun:  # a normal end: the finished rounds reach disk, and a failed write fails the run
+        recorder.flush()
+        raise
+    except BaseException as exc:
+        recorder.flush_quietly(exc)  # the finished rounds reach disk; the run's error is this one
         raise
     recorder.flush()
     if scenario.stream is not None:
