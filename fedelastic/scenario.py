@@ -292,11 +292,6 @@ class SimulationConfig:
         "'per_client': every virtual client is its own Flower node",
     )
     cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
-    train_threads: int = field(
-        0,
-        help="cohort mode: threads training a cohort's clients side by side in one process, each on its own "
-        "model (0: automatic: 1 on Ray, in-process 2 while they keep 2 cores busy); the same results for any count",
-    )
     vectorize: bool = field(
         False,
         help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
@@ -312,9 +307,6 @@ class SimulationConfig:
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
         check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
         check(self.cohorts == 0 or self.node_mode == "cohort", "cohorts", '0 unless node_mode = "cohort"')
-        check(0 <= self.train_threads <= 1024, "train_threads", "an integer in [0, 1024] (0: automatic)")
-        check(self.train_threads <= 1 or self.node_mode == "cohort", "train_threads", '0 or 1 unless node_mode = "cohort"')
-        check(self.train_threads <= 1 or not self.vectorize, "train_threads", "0 or 1 with vectorize = true (one batched call)")
 
 
 @dataclass(frozen=True)

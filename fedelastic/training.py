@@ -128,17 +128,10 @@ def seed_torch(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def seed_everything(seed: int | list[int], torch_too: bool = True) -> np.random.Generator:
-    """The trainer's numpy generator for ``seed``; torch's global one seeded from it (unless not ``torch_too``)."""
+def seed_everything(seed: int | list[int]) -> np.random.Generator:
     rng = np.random.default_rng(seed)
-    torch_seed = int(rng.integers(2**62))  # drawn either way: the batches that follow are the same
-    if torch_too:
-        seed_torch(torch_seed)
+    seed_torch(int(rng.integers(2**62)))
     return rng
-
-
-class TorchRngUsed(RuntimeError):
-    """A client trained with ``torch_seed=False`` (beside others on threads) drew from torch's global generator."""
 
 
 def ordered_params(model: nn.Module, info: ModelInfo) -> list[nn.Parameter]:
@@ -486,7 +479,6 @@ def train_local(
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
     prepared: Prepared | None = None,
-    torch_seed: bool = True,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
@@ -494,17 +486,13 @@ def train_local(
     ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
     steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
     ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
-    ``torch_seed=False`` leaves torch's global generator alone (threads training side by side,
-    for a model that never draws from it): a call during which it moved raises
-    :class:`TorchRngUsed` (another thread's call may have moved it: each is trained again alone).
     """
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
     if lr_schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
     start = time.perf_counter()
-    rng = seed_everything(seed, torch_seed)
-    rng_state = None if torch_seed else torch.default_generator.get_state()
+    rng = seed_everything(seed)
     if prepared is None or prepared.model is not model:
         prepared = Prepared(model, info)
     params = prepared.params
@@ -523,19 +511,14 @@ def train_local(
     steps_per_epoch = -(-len(data) // batch_size)
     plan = [torch.from_numpy(idx) for idx in batches(len(data), batch_size, epochs, rng, max_steps)]
 
-    def finish(result: LocalResult) -> LocalResult:
-        if rng_state is not None and not torch.equal(torch.default_generator.get_state(), rng_state):
-            raise TorchRngUsed("torch's global random generator moved while this client trained on a thread")
-        result.host_wall_s = time.perf_counter() - start
-        return result
-
     def fail(reason: str) -> LocalResult:
         model.load_state_dict(before)
         result.fits, result.reason = False, reason
         result.train_time_s += result.overhead_time_s
         result.trained, result.channel_masks, result.ratios = {}, {}, None
         result.train_loss = _mean(losses)
-        return finish(result)
+        result.host_wall_s = time.perf_counter() - start
+        return result
 
     for step, idx in enumerate(plan):
         x, y = x_all[idx], y_all[idx]
@@ -626,7 +609,8 @@ def train_local(
             if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):
                 for buf in ("running_mean", "running_var"):
                     result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].detach().cpu().numpy().copy()
-    return finish(result)
+    result.host_wall_s = time.perf_counter() - start
+    return result
 
 
 def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +12,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..costmodel import CostModel
 from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
@@ -55,26 +54,18 @@ def train_partition(
     server_round: int,
     max_steps: int | None = None,
     prepared: Prepared | None = None,
-    costs: dict[str, CostModel] | None = None,
 ) -> LocalResult:
     """One round of local training of partition ``pid``, seeded by (seed, round, partition).
 
     ``max_steps`` (from a deadline) caps the steps below the scenario's own cap; ``prepared``:
     the model's :class:`~fedelastic.training.Prepared`, shared by the clients of a cohort.
-    ``costs``: a training thread's own cost models by device (forks of the run's, filled as
-    needed), given by a thread that trains beside others; it then leaves torch's global
-    generator alone (see :func:`~fedelastic.training.train_local`'s ``torch_seed``).
     """
     t = env.scenario.train
-    device = env.devices[pid]
-    cost = env.cost(device) if costs is None else costs.get(device)
-    if cost is None:  # this thread's first client on this device
-        cost = costs[device] = env.cost(device).fork()  # type: ignore[index]
     return train_local(
         model,
         env.info,
         strategy,
-        cost,
+        env.cost(env.devices[pid]),
         env.client_data(pid, server_round),
         epochs=t.local_epochs,
         batch_size=t.batch_size,
@@ -88,7 +79,6 @@ def train_partition(
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
         prepared=prepared,
-        torch_seed=costs is None,
     )
 
 
@@ -136,22 +126,16 @@ def train_cohort(
     weights: dict[str, torch.Tensor],
     jobs: list[CohortJob],
     done: Callable[[int, LocalResult | Exception], bool] = lambda i, r: True,
-    order: Iterator[int] | None = None,
-    alone: bool = True,
 ) -> list[LocalResult | Exception]:
     """Train each job from ``weights``, one after another on ``model``; an exception is that job's result.
 
     This is the one training step of a cohort (a Flower node training many virtual clients per
     call): each job gives exactly what :func:`train_partition` gives for that client alone.
-    ``done(i, result)`` is called as job ``i`` finishes (the caller's watchdog counts on it); when
-    it returns False no further job is started. ``order`` yields the indices of the jobs to train
-    (default: all, in order): training threads that share a cohort, each with its own model,
-    draw from one iterator. Not ``alone`` (one of several such threads), the call prices on its
-    own cost models and leaves torch's global generator alone (a job during which it moved gets
-    :class:`~fedelastic.training.TorchRngUsed`).
-    With ``simulation.vectorize`` the jobs train together in one vectorised call
-    (:func:`fedelastic.vectorized.train_partitions_vmap`), and ``done`` is called for each once
-    all are trained. Returns the results in the order the jobs were trained.
+    ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
+    it returns False the remaining jobs are not started. The jobs share one
+    :class:`~fedelastic.training.Prepared` view of ``model``. With ``simulation.vectorize`` the
+    jobs train together in one vectorised call (:func:`fedelastic.vectorized.train_partitions_vmap`),
+    and ``done`` is called for each once all are trained.
     """
     out: list[LocalResult | Exception] = []
     load = weights_loader(model, weights)
@@ -169,15 +153,11 @@ def train_cohort(
                 break
         return out
     prepared = Prepared(model, env.info)
-    costs: dict[str, CostModel] | None = None if alone else {}
-    for i in range(len(jobs)) if order is None else order:
-        job = jobs[i]
+    for i, job in enumerate(jobs):
         result: LocalResult | Exception
         try:
             load()
-            result = train_partition(
-                env, model, job.strategy, job.pid, job.server_round, job.max_steps, prepared, costs
-            )
+            result = train_partition(env, model, job.strategy, job.pid, job.server_round, job.max_steps, prepared)
         except Exception as exc:  # noqa: BLE001 (a client's failure is its own row, as on its own node)
             result = exc
         out.append(result)
