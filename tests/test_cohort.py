@@ -277,6 +277,83 @@ def test_fast_array_records_are_flowers_own():
     assert {k: v.numpy().tolist() for k, v in ours.items()} == {k: v.numpy().tolist() for k, v in theirs.items()}
 
 
+def test_the_environments_strategy_cache_stays_bounded_under_per_client_rhos(make_scenario):
+    from fedelastic.fl import env as env_module
+    from fedelastic.selection import make_strategy
+
+    sc = make_scenario(train={"strategy": "elastic_tensor", "options": {"rho": 0.5}})
+    env = env_module.environment(sc)
+    rhos = [0.3 + i * 1e-4 for i in range(3 * env_module.STRATEGY_CACHE)]  # a deadline policy: one per client
+    for rho in [None, *rhos, None, rhos[-1]]:
+        got = env.strategy(rho)
+        options = sc.train.options if rho is None else {**sc.train.options, "rho": rho}
+        assert got.config == make_strategy("elastic_tensor", options, src="x").config
+    assert len(env._strategies) == env_module.STRATEGY_CACHE
+    assert env.strategy(rhos[-1]) is not env.strategy(rhos[-1])  # a fresh instance each call
+
+
+def _same_record(ours, theirs) -> None:
+    assert type(ours) is type(theirs) and ours.object_id == theirs.object_id
+    assert list(ours.keys()) == list(theirs.keys())
+    assert [type(v) for v in ours.values()] == [type(v) for v in theirs.values()]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"n": 3, "x": 2.5, "z": -0.0, "big": 2**62, "neg": -7},
+        {"nan": float("nan"), "inf": float("-inf"), "f64": np.float64(1.25), "f64nan": np.float64("nan")},
+        {"ints": [1, 2, 3], "n": 4},  # lists: Flower's constructor
+        {"floats": [0.5, 1.5]},
+        {},
+    ],
+)
+def test_fast_metric_records_are_flowers_own(values):
+    from flwr.app import MetricRecord
+
+    from fedelastic.fl import client
+
+    assert client._FAST  # this Flower's constructors were matched at import
+    ours, theirs = client.metric_record(dict(values)), MetricRecord(dict(values))
+    _same_record(ours, theirs)
+    assert all(a is b or a == b for a, b in zip(ours.values(), theirs.values()))
+
+
+@pytest.mark.parametrize("bad", [True, np.float32(1.0), np.int64(3), "1", None, [True]])
+def test_fast_metric_records_refuse_what_flower_refuses(bad):
+    from flwr.app import MetricRecord
+
+    from fedelastic.fl.client import metric_record
+
+    with pytest.raises(TypeError) as theirs:
+        MetricRecord({"a": 1, "b": bad})
+    with pytest.raises(TypeError) as ours:
+        metric_record({"a": 1, "b": bad})
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_fast_record_dicts_are_flowers_own():
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from fedelastic.fl import arrays
+    from fedelastic.fl.client import record_dict
+
+    records = {
+        "arrays": arrays.record_from_numpy({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}),
+        "metrics": MetricRecord({"loss": 0.25, "steps": 3}),
+        "info": ConfigRecord({"fits-reason": "", "flags": [True, False]}),
+        "empty": ArrayRecord(),
+    }
+    _same_record(record_dict(dict(records)), RecordDict(dict(records)))
+    assert all(record_dict(dict(records))[k] is v for k, v in records.items())  # the records themselves
+    for bad in ({"m": {"loss": 1.0}}, {"s": "text"}, {"n": 1}):  # not one of Flower's records: Flower decides
+        with pytest.raises(TypeError) as theirs:
+            RecordDict(dict(bad))
+        with pytest.raises(TypeError) as ours:
+            record_dict(dict(bad))
+        assert str(ours.value) == str(theirs.value)
+
+
 EXIT_MODEL = """
 import os
 from torch import nn

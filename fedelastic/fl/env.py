@@ -42,7 +42,7 @@ class RunEnvironment:
         self.scenario = scenario
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, DeviceProfile] = {}
-        self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}
+        self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}  # see strategy()
 
     @cached_property
     def external(self) -> FederatedData | None:
@@ -179,7 +179,8 @@ class RunEnvironment:
     def strategy(self, rho: float | None = None) -> SelectionStrategy:
         """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option.
 
-        A fresh instance each call, of a class and (frozen) config validated once per ``rho``.
+        A fresh instance each call, of a class and (frozen) config validated once per ``rho``; the
+        last :data:`STRATEGY_CACHE` rhos are kept (a deadline policy sends each client its own).
         """
         known = self._strategies.get(rho)
         if known is not None:
@@ -190,11 +191,14 @@ class RunEnvironment:
         strategy = make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
         config = strategy.config
         if dataclasses.is_dataclass(config) and type(config).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            if len(self._strategies) >= STRATEGY_CACHE:
+                del self._strategies[next(iter(self._strategies))]  # the oldest
             self._strategies[rho] = (type(strategy), config)  # shared by its instances: it cannot change
         return strategy
 
 
 _CACHE: dict[str, RunEnvironment] = {}
+STRATEGY_CACHE = 64  # validated strategy configs kept per environment (by rho)
 
 
 def environment(scenario: Scenario) -> RunEnvironment:
