@@ -1,9 +1,9 @@
-"""fedelastic's client step against the plain torch loop, and in-process training threads (issue 10).
+"""fedelastic's client step against the plain torch loop (issue 10).
 
-    python benchmarks/client_step.py                  # both parts, 3 interleaved repetitions
+    python benchmarks/client_step.py                  # 3 interleaved repetitions
     python benchmarks/client_step.py --part step --reps 5
 
-Both parts use benchmarks/peers.py's workload (200 Dirichlet clients on digits, 10 rounds of 50,
+It uses benchmarks/peers.py's workload (200 Dirichlet clients on digits, 10 rounds of 50,
 its 6k-parameter CNN, batch 16, 1 epoch, SGD lr 0.05, strategy "full"), torch on 1 thread.
 
 * ``step``: the CPU time per client update of fedelastic's cohort client step, called directly in
@@ -12,9 +12,9 @@ its 6k-parameter CNN, batch 16, 1 epoch, SGD lr 0.05, strategy "full"), torch on
   client's batches, ``local_sgd``, a copy of the weights). Each round starts from the initial
   weights (no aggregation), the same 500 client updates for both. CPU time of this process
   (``time.process_time``) is less sensitive than wall time to other load on a shared machine.
-* ``threads``: the in-process run (``fedelastic.api.run``, the server included) with
-  ``simulation.train_threads`` = 1 and 2, alternating: training-phase wall (round 1 start to the
-  last round's row) and process CPU over it.
+
+(A ``threads`` part measured in-process cohorts on 1 and 2 training threads; the threads were
+removed with it: benchmarks/RESULTS.md, "Client step and training threads".)
 """
 
 from __future__ import annotations
@@ -83,32 +83,9 @@ def step_part(reps: int) -> dict:
     return {"cpu_ms_per_update": cpu, "median_ms": med, "fedelastic_x_bare_speed": med["bare"] / med["fedelastic"]}
 
 
-def threads_part(reps: int) -> dict:
-    from fedelastic import api
-
-    wl = peers.Workload()
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    for rep in range(reps):
-        for n in (1, 2) if rep % 2 == 0 else (2, 1):
-            stamps: list[tuple[float, float]] = []
-
-            def progress(row: dict, stamps: list = stamps) -> None:  # a row per round: round 0's starts round 1
-                stamps.append((time.perf_counter(), time.process_time()))
-
-            with tempfile.TemporaryDirectory() as tmp:
-                raw = wl.scenario("inprocess", tmp)
-                raw["simulation"]["train_threads"] = n
-                api.run(raw, progress=progress)
-            wall, cpu = stamps[-1][0] - stamps[0][0], stamps[-1][1] - stamps[0][1]
-            runs[n].append({"wall_s": wall, "cpu_s": cpu, "loadavg": os.getloadavg()[0]})
-            print(f"  train_threads {n}: training phase {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")} for n, rs in runs.items()}
-    return {"runs": runs, "median": med, "two_threads_x_one_wall": med[1]["wall_s"] / med[2]["wall_s"]}
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("both", "step", "threads"), default="both")
+    p.add_argument("--part", choices=("step",), default="step", help="the one part (kept for the recorded commands)")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--out", default=str(HERE.parent / "results" / "client_step.json"))
     args = p.parse_args(argv)
@@ -119,20 +96,12 @@ def main(argv=None) -> None:
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
     }
-    if args.part in ("both", "step"):
+    if args.part == "step":
         report["step"] = step_part(args.reps)
         med = report["step"]["median_ms"]
         print(
             f"client step, CPU ms per update (median of {args.reps}): fedelastic {med['fedelastic']:.3f}, "
             f"bare loop {med['bare']:.3f}: fedelastic at {report['step']['fedelastic_x_bare_speed']:.2f}x the bare loop"
-        )
-    if args.part in ("both", "threads"):
-        report["threads"] = threads_part(args.reps)
-        med = report["threads"]["median"]
-        print(
-            f"in-process training phase (median of {args.reps}): 1 thread {med[1]['wall_s']:.2f} s wall "
-            f"({med[1]['cpu_s']:.2f} s CPU), 2 threads {med[2]['wall_s']:.2f} s wall ({med[2]['cpu_s']:.2f} s CPU): "
-            f"{report['threads']['two_threads_x_one_wall']:.2f}x"
         )
     report["loadavg_end"] = os.getloadavg()
     out = Path(args.out)

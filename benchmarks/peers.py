@@ -38,8 +38,7 @@ On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`
 ``ray-per-client`` (fedelastic on Ray with ``simulation.node_mode = "per_client"``, where the
 scenario has that key: one Flower node per virtual client), ``ray-vmap`` / ``inprocess-vmap``
 (``simulation.vectorize = true``: each cohort trained as one batched model with torch.func.vmap;
-equal to the others to float32 rounding only, so its checksum differs), ``inprocess-1thread``
-(``simulation.train_threads = 1``: the in-process cohort trained on one thread, not the automatic count).
+equal to the others to float32 rounding only, so its checksum differs).
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
@@ -91,7 +90,7 @@ DEVICE = "raspberry_pi_4"  # fp32, no availability model: every client is always
 VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
 # on request only: pfl's own FederatedAveraging (float32 differences, WeightByDatapoints); fedelastic on
 # Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
-EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap", "inprocess-1thread")
+EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap")
 REFERENCE = "bare"
 
 
@@ -440,7 +439,7 @@ def worker_flower(wl: Workload, out: dict) -> dict[str, np.ndarray]:
 
 
 def worker_fedelastic(
-    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False, threads: int = 0
+    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False
 ) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
@@ -488,8 +487,6 @@ def worker_fedelastic(
         scenario["simulation"]["node_mode"] = "per_client"
     if vectorize:  # cohorts trained as one batched model (torch.func.vmap): equal to float32 rounding only
         scenario["simulation"]["vectorize"] = True
-    if threads:  # training threads per cohort node (0: the default)
-        scenario["simulation"]["train_threads"] = threads
     result = api.run(scenario, progress=progress)
     clients = result.clients
     rounds = result.rounds
@@ -521,8 +518,7 @@ def worker_main(args) -> None:
         state = worker_flower(wl, out)
     else:
         backend = "inprocess" if variant.startswith("inprocess") else "ray"
-        threads = 1 if variant.endswith("-1thread") else 0
-        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"), threads)
+        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"))
     out.pop("_tmp", None)
     if state is None:  # a pfl worker other than rank 0
         return
@@ -630,7 +626,6 @@ LABELS = {
     "ray-per-client": "fedelastic, Ray, one Flower node per virtual client",
     "ray-vmap": "fedelastic, Ray, vectorize = true",
     "inprocess-vmap": "fedelastic, in-process, vectorize = true",
-    "inprocess-1thread": "fedelastic, in-process, train_threads = 1",
 }
 
 
@@ -659,7 +654,7 @@ def table(summary: dict) -> str:
 def phases_table(runs: dict[str, list[dict]]) -> str:
     """fedelastic's timers, summed over the training phase (rounds 1..R), median over runs."""
     lines = []
-    for v in ("ray", "ray-per-client", "inprocess", "inprocess-1thread"):
+    for v in ("ray", "ray-per-client", "inprocess"):
         if v not in runs:
             continue
         rs = runs[v]
@@ -670,7 +665,7 @@ def phases_table(runs: dict[str, list[dict]]) -> str:
         local_steady = statistics.median(sum(r["train_local_s_per_round"][1:]) for r in rs)
         lines += [
             f"{LABELS[v]}: training phase {train:.2f} s, of which rounds 2.. {steady:.2f} s (medians); "
-            f"clients' train_local (summed over clients, on {'2 Ray actors' if v.startswith('ray') else '1 thread' if v.endswith('1thread') else 'the training threads'}) "
+            f"clients' train_local (summed over clients, on {'2 Ray actors' if v.startswith('ray') else '1 thread'}) "
             f"{local:.2f} s, rounds 2.. {local_steady:.2f} s",
             "",
         ]
