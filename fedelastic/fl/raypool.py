@@ -17,11 +17,19 @@ client keeps the runtime (and the driver) alive forever.
 A cohort message (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that
 abandoned a hung client (its reply says so) has its worker replaced after it replies.
 
+:func:`quick_shutdown` ends a local Ray cluster a second sooner than ``ray.shutdown`` alone: Ray
+gives each of its processes one second to exit after SIGTERM, and its autoscaler monitor never
+makes it (its SIGTERM handler reports to the GCS, which Ray has already stopped), so it is
+killed first.
+
 Any other client error is returned to the pool and reported as before.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +59,20 @@ def timeout_reason(timeout_s: float) -> str:
     return f"timeout: no reply within simulation.timeout_s = {timeout_s:g} s"
 
 
+_APPS: dict[str, object] = {}  # in a worker: the ClientApp it runs (fl/runner.ShippedClientApp)
+
+
+def unpickled_app(root: str, key: str, payload: bytes):
+    """The ClientApp pickled in ``payload``, unpickled once per worker and app (``key``)."""
+    if key not in _APPS:
+        import pickle
+
+        os.environ["FEDELASTIC_ROOT"] = root  # the folder the driver runs fedelastic from (client.check_same_code)
+        _APPS.clear()
+        _APPS[key] = pickle.loads(payload)
+    return _APPS[key]
+
+
 def _retire(pool, future, *, replace: bool) -> None:
     """Kill the actor that ran ``future`` and, unless the run is stopping, put a fresh one in the pool."""
     import ray
@@ -78,14 +100,124 @@ def _process_message(self, message, context):
 
 def _terminate(original):
     def terminate(self) -> None:
-        """Stop the client calls first: Ray aborts the process if a thread touches it after shutdown."""
+        """Stop the client calls first (Ray aborts the process if a thread touches it after
+        shutdown), then end the workers and the cluster (:func:`quick_shutdown`)."""
+        import ray
+
         _SETTINGS.stop.set()
         deadline = time.monotonic() + 5.0
         while _SETTINGS.active and time.monotonic() < deadline:
             time.sleep(0.05)
-        original(self)
+        pool = getattr(self, "pool", None)
+        idle = getattr(pool, "pool", None)
+        if isinstance(idle, list):  # kill the workers outright: Flower's polite exit_actor() runs each
+            busy = list(getattr(pool, "_future_to_actor", {}).values())  # worker's interpreter teardown
+            for actor in idle + busy:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+            idle.clear()  # nothing left for Flower's terminate_all_actors to message
+        quick_shutdown()
+        original(self)  # Flower's own teardown (its ray.shutdown finds Ray stopped)
 
     return terminate
+
+
+def stop_autoscaler() -> None:
+    """Kill the autoscaler monitor of the local cluster this process started (nothing else, and nothing if none).
+
+    A single-node cluster has nothing to scale; ``ray.shutdown`` would SIGTERM the monitor after
+    the GCS is gone, wait a full second for it, then SIGKILL it.
+    """
+    for proc in _node_processes("PROCESS_TYPE_MONITOR"):
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _node_processes(kind: str | None = None) -> list[subprocess.Popen]:
+    """The processes ``ray.init`` started here for its local cluster (all, or those of ``ray_constants.<kind>``); [] if none."""
+    try:
+        import ray._private.worker as ray_worker
+        from ray._private import ray_constants
+
+        node = ray_worker._global_node
+        if node is None:
+            return []
+        kinds = [getattr(ray_constants, kind)] if kind else list(node.all_processes)
+        infos = [info for kind in kinds for info in node.all_processes.get(kind, ())]
+    except Exception:  # noqa: BLE001 (another Ray: leave the shutdown to it)
+        return []
+    return [p for p in (getattr(info, "process", None) for info in infos) if isinstance(p, subprocess.Popen)]
+
+
+def _descendants(roots: list[int]) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``roots`` (and the roots); {} without /proc."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # an exited process not yet reaped is gone already
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            started[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    stack = [r for r in roots if r in started]
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found[pid] = started[pid]
+            stack.extend(children.get(pid, ()))
+    return found
+
+
+def _alive(procs: dict[int, str]) -> dict[int, str]:
+    """The processes of ``procs`` still running (same pid and start time, not a zombie)."""
+    left = {}
+    for pid, start in procs.items():
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and fields[19] == start:
+            left[pid] = start
+    return left
+
+
+def quick_shutdown(wait_s: float = 3.0) -> None:
+    """``ray.shutdown()`` of the local cluster this process started, without waiting on its
+    autoscaler; returns once every process of that cluster has exited (workers included).
+
+    Ray stops its own processes but not the workers they started, which exit on their own a
+    moment later. Any of them still running after ``wait_s`` seconds is killed.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return
+    ours = _descendants([p.pid for p in _node_processes()])
+    stop_autoscaler()
+    ray.shutdown()
+    deadline = time.monotonic() + wait_s
+    while (left := _alive(ours)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _call_client(self, message, context):

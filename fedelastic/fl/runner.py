@@ -8,12 +8,12 @@ tests and for measuring Flower/Ray's own overhead.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -36,7 +36,7 @@ from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed
 from .env import environment
-from .raypool import resilient_actors
+from .raypool import quick_shutdown, resilient_actors
 from .server import server_main
 
 
@@ -286,39 +286,66 @@ def _preflight(scenario: Scenario, env) -> dict:
     return state
 
 
-_HOOK = """
-def put_driver_code_first():
+_LOADER = """
+def load_with_driver_code(root, paths, key, payload):
     import sys
-    sys.path.insert(0, ROOT)
-    try:
-        import fedelastic  # noqa: F401 (imported from ROOT now, it stays the package of this process)
-    finally:
-        sys.path.remove(ROOT)
+
+    if "fedelastic" not in sys.modules:  # this worker's first app: the driver's code goes first
+        sys.path[:] = [root] + [p for p in paths if p != root] + [p for p in sys.path if p != root and p not in paths]
+    from fedelastic.fl.raypool import unpickled_app
+
+    return unpickled_app(root, key, payload)
 """
 
 
-def _driver_code_first(root: str):
-    """A worker start-up hook that puts the driver's fedelastic first on the worker's path.
+def _loader():
+    """The worker-side loader of :class:`ShippedClientApp`, built outside any importable module so
+    that Ray ships it by value (unpickling it imports no fedelastic)."""
+    namespace: dict = {"__name__": "fedelastic_ray_loader"}
+    exec(compile(_LOADER, "<fedelastic ray loader>", "exec"), namespace)  # noqa: S102 (fixed source above)
+    return namespace["load_with_driver_code"]
 
-    Ray adds the driver's working directory to every worker's path, ahead of PYTHONPATH, so a
-    folder holding another copy of fedelastic would shadow the one the driver runs. The hook
-    imports fedelastic from the driver's folder before anything else can. It is built outside
-    any importable module so that Ray ships it by value (unpickling it imports no fedelastic).
+
+class ShippedClientApp(ClientApp):
+    """The ClientApp as Ray ships it to its workers: with the driver's code path, unpickled once per worker.
+
+    Ray puts the driver's working directory and script folder first on every worker's path, so a
+    folder holding another copy of fedelastic would shadow the one the driver runs. Unpickling
+    this app first puts the driver's fedelastic folder, then the driver's own ``sys.path``, ahead
+    of the worker's, imports fedelastic from there, and only then unpickles the app (whose
+    functions import the rest). This needs no Ray ``runtime_env``, so the workers ``ray.init``
+    starts are used as they are rather than replaced by fresh ones (issue 10: about a second of
+    start-up). Flower pickles the app with every call; the pickled app is made once, and each
+    worker keeps the app it unpickled.
     """
-    namespace: dict = {"__name__": "fedelastic_ray_setup_hook", "ROOT": root}
-    exec(compile(_HOOK, "<fedelastic ray setup hook>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace["put_driver_code_first"]
+
+    def __init__(self, app: ClientApp):
+        import fedelastic
+
+        self.__dict__.update(app.__dict__)
+        self._root = str(Path(fedelastic.__file__).resolve().parent.parent)
+        self._paths = [p for p in sys.path if p]
+        self._payload: bytes | None = None
+        self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
+
+    def __reduce__(self):
+        if self._payload is None:
+            from ray import cloudpickle
+
+            plain = ClientApp.__new__(ClientApp)
+            own = ("_root", "_paths", "_payload", "_key")
+            plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
+            self._payload = cloudpickle.dumps(plain)
+        return (_loader(), (self._root, self._paths, self._key, self._payload))
 
 
 def _ray_init_args(sim) -> dict:
-    """Ray's init arguments: the workers import exactly the fedelastic this driver runs."""
-    import fedelastic
+    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only.
 
-    root = str(Path(fedelastic.__file__).resolve().parent.parent)
-    paths = [root] + [p for p in sys.path if p and p != root]
-    env_vars = {"PYTHONPATH": os.pathsep.join(paths), "FEDELASTIC_ROOT": root}
-    runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": _driver_code_first(root)}
-    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR, "runtime_env": runtime_env}
+    No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
+    those ``ray.init`` starts (:class:`ShippedClientApp` puts the driver's code first instead).
+    """
+    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
         args["address"] = sim.ray_address
     return args
@@ -364,7 +391,6 @@ def _preflight_beside_ray(scenario: Scenario, env) -> dict:
     the model's description, starting weights). A check that fails wins: Ray is shut down and
     the check's error is raised, as if Ray had not been started.
     """
-    import ray
 
     box: list = []
 
@@ -385,8 +411,7 @@ def _preflight_beside_ray(scenario: Scenario, env) -> dict:
         raise
     thread.join()
     if isinstance(box[0], BaseException):
-        if ray.is_initialized():
-            ray.shutdown()
+        quick_shutdown()
         raise box[0]
     return box[0]
 
@@ -394,7 +419,6 @@ def _preflight_beside_ray(scenario: Scenario, env) -> dict:
 def _run_ray(
     scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
 ) -> None:
-    import ray
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -410,6 +434,7 @@ def _run_ray(
             server(CohortGrid(guarded, environment(scenario), nodes) if cohort else guarded)
         finally:
             stop.set()  # the runtime's workers stop waiting on hung clients
+            notify_pushed()  # and the dispatch loop sees the end now, not at its next sweep
 
     _start_ray(scenario)
     cohort = sim.node_mode == "cohort"
@@ -420,15 +445,14 @@ def _run_ray(
             notes["actors_replaced"] = 0
             run_simulation(
                 server_app=app,
-                client_app=client_app,
+                client_app=ShippedClientApp(client_app),
                 num_supernodes=nodes,
                 backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
             )
             notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
     finally:
         stop.set()
-        if ray.is_initialized():
-            ray.shutdown()
+        quick_shutdown()
 
 
 def run_scenario(

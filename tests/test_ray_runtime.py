@@ -1,0 +1,120 @@
+"""The Ray path's start-up and teardown pieces (issue 10), each checked without starting Ray.
+
+The real-Ray run in tests/test_simulation.py checks them together: its results equal the
+in-process run's, and no Ray process outlives it.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from queue import Empty
+
+import pytest
+from ray import cloudpickle
+
+import fedelastic
+from fedelastic.fl.client import make_client_app
+from fedelastic.fl.dispatch import StoppableQueue, fast_dispatch
+from fedelastic.fl.raypool import _alive, _descendants
+from fedelastic.fl.runner import ShippedClientApp
+
+ROOT = Path(fedelastic.__file__).resolve().parent.parent
+
+_WORKER = """
+import os, pickle, sys
+sys.path.insert(0, os.getcwd())  # what Ray does in its workers: the driver's working directory first
+from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+blob = open(sys.argv[1], "rb").read()
+app = pickle.loads(blob)
+assert pickle.loads(blob) is app  # the same app again: unpickled once per worker
+import fedelastic
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 7, 0  # what Flower sets in a worker
+msg = Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=7)
+reply = app(msg, Context(0, 7, {"partition-id": 3, "num-partitions": 4}, RecordDict(), {}))
+print(fedelastic.__file__, os.environ["FEDELASTIC_ROOT"], reply.content["metrics"]["partition-id"])
+"""
+
+
+def test_a_shipped_client_app_runs_the_drivers_fedelastic_beside_another_copy(make_scenario, tmp_path):
+    """A worker that starts in a folder holding another fedelastic still runs the driver's (issue 14), without a runtime_env."""
+    shadow = tmp_path / "cwd"
+    (shadow / "fedelastic").mkdir(parents=True)
+    (shadow / "fedelastic" / "__init__.py").write_text("raise ImportError('the shadow copy of fedelastic was imported')")
+    blob = tmp_path / "app.pkl"
+    blob.write_bytes(cloudpickle.dumps(ShippedClientApp(make_client_app(make_scenario()))))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDELASTIC_ROOT")}  # only the shipped path
+    out = subprocess.run(
+        [sys.executable, "-c", _WORKER, str(blob)], cwd=shadow, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    module, root, partition = out.stdout.split()
+    assert Path(module).resolve() == ROOT / "fedelastic" / "__init__.py" and Path(root) == ROOT
+    assert partition == "3"  # the app answered the query (client.check_same_code passed)
+
+
+def test_a_stopped_queue_wakes_its_waiting_readers_and_keeps_its_items():
+    made_here = StoppableQueue()
+    sibling = StoppableQueue()  # made by the same thread: Flower's message and reply queues of one run
+    other: list[StoppableQueue] = []
+    maker = threading.Thread(target=lambda: other.append(StoppableQueue()))
+    maker.start()
+    maker.join()
+    made_here.put("queued before the stop")
+    got: dict[str, object] = {}
+
+    def read(name: str, q: StoppableQueue, timeout: float) -> None:
+        t = time.monotonic()
+        try:
+            q.get(timeout=timeout)
+            got[name] = "item"
+        except Empty:
+            got[name] = time.monotonic() - t
+
+    readers = [threading.Thread(target=read, args=("sibling", sibling, 60.0))]
+    readers.append(threading.Thread(target=read, args=("other", other[0], 0.5)))
+    for r in readers:
+        r.start()
+    time.sleep(0.2)  # both readers are waiting
+    made_here.stop()
+    readers[0].join(10)
+    assert not readers[0].is_alive() and got["sibling"] < 10  # woken long before its 60 s timeout
+    readers[1].join(10)
+    assert got["other"] >= 0.5  # another thread's queue waited out its own timeout
+    assert made_here.get(timeout=60) == "queued before the stop"  # an item is still returned ...
+    with pytest.raises(Empty):
+        made_here.get(timeout=60)  # ... and then an empty stopped queue answers at once
+
+
+def test_fast_dispatch_makes_flowers_run_queues_stoppable_and_restores_them():
+    from queue import Queue
+
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    with fast_dispatch():
+        assert vce_api.Queue is StoppableQueue
+    assert vce_api.Queue is Queue
+
+
+def test_descendants_finds_a_process_tree_and_alive_sees_it_end():
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree := _descendants([parent.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not Path("/proc").is_dir():
+            pytest.skip("no /proc")
+        assert len(tree) == 2 and parent.pid in tree
+        child = next(p for p in tree if p != parent.pid)
+        os.kill(child, 9)
+        deadline = time.monotonic() + 30
+        while child in _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(_alive(tree)) == {parent.pid}  # the killed child (a zombie until reaped) no longer counts
+    finally:
+        parent.kill()
+        parent.wait()
