@@ -18,7 +18,7 @@ from ray import cloudpickle
 import fedelastic
 from fedelastic.fl.client import make_client_app
 from fedelastic.fl.dispatch import StoppableQueue, fast_dispatch
-from fedelastic.fl.raypool import _alive, _descendants
+from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler
 from fedelastic.fl.runner import ShippedClientApp
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent
@@ -118,3 +118,26 @@ def test_descendants_finds_a_process_tree_and_alive_sees_it_end():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_no_autoscaler_sets_rays_no_monitor_default_and_restores_rays_class():
+    import ray._private.parameter as parameter
+
+    original = parameter.RayParams
+    with no_autoscaler() as used:
+        assert used
+        assert parameter.RayParams(num_cpus=1).no_monitor is True  # what ray.init builds inside the block
+        assert parameter.RayParams(no_monitor=False).no_monitor is False  # an explicit value is kept
+    assert parameter.RayParams is original and original().no_monitor is False
+
+
+def test_no_autoscaler_leaves_a_ray_without_the_parameter_alone(monkeypatch):
+    import ray._private.parameter as parameter
+
+    class OldRayParams:
+        def __init__(self, num_cpus=None):
+            self.num_cpus = num_cpus
+
+    monkeypatch.setattr(parameter, "RayParams", OldRayParams)
+    with no_autoscaler() as used:
+        assert not used and parameter.RayParams is OldRayParams

@@ -111,8 +111,13 @@ def test_real_ray_backend_two_rounds_four_clients(make_scenario, monkeypatch, tm
     train = {"strategy": "static_elastic", "options": {"rho": 0.7}}
     sc = make_scenario(train=train, simulation={"backend": "ray", "num_cpus_per_client": 1})
     monkeypatch.setenv("FEDELASTIC_TEST_RUN", str(tmp_path))  # Ray's processes inherit it: find them after the run
-    run_dir = run_scenario(sc, run_id="ray")
-    assert _processes_with(f"FEDELASTIC_TEST_RUN={tmp_path}".encode()) == []  # the run left no Ray process behind
+    mark = f"FEDELASTIC_TEST_RUN={tmp_path}".encode()
+    during: list[str] = []
+    run_dir = run_scenario(sc, run_id="ray", progress=lambda row: during.extend(_processes_with(mark)))
+    if Path("/proc/self/environ").exists():
+        assert any("raylet" in p for p in during)  # the check below sees Ray's processes ...
+        assert not any("autoscaler" in p for p in during)  # ... and a local cluster runs no autoscaler monitor
+    assert _processes_with(mark) == []  # the run left no Ray process behind
     clients, rounds = _frames(run_dir)
     assert len(clients) == 8 and list(rounds["round"]) == [0, 1, 2]
     assert (clients[clients["round"] == 2].emulated_overhead_time_s == 0).all()

@@ -17,6 +17,10 @@ client keeps the runtime (and the driver) alive forever.
 A cohort message (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that
 abandoned a hung client (its reply says so) has its worker replaced after it replies.
 
+:func:`no_autoscaler` starts a local cluster without Ray's autoscaler monitor, which has nothing
+to scale on one machine (``ray start --no-monitor`` in Ray's own CLI; ``ray.init`` has no
+argument for it): one Python process fewer competing for the CPU while the workers start.
+
 :func:`quick_shutdown` ends a local Ray cluster a second sooner than ``ray.shutdown`` alone: Ray
 gives each of its processes one second to exit after SIGTERM, and its autoscaler monitor never
 makes it (its SIGTERM handler reports to the GCS, which Ray has already stopped), so it is
@@ -194,6 +198,39 @@ def _alive(procs: dict[int, str]) -> dict[int, str]:
         if fields[0] != "Z" and fields[19] == start:
             left[pid] = start
     return left
+
+
+@contextmanager
+def no_autoscaler() -> Iterator[bool]:
+    """Inside this block ``ray.init`` starts a local cluster without its autoscaler monitor.
+
+    Ray builds its ``RayParams`` inside ``ray.init``; the block swaps in a subclass whose
+    ``no_monitor`` defaults to True. Yields whether it could (a Ray without that parameter is
+    left as it is).
+    """
+    import inspect
+
+    try:
+        import ray._private.parameter as parameter
+
+        original = parameter.RayParams
+        usable = "no_monitor" in inspect.signature(original.__init__).parameters
+    except Exception:  # noqa: BLE001 (another Ray)
+        usable = False
+    if not usable:
+        yield False
+        return
+
+    class RayParams(original):  # type: ignore[misc,valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("no_monitor", True)
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = RayParams
+    try:
+        yield True
+    finally:
+        parameter.RayParams = original
 
 
 def quick_shutdown(wait_s: float = 3.0) -> None:

@@ -36,7 +36,7 @@ from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed
 from .env import environment
-from .raypool import quick_shutdown, resilient_actors
+from .raypool import no_autoscaler, quick_shutdown, resilient_actors
 from .server import server_main
 
 
@@ -379,7 +379,8 @@ def _start_ray(scenario: Scenario) -> None:
     if not ray.is_initialized():
         _probe(sim.ray_address, src)
         try:
-            ray.init(**_ray_init_args(sim))
+            with no_autoscaler():  # used only when ray.init starts a local cluster
+                ray.init(**_ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
             raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
 
