@@ -31,14 +31,21 @@ Any other client error is returned to the pool and reported as before.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ..errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -198,6 +205,112 @@ def _alive(procs: dict[int, str]) -> dict[int, str]:
         if fields[0] != "Z" and fields[19] == start:
             left[pid] = start
     return left
+
+
+def ray_init_args(sim) -> dict:
+    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only.
+
+    No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
+    those ``ray.init`` starts (``runner.ShippedClientApp`` puts the driver's code first instead).
+    """
+    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
+    if sim.ray_address:
+        args["address"] = sim.ray_address
+    return args
+
+
+def probe(address: str, src: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not address or address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
+
+
+def start_ray(scenario) -> None:
+    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up.
+
+    Call it on the main thread: Ray ties its daemons' lives to the thread that starts them.
+    """
+    import ray
+
+    sim, src = scenario.simulation, scenario.source or "<scenario>"
+    if not ray.is_initialized():
+        probe(sim.ray_address, src)
+        try:
+            with no_autoscaler():  # used only when ray.init starts a local cluster
+                ray.init(**ray_init_args(sim))
+        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
+            from ..results import one_line
+
+            raise ConfigError(
+                src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address
+            ) from None
+
+
+def start_ray_beside(scenario, work: Callable[[], T]) -> T:
+    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap (issue 10).
+
+    Ray's start is mostly waiting for its daemons; ``work`` is the driver's own (imports, data,
+    the model's description, checks). An error of ``work`` wins: Ray is shut down and the error
+    raised, as if Ray had not been started. Returns what ``work`` returned.
+    """
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(work())
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name="fedelastic-beside-ray", daemon=True)
+    thread.start()
+    try:
+        start_ray(scenario)
+    except BaseException:
+        thread.join()
+        if box and isinstance(box[0], BaseException):
+            raise box[0] from None
+        raise
+    thread.join()
+    if isinstance(box[0], BaseException):
+        quick_shutdown()
+        raise box[0]
+    return box[0]
+
+
+def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
+    """Start the local Ray cluster of ``scenario`` now, with ``prepare()`` (the driver's imports
+    and data) on a thread beside it; True if this call started Ray.
+
+    The entry points (``api.run``, ``fedelastic run``) call it before they import the runtime, so
+    that ``ray.init`` overlaps those imports too (issue 10). Best effort: an error of ``prepare``
+    or of ``ray.init`` is left for the run, which meets it again and reports it as usual. The
+    caller shuts Ray down (:func:`quick_shutdown`) if the run ends before it does.
+    """
+    sim = scenario.simulation
+    if sim.backend != "ray" or sim.ray_address:  # connecting to a running cluster is quick
+        return False
+    import ray
+
+    if ray.is_initialized():
+        return False
+
+    def quietly() -> None:
+        try:
+            prepare()
+        except Exception:  # noqa: BLE001,S110 (the run prepares again and reports the error)
+            pass
+
+    try:
+        start_ray_beside(scenario, quietly)
+    except Exception:  # noqa: BLE001 (the run starts Ray again and reports the error)
+        return False
+    return ray.is_initialized()
 
 
 @contextmanager

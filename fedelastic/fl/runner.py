@@ -8,7 +8,6 @@ tests and for measuring Flower/Ray's own overhead.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed
 from .env import environment
-from .raypool import no_autoscaler, quick_shutdown, resilient_actors
+from .raypool import quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
 
 
@@ -339,30 +338,6 @@ class ShippedClientApp(ClientApp):
         return (_loader(), (self._root, self._paths, self._key, self._payload))
 
 
-def _ray_init_args(sim) -> dict:
-    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only.
-
-    No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
-    those ``ray.init`` starts (:class:`ShippedClientApp` puts the driver's code first instead).
-    """
-    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
-    if sim.ray_address:
-        args["address"] = sim.ray_address
-    return args
-
-
-def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not address or address == "auto" or not sep or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
-
-
 def ray_workers(cpus_per_client: float) -> int:
     """How many client workers Flower's Ray backend starts: per Ray node, its CPUs over a client's (at least 1)."""
     import ray
@@ -371,50 +346,13 @@ def ray_workers(cpus_per_client: float) -> int:
     return max(1, total)
 
 
-def _start_ray(scenario: Scenario) -> None:
-    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up."""
-    import ray
-
-    sim, src = scenario.simulation, scenario.source or "<scenario>"
-    if not ray.is_initialized():
-        _probe(sim.ray_address, src)
-        try:
-            with no_autoscaler():  # used only when ray.init starts a local cluster
-                ray.init(**_ray_init_args(sim))
-        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
-
-
 def _preflight_beside_ray(scenario: Scenario, env) -> dict:
     """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
 
-    Ray's start is mostly waiting for its daemons; the checks are the driver's own work (data,
-    the model's description, starting weights). A check that fails wins: Ray is shut down and
-    the check's error is raised, as if Ray had not been started.
+    A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had
+    not been started (:func:`raypool.start_ray_beside`).
     """
-
-    box: list = []
-
-    def check() -> None:
-        try:
-            box.append(_preflight(scenario, env))
-        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
-            box.append(exc)
-
-    thread = threading.Thread(target=check, name="fedelastic-preflight", daemon=True)
-    thread.start()
-    try:
-        _start_ray(scenario)
-    except BaseException:
-        thread.join()
-        if box and isinstance(box[0], BaseException):
-            raise box[0] from None
-        raise
-    thread.join()
-    if isinstance(box[0], BaseException):
-        quick_shutdown()
-        raise box[0]
-    return box[0]
+    return start_ray_beside(scenario, lambda: _preflight(scenario, env))
 
 
 def _run_ray(
@@ -437,7 +375,7 @@ def _run_ray(
             stop.set()  # the runtime's workers stop waiting on hung clients
             notify_pushed()  # and the dispatch loop sees the end now, not at its next sweep
 
-    _start_ray(scenario)
+    start_ray(scenario)
     cohort = sim.node_mode == "cohort"
     if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
         nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
