@@ -166,3 +166,24 @@ def test_a_run_that_fails_after_ray_started_early_leaves_no_ray_behind(make_scen
     assert up_at_shutdown == [True]  # Ray was up (started early) when the refused run ended, and was stopped
     assert not ray.is_initialized()
     assert _processes_with(f"FEDELASTIC_TEST_RUN={tmp_path}".encode()) == []
+
+
+def test_fedelastic_run_skips_the_final_garbage_collection_at_exit(tmp_path):
+    """The command's process freezes the heap at exit (no final GC passes); its results are complete."""
+    import tomli_w
+
+    from .conftest import small_scenario_dict
+
+    path = tmp_path / "tiny.toml"
+    path.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 1})))
+    code = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))  # runs after the CLI's hooks\n"
+        "from fedelastic.cli import main\n"
+        f"sys.exit(main(['run', {str(path)!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("frozen at exit: True")
+    run_dir = next((tmp_path / "runs" / "tiny").iterdir())
+    assert '"completed"' in (run_dir / "status.json").read_text()
