@@ -187,3 +187,46 @@ def test_fedelastic_run_skips_the_final_garbage_collection_at_exit(tmp_path):
     assert out.stdout.strip().endswith("frozen at exit: True")
     run_dir = next((tmp_path / "runs" / "tiny").iterdir())
     assert '"completed"' in (run_dir / "status.json").read_text()
+
+
+def _store_all(loop, items):
+    """Run a reply-storing loop over ``items`` and stop it; what it stored, in order."""
+    from queue import Queue
+
+    class State:
+        stored: list = []
+
+        def store_message_res(self, message):
+            self.stored.append(message)
+
+    state, queue, stop = State(), Queue(), threading.Event()
+    state.stored = []
+    for item in items:
+        queue.put(item)
+    thread = threading.Thread(target=loop, args=(state, queue, stop))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(state.stored) < len(items) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    thread.join(5)
+    return state.stored
+
+
+def test_the_reply_loop_stores_what_flowers_stores_and_wakes_the_pull_loop():
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    from fedelastic.fl import dispatch
+
+    items = [f"reply-{i}" for i in range(5)]
+    assert _store_all(dispatch._storing_replies, items) == _store_all(vce_api.put_message_into_state, items) == items
+    dispatch.replies_may_wait()
+    waiter = threading.Thread(target=dispatch.wait_for_replies, args=(60.0,))
+    t = time.monotonic()
+    waiter.start()
+    _store_all(dispatch._storing_replies, ["one more"])
+    waiter.join(30)
+    assert not waiter.is_alive() and time.monotonic() - t < 30  # woken by the store, not its 60 s period
+    with fast_dispatch():
+        assert vce_api.put_message_into_state is dispatch._storing_replies
+    assert vce_api.put_message_into_state is not dispatch._storing_replies

@@ -18,6 +18,11 @@ The loop also wakes as soon as the ServerApp pushes messages (:func:`notify_push
 the runner's grid after each push) instead of waiting out the rest of its 0.1 s period: a round
 no longer starts up to 0.1 s late (issue 10). Without a push it sweeps every 0.1 s as before.
 
+Replies: Flower's reply thread (``put_message_into_state``) stores each reply in the LinkState,
+where the ServerApp's pull loop finds it at its next poll. :func:`fast_dispatch` swaps in the
+same loop plus one line, :func:`notify_replied` after each store, and the runner's grid waits on
+it (:func:`wait_for_replies`) instead of sleeping out its poll period (issue 10).
+
 At the end of a run Flower's worker and reply threads each wait out a ``Queue.get(timeout=1.0)``
 before they see the stop event, so the runtime lingers up to a second after the last round.
 Inside :func:`fast_dispatch` the simulation's queues are :class:`StoppableQueue`: once the stop
@@ -36,11 +41,38 @@ from queue import Empty, Queue
 
 _PERIOD_S = 0.1  # Flower's own polling period
 _pushed = threading.Event()  # set when the ServerApp pushed messages: sweep now
+_replied = threading.Event()  # set when a reply reached the LinkState: pull now
 
 
 def notify_pushed() -> None:
     """Wake the dispatch loop: messages were just pushed (or the run is ending)."""
     _pushed.set()
+
+
+def notify_replied() -> None:
+    """Wake the ServerApp's pull loop: a reply was just stored."""
+    _replied.set()
+
+
+def replies_may_wait() -> None:
+    """Call before pulling: a reply stored from now on wakes :func:`wait_for_replies`."""
+    _replied.clear()
+
+
+def wait_for_replies(period_s: float) -> None:
+    """Sleep until a reply is stored (after the last :func:`replies_may_wait`), at most ``period_s``."""
+    _replied.wait(period_s)
+
+
+def _storing_replies(state, queue: Queue, f_stop: threading.Event) -> None:
+    """Flower 1.41's ``vce_api.put_message_into_state``, which also wakes the pull loop after each store."""
+    while not f_stop.is_set():
+        try:
+            message_reply = queue.get(timeout=1.0)
+            state.store_message_res(message_reply)
+            notify_replied()
+        except Empty:
+            pass
 
 
 class StoppableQueue(Queue):
@@ -128,12 +160,17 @@ def fast_dispatch() -> Iterator[None]:
         yield
         return
     queue_class = getattr(vce_api, "Queue", None)
+    injector = getattr(vce_api, "put_message_into_state", None)
     vce_api.add_messages_to_queue = _linear_dispatch(original)
     if queue_class is Queue:  # the queues run_api makes: stoppable (anything else: left alone)
         vce_api.Queue = StoppableQueue
+    if injector is not None:
+        vce_api.put_message_into_state = _storing_replies
     try:
         yield
     finally:
         vce_api.add_messages_to_queue = original
         if queue_class is Queue:
             vce_api.Queue = queue_class
+        if injector is not None:
+            vce_api.put_message_into_state = injector

@@ -33,7 +33,7 @@ from ..scenario import Scenario, is_plain_name, parse_scenario
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .dispatch import fast_dispatch, notify_pushed
+from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
 from .raypool import quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
@@ -157,6 +157,7 @@ class GuardedGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         if isinstance(self.grid, InProcessGrid):
             return self.grid.send_and_receive(messages, timeout=timeout)
+        replies_may_wait()
         pending = {i for i in self.grid.push_messages(messages) if i}
         notify_pushed()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -164,16 +165,20 @@ class GuardedGrid(Grid):
         while pending:
             if self.stop.is_set():
                 raise RunAborted("the simulation runtime stopped")
+            replies_may_wait()  # a reply stored from here on ends the wait below at once
             got = list(self.grid.pull_messages(pending))
             replies.extend(got)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending or (deadline is not None and time.monotonic() >= deadline):
                 break
-            time.sleep(PULL_PERIOD_S if self.pull_period_s is None else self.pull_period_s)
+            if self.pull_period_s is None:  # the simulation's grid: woken by each stored reply
+                wait_for_replies(PULL_PERIOD_S)
+            else:
+                time.sleep(self.pull_period_s)
         return replies
 
 
-PULL_PERIOD_S = 0.01  # how often the ServerApp asks for replies (was 0.05 s; a pull is one cheap lookup)
+PULL_PERIOD_S = 0.01  # how often the ServerApp asks for replies at most (a stored reply wakes it sooner)
 
 
 class RunAborted(RuntimeError):
