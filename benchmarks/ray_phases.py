@@ -137,6 +137,11 @@ def measured(out: str, tmp: str) -> None:
         import fedelastic.fl.server as server
 
         wrap(runner, "start_ray", "driver: ray.init")
+        wrap(runner, "_start_ray", "driver: ray.init")  # code before issue 10's changes (for comparisons)
+        if not hasattr(raypool, "quick_shutdown"):
+            import ray
+
+            wrap(ray, "shutdown", "driver: Ray shutdown")
         wrap(runner, "_preflight", "driver: preflight checks")
         wrap(flwr.simulation, "run_simulation", "driver: Flower's run_simulation")
         wrap(server, "discover_partitions", "driver: partition query (workers start)")
