@@ -158,20 +158,24 @@ def measured(out: str, tmp: str) -> None:
 
             runner._loader = loader
 
-    wrap(raypool, "start_ray", "driver: ray.init")
-    wrap(raypool, "quick_shutdown", "driver: Ray shutdown")
-    prepare = getattr(api, "prepare_run", None)
-    if prepare is None:
+    wrap(api, "prepare_run", "driver: imports and data beside ray.init")
+    start = getattr(raypool, "start_ray", None)
+    if start is None:  # code from before issue 10's changes
         instrument()
     else:
+        done: list = []
 
-        def prepared(sc) -> None:
-            st("driver: imports and data beside ray.init start")
-            prepare(sc)
-            st("driver: imports and data beside ray.init end")
-            instrument()
+        def started(sc) -> None:  # the rest is wrapped once Ray is up (the runtime is imported beside ray.init)
+            st("driver: ray.init start")
+            try:
+                start(sc)
+            finally:
+                st("driver: ray.init end")
+                if not done:
+                    done.append(instrument())
 
-        api.prepare_run = prepared
+        raypool.start_ray = started
+    wrap(raypool, "quick_shutdown", "driver: Ray shutdown")
     st("driver: api.run called")
     api.run(scenario, progress=lambda row: rounds.append((f"round {row['round']} row", time.time())))
     st("driver: api.run returned")
