@@ -1,4 +1,4 @@
-"""Crash-tolerant client calls on Flower's Ray backend.
+"""Flower's Ray backend: crash-tolerant client calls, and starting and stopping Ray quickly.
 
 Flower 1.41's ``RayBackend.process_message`` hands a job to an actor and, if the call fails for
 any reason, puts the actor back in its pool. When the actor's *process* died (a segfault, an
@@ -14,19 +14,17 @@ client keeps the runtime (and the driver) alive forever.
   new one, so later rounds use the full pool;
 * stops waiting as soon as the run is over (``stop`` is set), so the driver exits.
 
-A cohort message (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that
-abandoned a hung client (its reply says so) has its worker replaced after it replies.
+Any other client error is returned to the pool and reported as before. A cohort message
+(``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that abandoned a hung
+client (its reply says so) has its worker replaced after it replies.
 
-:func:`no_autoscaler` starts a local cluster without Ray's autoscaler monitor, which has nothing
-to scale on one machine (``ray start --no-monitor`` in Ray's own CLI; ``ray.init`` has no
-argument for it): one Python process fewer competing for the CPU while the workers start.
-
-:func:`quick_shutdown` ends a local Ray cluster a second sooner than ``ray.shutdown`` alone: Ray
-gives each of its processes one second to exit after SIGTERM, and its autoscaler monitor never
-makes it (its SIGTERM handler reports to the GCS, which Ray has already stopped), so it is
-killed first.
-
-Any other client error is returned to the pool and reported as before.
+Start and stop (issue 10): :func:`start_ray_beside` runs the driver's own start-up work on a
+thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a local cluster
+without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
+--no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it). :func:`quick_shutdown`
+kills the workers and the monitor (whose SIGTERM handler reports to the GCS Ray has already
+stopped, so ``ray.shutdown`` waits a full second on it), shuts Ray down and returns once every
+process of the cluster has exited.
 """
 
 from __future__ import annotations
