@@ -21,10 +21,11 @@ client (its reply says so) has its worker replaced after it replies.
 Start and stop (issue 10): :func:`start_ray_beside` runs the driver's own start-up work on a
 thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a local cluster
 without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
---no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it). :func:`quick_shutdown`
-kills the workers and the monitor (whose SIGTERM handler reports to the GCS Ray has already
-stopped, so ``ray.shutdown`` waits a full second on it), shuts Ray down and returns once every
-process of the cluster has exited.
+--no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it). At the end the patched
+``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
+interpreter teardown first), and :func:`quick_shutdown` kills a monitor if there is one (its
+SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown`` waits a full
+second on it), shuts Ray down and returns once every process of the cluster has exited.
 """
 
 from __future__ import annotations
