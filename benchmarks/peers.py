@@ -29,13 +29,17 @@ Variants, each run in a fresh subprocess, round-robin over variants for ``--runs
 * ``ray`` / ``inprocess``: fedelastic through its public API (``fedelastic.api.run``), the model
   given as a user factory (``benchmarks/peers.py:cnn``), ``train.strategy = "full"``, 200
   ``raspberry_pi_4`` devices (always available, fp32), backend ``ray`` (the default) or ``inprocess``.
+  ``server.evaluate_every`` is the number of rounds: the central test set is evaluated on the
+  initial model and after the last round only, as close as fedelastic comes to pfl and the bare
+  loop, which never evaluate during the run.
 
 On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`` with
 ``WeightByDatapoints``: how far its float32 arithmetic lands from the workload's) and
 ``ray-per-client`` (fedelastic on Ray with ``simulation.node_mode = "per_client"``, where the
 scenario has that key: one Flower node per virtual client), ``ray-vmap`` / ``inprocess-vmap``
 (``simulation.vectorize = true``: each cohort trained as one batched model with torch.func.vmap;
-equal to the others to float32 rounding only, so its checksum differs).
+equal to the others to float32 rounding only, so its checksum differs), ``inprocess-1thread``
+(``simulation.train_threads = 1``: the in-process cohort trained on one thread, not the automatic count).
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
@@ -87,7 +91,7 @@ DEVICE = "raspberry_pi_4"  # fp32, no availability model: every client is always
 VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
 # on request only: pfl's own FederatedAveraging (float32 differences, WeightByDatapoints); fedelastic on
 # Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
-EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap")
+EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap", "inprocess-1thread")
 REFERENCE = "bare"
 
 
@@ -188,7 +192,9 @@ class Workload:
                 "momentum": 0.0,
                 "weight_decay": 0.0,
             },
-            "server": {"rounds": self.rounds, "clients_per_round": self.per_round},
+            # pfl (evaluation_frequency past the last round) and the bare loop never evaluate centrally:
+            # fedelastic evaluates the initial model and the last round only
+            "server": {"rounds": self.rounds, "clients_per_round": self.per_round, "evaluate_every": self.rounds},
             "simulation": {"backend": backend, "torch_threads": 1},
         }
 
@@ -434,7 +440,7 @@ def worker_flower(wl: Workload, out: dict) -> dict[str, np.ndarray]:
 
 
 def worker_fedelastic(
-    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False
+    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False, threads: int = 0
 ) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
@@ -482,6 +488,8 @@ def worker_fedelastic(
         scenario["simulation"]["node_mode"] = "per_client"
     if vectorize:  # cohorts trained as one batched model (torch.func.vmap): equal to float32 rounding only
         scenario["simulation"]["vectorize"] = True
+    if threads:  # training threads per cohort node (0: the default)
+        scenario["simulation"]["train_threads"] = threads
     result = api.run(scenario, progress=progress)
     clients = result.clients
     rounds = result.rounds
@@ -513,7 +521,8 @@ def worker_main(args) -> None:
         state = worker_flower(wl, out)
     else:
         backend = "inprocess" if variant.startswith("inprocess") else "ray"
-        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"))
+        threads = 1 if variant.endswith("-1thread") else 0
+        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"), threads)
     out.pop("_tmp", None)
     if state is None:  # a pfl worker other than rank 0
         return
@@ -621,6 +630,7 @@ LABELS = {
     "ray-per-client": "fedelastic, Ray, one Flower node per virtual client",
     "ray-vmap": "fedelastic, Ray, vectorize = true",
     "inprocess-vmap": "fedelastic, in-process, vectorize = true",
+    "inprocess-1thread": "fedelastic, in-process, train_threads = 1",
 }
 
 
@@ -649,7 +659,7 @@ def table(summary: dict) -> str:
 def phases_table(runs: dict[str, list[dict]]) -> str:
     """fedelastic's timers, summed over the training phase (rounds 1..R), median over runs."""
     lines = []
-    for v in ("ray", "ray-per-client", "inprocess"):
+    for v in ("ray", "ray-per-client", "inprocess", "inprocess-1thread"):
         if v not in runs:
             continue
         rs = runs[v]
@@ -660,7 +670,7 @@ def phases_table(runs: dict[str, list[dict]]) -> str:
         local_steady = statistics.median(sum(r["train_local_s_per_round"][1:]) for r in rs)
         lines += [
             f"{LABELS[v]}: training phase {train:.2f} s, of which rounds 2.. {steady:.2f} s (medians); "
-            f"clients' train_local (summed over clients, on {'2 Ray actors' if v.startswith('ray') else '1 thread'}) "
+            f"clients' train_local (summed over clients, on {'2 Ray actors' if v.startswith('ray') else '1 thread' if v.endswith('1thread') else 'the training threads'}) "
             f"{local:.2f} s, rounds 2.. {local_steady:.2f} s",
             "",
         ]

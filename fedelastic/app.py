@@ -45,11 +45,13 @@ def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_
 
 
 def _log_round(row: dict) -> None:
+    accuracy = row["test_accuracy"]
+    shown = "-" if accuracy != accuracy else f"{accuracy:.4f}"  # NaN: not evaluated (server.evaluate_every)
     log(
         INFO,
-        "[fedelastic] round %d: test accuracy %.4f, simulated time %.1f s, energy %.1f J",
+        "[fedelastic] round %d: test accuracy %s, simulated time %.1f s, energy %.1f J",
         row["round"],
-        row["test_accuracy"],
+        shown,
         row["sim_time_s"],
         row["total_energy_j"],
     )

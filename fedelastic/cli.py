@@ -48,9 +48,11 @@ def report(run_dir: Path) -> None:
         continual_report(run_dir)
     status = read_status(run_dir)
     last = rounds.iloc[-1]
+    evaluated = rounds.test_accuracy.dropna()  # the last evaluated round's (server.evaluate_every)
+    accuracy = evaluated.iloc[-1] if len(evaluated) else float("nan")
     table = Table(
         title=escape(
-            f"{run_dir}  ({status['status']}; final accuracy {last.test_accuracy:.3f}, simulated {last.sim_time_s:.1f} s)"
+            f"{run_dir}  ({status['status']}; final accuracy {accuracy:.3f}, simulated {last.sim_time_s:.1f} s)"
         )
     )
     for col in (
@@ -188,8 +190,9 @@ def cmd_run(args) -> int:
     def progress(row: dict) -> None:
         r = row["round"]
         head = "initial" if r == 0 else f"round {r}"
+        acc = row["test_accuracy"]
         console.print(
-            f"{head:>12}  accuracy {row['test_accuracy']:.3f}  simulated {row['sim_time_s']:9.2f} s  "
+            f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row['sim_time_s']:9.2f} s  "
             f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
             f"trained nothing {row.get('clients_no_steps', 0)}  "
             f"host {row['host_wall_s']:.2f} s",

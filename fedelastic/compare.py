@@ -94,11 +94,13 @@ def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dic
 
     ``time_to_target_s`` is the simulated time of the first round at or above ``target``; a run
     that never gets there has NaN there and ``reached_target = False`` (censored at its end,
-    ``sim_time_s``), never a made-up time.
+    ``sim_time_s``), never a made-up time. Only evaluated rounds count (``server.evaluate_every``
+    skips some: their accuracy is NaN), and ``final_accuracy`` is the last evaluated round's.
     """
     trained = rounds[rounds["round"] > 0]
+    evaluated = rounds.test_accuracy.dropna()
     row = {
-        "final_accuracy": float(rounds.test_accuracy.iloc[-1]),
+        "final_accuracy": float(evaluated.iloc[-1]) if len(evaluated) else float("nan"),
         "sim_time_s": float(rounds.sim_time_s.iloc[-1]),
         "energy_j": float(rounds.total_energy_j.iloc[-1]),
         "peak_memory_bytes": float(clients.emulated_peak_memory_bytes.max()),
@@ -156,7 +158,11 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def curves(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per (fleet, strategy, round): mean simulated time and mean accuracy with its 95% interval over seeds."""
+    """Per (fleet, strategy, round): mean simulated time and mean accuracy with its 95% interval over seeds.
+
+    Rounds without an accuracy (skipped by ``server.evaluate_every``) are left out.
+    """
+    runs = runs[runs.test_accuracy.notna()]
     g = runs.groupby(["fleet", "strategy", "round"], sort=False)
     out = g.agg(sim_time_s=("sim_time_s", "mean"), accuracy=("test_accuracy", "mean")).reset_index()
     out["accuracy_ci95"] = g.test_accuracy.apply(lambda v: ci95(v.to_numpy())).to_numpy()

@@ -43,6 +43,7 @@ Conventions (documented in the README):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -301,7 +302,13 @@ class CostModel:
 
     # ---- uncertainty ------------------------------------------------------------------------
     def roofline_share(self) -> float:
-        """Share of the full step's time priced by the roofline (not by a measured table)."""
+        """Share of the full step's time priced by the roofline (not by a measured table); worked out once."""
+        share = self.__dict__.get("_roofline_share")
+        if share is None:
+            share = self._roofline_share = self._compute_roofline_share()
+        return share
+
+    def _compute_roofline_share(self) -> float:
         full = self.full_step_time_s()
         if self.measured is None or full <= 0:
             return 1.0
@@ -360,6 +367,16 @@ class CostModel:
     def backward_budget_s(self, rho: float) -> float:
         """Backward-time budget for a target step time of ``rho`` x full training."""
         return rho * self.full_step_time_s() - self.forward_time_s
+
+    def fork(self) -> CostModel:
+        """The same prices with their own evaluation count: one per training thread.
+
+        A selection is charged the evaluations it made (``evaluations`` before and after); two
+        threads counting on one model would charge each other's.
+        """
+        twin = copy.copy(self)
+        twin.evaluations, twin._other_batch = 0, {}
+        return twin
 
     def at_batch(self, batch_size: int) -> CostModel:
         """The same model, device and options priced at another batch size (cached)."""

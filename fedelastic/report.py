@@ -64,6 +64,7 @@ def _bytes(n: float) -> str:
 def accuracy_figure(rounds: pd.DataFrame) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    rounds = rounds[rounds.test_accuracy.notna()]  # rounds skipped by server.evaluate_every
     ax.plot(rounds.sim_time_s, rounds.test_accuracy, marker="o")
     for r in rounds.itertuples():
         ax.annotate(
@@ -175,10 +176,12 @@ def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
     state = status.get("status", "unknown")
     last = rounds.iloc[-1]
+    evaluated = rounds[rounds.test_accuracy.notna()]
+    accuracy = evaluated.test_accuracy.iloc[-1] if len(evaluated) else float("nan")
     head = (
         f'<p>Status <b class="{"" if state == "completed" else "bad"}">{html.escape(state)}</b>'
         + (f": {html.escape(str(status['error']))}" if status.get("error") else "")
-        + f". {int(last['round'])} rounds, final test accuracy <b>{last.test_accuracy:.3f}</b> after "
+        + f". {int(last['round'])} rounds, final test accuracy <b>{accuracy:.3f}</b> after "
         f"{last.sim_time_s:.1f} s of simulated time and {last.total_energy_j:.1f} J; "
         f"{clients.partition_id.nunique()} clients on {clients.device.nunique()} device types.</p>"
     )

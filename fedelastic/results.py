@@ -5,7 +5,8 @@ and ``clients.parquet`` (one row per client per round), ``rounds.csv`` and ``rou
 (one row per round), ``status.json``, and at the end a figure and a summary. CSV rows are
 appended and flushed every round; each ``.parquet`` is a folder that gains one part file per
 round (written atomically; ``pd.read_parquet`` reads the folder as one table), so a killed run
-leaves every finished round readable and a round's write does not grow with the run.
+leaves every finished round readable and a round's write does not grow with the run. During a
+run the rows are written behind, while the next round trains (:class:`Recorder`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import csv
 import json
 import os
 import platform
+import queue
 import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -109,6 +113,9 @@ class _Table:
         self.n_rows = 0
         self.columns: list[str] | None = None
         self._schema = None  # the parts' Arrow schema
+        self._typed: dict[tuple, object] = {}  # value types of an append's columns -> its Arrow schema (_write_part)
+        self._column_set: frozenset[str] = frozenset()
+        self.direct_parts = 0  # parts built without pandas (see _write_part)
         # never overwrite a part already there (a resumed run's table that was not reloaded)
         self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
@@ -118,21 +125,53 @@ class _Table:
             return []
         frame = pd.read_parquet(self.parquet)
         self.columns = list(frame.columns)
+        self._column_set = frozenset(self.columns)
         rows = [r for r in frame.to_dict("records") if keep(r)]
-        self.rows, self.n_rows, self._schema, self._parts = [], 0, None, 0
+        self.rows, self.n_rows, self._parts = [], 0, 0
+        self._set_schema(None)
         self.csv.unlink(missing_ok=True)
         _remove(self.parquet)
         if rows:
             self.append(rows)
         return rows
 
-    def _write_part(self, frame: pd.DataFrame, schema=None) -> tuple[Path, Path]:
-        """Write ``frame`` (cast to ``schema`` if given) as a hidden temporary part; returns (temporary, final)."""
+    def _write_part(self, rows: list[dict], merge: bool = False) -> tuple[Path, Path]:
+        """Write ``rows`` as a hidden temporary part; returns (temporary, final).
+
+        The part is exactly what ``pd.DataFrame(rows, columns=...).to_parquet(index=False,
+        schema=...)`` writes, with the earlier parts' schema (``merge``: none, types as pandas
+        infers them). Building that DataFrame, and pyarrow's
+        conversion from it, cost ~5 ms an append (issue 10), so once an append's per-column value
+        types (its *signature*) have been written that way without any cast, appends with the same
+        signature build the Arrow columns straight from the values, with that append's schema
+        (pandas' metadata included): the same bytes. Anything the fast path cannot convert, or a
+        new signature, goes through pandas.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         self.parquet.mkdir(exist_ok=True)
         final = self.parquet / f"part-{self._parts + 1:06d}.parquet"
         tmp = self.parquet / f".{final.name}.tmp"
+        assert self.columns is not None
+        values = [[row.get(c, _MISSING) for row in rows] for c in self.columns]  # DataFrame(rows, columns=...)
+        signature = tuple(frozenset(map(type, column)) for column in values)
+        table = None
+        schema = None if merge else self._typed.get(signature)
+        if schema is not None:
+            try:
+                arrays = [pa.array(v, type=f.type, from_pandas=True) for v, f in zip(values, schema)]
+                table = pa.Table.from_arrays(arrays, schema=schema)
+                self.direct_parts += 1
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                table = None  # e.g. an int beyond int64: pandas decides, as it always did
+        if table is None:
+            frame = pd.DataFrame(rows, columns=self.columns)
+            table = pa.Table.from_pandas(frame, schema=None if merge else self._schema, preserve_index=False)
+            if not merge and _plain(frame, table.schema):
+                self._typed[signature] = table.schema
         try:
-            frame.to_parquet(tmp, index=False, schema=schema)
+            pq.write_table(table, tmp, compression="snappy")  # as pandas' to_parquet
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -145,24 +184,28 @@ class _Table:
             return
         if self.columns is None:
             self.columns = list(rows[0])
+            self._column_set = frozenset(self.columns)
+        for row in rows:  # csv.DictWriter's check, before anything is written
+            if not row.keys() <= self._column_set:
+                wrong = [repr(k) for k in row if k not in self._column_set]
+                raise ValueError("dict contains fields not in fieldnames: " + ", ".join(wrong))
         new = not self.csv.exists()
         size = 0 if new else self.csv.stat().st_size
-        frame = pd.DataFrame(rows, columns=self.columns)
         tmp, merged = None, False
         try:
             try:  # the earlier parts' types (e.g. an all-empty column takes their string type)
-                tmp, final = self._write_part(frame, self._schema)
+                tmp, final = self._write_part(rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 # the types changed (a column that was all empty gets values, ints get a NaN): one
                 # part holding every row, typed as one frame of all rows would be
                 every = pd.read_parquet(self.parquet).to_dict("records") + rows
-                tmp, final = self._write_part(pd.DataFrame(every, columns=self.columns))
+                tmp, final = self._write_part(every, merge=True)
                 merged = True
             with self.csv.open("a", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=self.columns)
+                writer = csv.writer(fh)
                 if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+                    writer.writerow(self.columns)
+                writer.writerows([[row.get(c, "") for c in self.columns] for row in rows])
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
@@ -184,17 +227,36 @@ class _Table:
         if self._schema is None or merged:
             import pyarrow.parquet as pq
 
-            self._schema = pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet")
+            self._set_schema(pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet"))
         self.n_rows += len(rows)
         if self.keep_rows:
             self.rows.extend(rows)
         elif self.keep_last:
             self.rows = rows[-1:]
 
+    def _set_schema(self, schema) -> None:
+        """The parts' schema changed: what pandas makes of each signature may change with it."""
+        self._schema = schema
+        self._typed = {}
+
     def frame(self) -> pd.DataFrame:
         if not self.keep_rows:
             return pd.read_parquet(self.parquet) if self.parquet.exists() else pd.DataFrame(columns=self.columns)
         return pd.DataFrame(self.rows, columns=self.columns)
+
+
+_MISSING = float("nan")  # a key a row lacks: what pd.DataFrame(rows, columns=...) puts there
+# pandas dtypes whose Arrow column _write_part may build from the values directly
+_PLAIN_DTYPES = {"int64": "int64", "float64": "double", "bool": "bool", "str": "large_string"}
+
+
+def _plain(frame: pd.DataFrame, schema) -> bool:
+    """Whether pyarrow built ``schema`` from ``frame`` without a cast: every column a plain dtype, kept as it is."""
+    for dtype, name in zip(frame.dtypes, frame.columns):
+        arrow = _PLAIN_DTYPES.get(str(dtype))
+        if arrow is None or str(schema.field(name).type) != arrow:
+            return False
+    return True
 
 
 def _remove(path: Path) -> None:
@@ -235,12 +297,54 @@ def read_status(run_dir: str | Path) -> dict:
     return doc
 
 
+class _Writer:
+    """One thread that runs the jobs handed to it, in order; after a job fails it runs no more."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="fedelastic-writer", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job()
+            except BaseException as exc:  # noqa: BLE001 (handed to the driver's thread: Recorder.flush)
+                self.error = exc
+            finally:
+                self._jobs.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        self._jobs.join()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
 class Recorder:
     """Writes one run's results into ``folder`` as the run goes.
 
     ``status.json`` carries the PID, host and a heartbeat (rewritten every ``HEARTBEAT_S`` while
     the process lives), so :func:`read_status` tells a killed run from a running one. Every
     client error goes to ``errors.log`` in full; the tables keep one clean line.
+
+    Writes are made in the caller's thread, or, after :meth:`write_behind`, in order on one
+    background thread, beside the next round's training: a round's writes are kept until
+    :meth:`hand_over` (called as the next round is sent: with the writer busy while the driver
+    works, the driver's thread would wait for the GIL), then written while that round trains. :meth:`add_clients`
+    first waits for everything handed over before it (the previous round's rows and
+    checkpoint), so at most one round waits to be written, and raises the error of a write that
+    failed; :meth:`flush` writes and waits for all of it, and a final :meth:`status`,
+    :meth:`finish` and :meth:`close` do too.
     """
 
     def __init__(self, folder: str | Path, config: dict, *, resume: bool = False, planned_rounds: int | None = None):
@@ -263,6 +367,8 @@ class Recorder:
         self.notes: dict = {}  # figures the runtime adds to every status document (e.g. actors_replaced)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._writer: _Writer | None = None
+        self._kept: list[Callable[[], None]] = []  # writes not handed over yet (write_behind)
         if not resume:
             (self.folder / "config.toml").write_text(tomli_w.dumps(config))
             (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
@@ -308,7 +414,56 @@ class Recorder:
             }
             _write_atomic(self.folder / "status.json", json.dumps(doc, indent=2))
 
+    def write_behind(self) -> None:
+        """From now on, write on a background thread (see the class docstring)."""
+        if self._writer is None:
+            self._writer = _Writer()
+
+    def write(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a write) now, or keep it for :meth:`hand_over` (:meth:`write_behind`)."""
+        if self._writer is None:
+            job()
+            return
+        done: list[bool] = []
+
+        def once() -> None:
+            if not done:
+                done.append(True)
+                job()
+
+        self._kept.append(once)
+
+    def hand_over(self) -> None:
+        """Give the writes kept so far to the background writer, in order."""
+        if self._writer is not None:
+            for job in self._kept:
+                self._writer.submit(job)
+        self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each job runs once (write)
+
+    def flush(self) -> None:
+        """Make every write kept or handed over; raise the error of one that failed."""
+        self.flush_quietly()
+        if self._writer is not None and self._writer.error is not None:
+            raise self._writer.error
+
+    def flush_quietly(self, failing: BaseException | None = None) -> None:
+        """Make every write kept or handed over, stopping at one that fails (for a run that fails already).
+
+        A failed write is not raised but logged to errors.log and noted on ``failing`` (the run's
+        own error), so that neither is lost.
+        """
+        if self._writer is not None:
+            self.hand_over()
+            self._writer.wait()
+            error = self._writer.error
+            if failing is not None and error is not None and error is not failing:
+                with suppress(OSError):
+                    self.log_error(f"writing results failed:\n{type(error).__name__}: {error}")
+                failing.add_note(f"writing results also failed: {type(error).__name__}: {error}")
+
     def status(self, state: str, **extra) -> None:
+        if state != "running":
+            self.flush_quietly()  # the final state describes every row written
         self._state, self._extra = state, extra
         if state != "running":
             self._stop.set()
@@ -316,6 +471,7 @@ class Recorder:
 
     def finish(self, max_failure_rate: float = 0.0) -> dict:
         """Write the final status from what was recorded; returns the status document's counts and verdict."""
+        self.flush_quietly()
         counts = self.counts()
         errors = bool(counts["clients_failed"] or counts["empty_rounds"])
         state = "completed_with_errors" if errors else "completed"
@@ -332,10 +488,20 @@ class Recorder:
             if row.get("error"):
                 self.log_error(f"round {row.get('round')} partition {row.get('partition_id')}:\n{row['error']}")
                 row["error"] = one_line(row["error"])
-        self.clients.append(rows)
-        for row in rows:
-            if row.get("error"):
-                self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+        rows = [dict(row) for row in rows]  # the caller may go on using its rows
+
+        def write() -> None:
+            self.clients.append(rows)
+            for row in rows:
+                if row.get("error"):
+                    self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+
+        if self._writer is not None:  # the previous round's writes are done, or their error is raised
+            self.hand_over()  # async: several aggregations may come without a launch between them
+            self._writer.wait()
+            if self._writer.error is not None:
+                raise self._writer.error
+        self.write(write)
 
     def reload(self, keep) -> None:
         """Resume: keep an earlier run's client and round rows where ``keep(row)``."""
@@ -347,18 +513,28 @@ class Recorder:
         self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
     def add_tasks(self, rows: list[dict]) -> None:
-        self.tasks.append(rows)
+        rows = [dict(row) for row in rows]
+        self.write(lambda: self.tasks.append(rows))
 
     def add_round(self, row: dict) -> None:
-        self.rounds.append([row])
-        trained = (
-            row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
-        )
-        if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
-            self.empty_rounds.append(int(row["round"]))
-        self.status("running")
+        row = dict(row)  # a progress callback may change the caller's row
+
+        def write() -> None:
+            self.rounds.append([row])
+            trained = (
+                row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
+            )
+            if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
+                self.empty_rounds.append(int(row["round"]))
+            self.status("running")
+
+        self.write(write)
 
     def close(self) -> None:
+        self.flush_quietly()
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         self._stop.set()
 
 
@@ -377,7 +553,9 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
 
     timeline = "dispatch_s" in clients.columns and clients.dispatch_s.notna().any()
     fig, axes = plt.subplots(1, 3 if timeline else 2, figsize=(17 if timeline else 11, 4))
-    curve = rounds[np.isfinite(rounds.get("sim_time_s", pd.Series(dtype=float)).astype(float))] if len(rounds) else rounds
+    finite = lambda col: np.isfinite(rounds.get(col, pd.Series(dtype=float)).astype(float))  # noqa: E731
+    # NaN accuracy: a round that server.evaluate_every skipped
+    curve = rounds[finite("sim_time_s") & finite("test_accuracy")] if len(rounds) else rounds
     if len(curve):
         sns.lineplot(data=curve, x="sim_time_s", y="test_accuracy", marker="o", ax=axes[0])
     acc = curve["test_accuracy"].astype(float) if len(curve) else pd.Series(dtype=float)

@@ -188,6 +188,11 @@ class ServerConfig:
     staleness: Literal["inverse_sqrt", "none"] = field(
         "inverse_sqrt", help="policy 'async': weight of an update s versions old: 1/sqrt(1+s), or 1"
     )
+    evaluate_every: int = field(
+        1,
+        help="evaluate the global model on the test set after rounds that are multiples of this, the initial "
+        "model and the last round; other rounds' rows carry NaN accuracy and loss",
+    )
 
     def __post_init__(self):
         check(self.rounds >= 1, "rounds", "an integer >= 1")
@@ -209,6 +214,7 @@ class ServerConfig:
         check(self.min_rho == 0 or self.policy == "deadline_elastic", "min_rho", "0 unless policy = 'deadline_elastic'")
         check(self.concurrency >= 0, "concurrency", "an integer >= 0")
         check(self.buffer_size >= 0, "buffer_size", "an integer >= 0")
+        check(self.evaluate_every >= 1, "evaluate_every", "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -286,6 +292,11 @@ class SimulationConfig:
         "'per_client': every virtual client is its own Flower node",
     )
     cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
+    train_threads: int = field(
+        0,
+        help="cohort mode: threads training a cohort's clients side by side in one process, each on its own "
+        "model (0: automatic: 1 on Ray, in-process 2 while they keep 2 cores busy); the same results for any count",
+    )
     vectorize: bool = field(
         False,
         help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
@@ -301,6 +312,9 @@ class SimulationConfig:
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
         check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
         check(self.cohorts == 0 or self.node_mode == "cohort", "cohorts", '0 unless node_mode = "cohort"')
+        check(0 <= self.train_threads <= 1024, "train_threads", "an integer in [0, 1024] (0: automatic)")
+        check(self.train_threads <= 1 or self.node_mode == "cohort", "train_threads", '0 or 1 unless node_mode = "cohort"')
+        check(self.train_threads <= 1 or not self.vectorize, "train_threads", "0 or 1 with vectorize = true (one batched call)")
 
 
 @dataclass(frozen=True)
@@ -337,6 +351,11 @@ class Scenario:
             self.stream is None or self.stream.federated or self.num_clients == 1,
             "stream.federated",
             "true unless the fleet is one device",
+        )
+        check(
+            self.stream is None or self.server.evaluate_every == 1,
+            "server.evaluate_every",
+            "1 for a continual stream (its accuracy matrix needs every round)",
         )
 
     @property

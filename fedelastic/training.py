@@ -128,15 +128,88 @@ def seed_torch(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def seed_everything(seed: int | list[int]) -> np.random.Generator:
+def seed_everything(seed: int | list[int], torch_too: bool = True) -> np.random.Generator:
+    """The trainer's numpy generator for ``seed``; torch's global one seeded from it (unless not ``torch_too``)."""
     rng = np.random.default_rng(seed)
-    seed_torch(int(rng.integers(2**62)))
+    torch_seed = int(rng.integers(2**62))  # drawn either way: the batches that follow are the same
+    if torch_too:
+        seed_torch(torch_seed)
     return rng
+
+
+class TorchRngUsed(RuntimeError):
+    """A client trained with ``torch_seed=False`` (beside others on threads) drew from torch's global generator."""
 
 
 def ordered_params(model: nn.Module, info: ModelInfo) -> list[nn.Parameter]:
     params = dict(model.named_parameters())
     return [params[name] for name in info.tensor_names]
+
+
+class Prepared:
+    """What :func:`train_local` derives from a model alone, worked out once for many calls on it.
+
+    A cohort trains many clients one after another on one model: this spares each of them
+    walking the module tree (parameters, state dict, modules) and building an optimizer. It
+    stays valid while the model's parameters, buffers and modules stay the same objects (loading
+    weights copies them in place). The optimizer is reused with its state cleared and its
+    learning rate reset: what a fresh one starts from.
+    """
+
+    def __init__(self, model: nn.Module, info: ModelInfo):
+        self.model, self.info = model, info
+        self.params = ordered_params(model, info)
+        self.state = model.state_dict(keep_vars=True)  # name -> the live parameter or buffer
+        self.modules = dict(model.named_modules())
+        self.norms = [m for m in self.modules.values() if isinstance(m, _NORM_TYPES)]
+        # every module's train() is nn.Module's own: setting the flags is all model.train() does
+        self.plain_modes = all(type(m).train is nn.Module.train for m in self.modules.values())
+        self._optimizers: dict[tuple, torch.optim.SGD] = {}
+        self._prices: dict[tuple, tuple[float, float, float]] = {}
+        self.all_channels = [np.arange(int(c), dtype=np.int64) for c in info.tensor_channels]  # read only
+        for kept in self.all_channels:
+            kept.setflags(write=False)
+
+    def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+        """:func:`make_optimizer` over the model's parameters, as freshly made."""
+        key = (optimizer, lr, momentum, weight_decay)
+        opt = self._optimizers.get(key)
+        if opt is None:
+            opt = self._optimizers[key] = make_optimizer(self.params, optimizer, lr, momentum, weight_decay)
+        else:
+            opt.state.clear()
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return opt
+
+    def prices(self, cost: CostModel, selection: Selection) -> tuple[float, float, float]:
+        """(peak memory bytes, step time s, step MACs) of ``selection`` on ``cost``.
+
+        Pure functions of the cost model and the selection: a cohort's clients mostly select
+        alike (fixed schemes select the same tensors for every client), so each distinct
+        selection is priced once.
+        """
+        ratios, sparse = selection.ratios, selection.input_sparse
+        key = (cost, ratios.dtype.str, ratios.tobytes(), None if sparse is None else np.asarray(sparse, bool).tobytes())
+        got = self._prices.get(key)
+        if got is None:
+            if len(self._prices) >= 4096:
+                self._prices.clear()
+            got = (cost.peak_memory_bytes(ratios, sparse), cost.step_time_s(ratios), cost.step_macs(ratios))
+            self._prices[key] = got
+        return got
+
+    def set_norm_modes(self, bn_mode: str) -> None:
+        """:func:`_set_norm_modes`, without walking the module tree."""
+        if not self.plain_modes:
+            _set_norm_modes(self.model, bn_mode)
+            return
+        for mod in self.modules.values():
+            if not mod.training:  # most are already: a cohort's clients leave them so
+                mod.training = True
+        if bn_mode != "train":
+            for mod in self.norms:
+                mod.training = False
 
 
 def count_backward_nodes(loss: torch.Tensor) -> int:
@@ -293,12 +366,18 @@ class _Applied:
     """A selection applied to a model: requires_grad, norm modes and channel masks."""
 
     def __init__(
-        self, model: nn.Module, info: ModelInfo, params: list[nn.Parameter], selection: Selection, bn_mode: str
+        self,
+        model: nn.Module,
+        info: ModelInfo,
+        params: list[nn.Parameter],
+        selection: Selection,
+        bn_mode: str,
+        modules: dict[str, nn.Module] | None = None,
     ):
         self.params, self.selection = params, selection
         for p, r in zip(params, selection.ratios):
             p.requires_grad_(bool(r > 0))
-        modules = dict(model.named_modules())
+        modules = dict(model.named_modules()) if modules is None else modules
         for layer in info.layers:
             mod = modules[layer.name]
             if isinstance(mod, _NORM_TYPES):
@@ -342,6 +421,13 @@ class _Applied:
                     state_buf[frozen] = 0 if buf is None else buf
 
 
+def _mean(losses: list[float]) -> float:
+    """``float(np.mean(losses))`` (nan if empty); one loss is its own mean, without numpy's call overhead."""
+    if len(losses) == 1:
+        return float(losses[0])
+    return float(np.mean(losses)) if losses else float("nan")
+
+
 def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_steps: int = 0):
     """Shuffled index batches over ``epochs`` passes, capped at ``max_steps`` (0: no cap)."""
     step = 0
@@ -363,17 +449,20 @@ def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
                 mod.eval()
 
 
-def select_and_charge(strategy, ctx, cost, result) -> tuple:
+def select_and_charge(strategy, ctx, cost, result, prepared: Prepared | None = None) -> tuple:
     """``strategy.select(ctx)``, its selector work charged to ``result`` and its peak memory recorded.
 
-    Returns (selection, the selection's peak memory in bytes).
+    Returns (selection, the selection's peak memory in bytes); ``prepared`` prices it (cached).
     """
     evaluations = cost.evaluations
     selection = strategy.select(ctx)
     selector_s = 0.0 if strategy.offline else cost.selector_time_s(cost.evaluations - evaluations, ctx.ops)
     result.selector_time_s += selector_s
     result.overhead_time_s += selector_s
-    peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+    if prepared is None:
+        peak = cost.peak_memory_bytes(selection.ratios, selection.input_sparse)
+    else:
+        peak = prepared.prices(cost, selection)[0]
     result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
     return selection, peak
 
@@ -396,25 +485,34 @@ def train_local(
     bn_mode: str = "frozen",
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
+    prepared: Prepared | None = None,
+    torch_seed: bool = True,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
     ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
     ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
     steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
+    ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
+    ``torch_seed=False`` leaves torch's global generator alone (threads training side by side,
+    for a model that never draws from it): a call during which it moved raises
+    :class:`TorchRngUsed` (another thread's call may have moved it: each is trained again alone).
     """
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
     if lr_schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
     start = time.perf_counter()
-    rng = seed_everything(seed)
-    params = ordered_params(model, info)
-    opt = make_optimizer(params, optimizer, lr, momentum, weight_decay)
+    rng = seed_everything(seed, torch_seed)
+    rng_state = None if torch_seed else torch.default_generator.get_state()
+    if prepared is None or prepared.model is not model:
+        prepared = Prepared(model, info)
+    params = prepared.params
+    opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
     x_all, y_all = torch.from_numpy(data.x).to(dev), torch.from_numpy(data.y).to(dev)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    _set_norm_modes(model, bn_mode)
+    before = {k: v.detach().clone() for k, v in prepared.state.items()}
+    prepared.set_norm_modes(bn_mode)
     result = LocalResult(fits=True, num_examples=len(data))
     union = np.zeros(info.num_tensors)
     channel_union: dict[int, tuple[int, np.ndarray]] = {}  # partial tensor -> (axis, kept channels)
@@ -423,16 +521,21 @@ def train_local(
     step_time = step_macs = 0.0
     memory = cost.device.memory_train_bytes.value
     steps_per_epoch = -(-len(data) // batch_size)
-    plan = list(batches(len(data), batch_size, epochs, rng, max_steps))
+    plan = [torch.from_numpy(idx) for idx in batches(len(data), batch_size, epochs, rng, max_steps)]
+
+    def finish(result: LocalResult) -> LocalResult:
+        if rng_state is not None and not torch.equal(torch.default_generator.get_state(), rng_state):
+            raise TorchRngUsed("torch's global random generator moved while this client trained on a thread")
+        result.host_wall_s = time.perf_counter() - start
+        return result
 
     def fail(reason: str) -> LocalResult:
         model.load_state_dict(before)
         result.fits, result.reason = False, reason
         result.train_time_s += result.overhead_time_s
         result.trained, result.channel_masks, result.ratios = {}, {}, None
-        result.train_loss = float(np.mean(losses)) if losses else float("nan")
-        result.host_wall_s = time.perf_counter() - start
-        return result
+        result.train_loss = _mean(losses)
+        return finish(result)
 
     for step, idx in enumerate(plan):
         x, y = x_all[idx], y_all[idx]
@@ -465,10 +568,10 @@ def train_local(
                         else:
                             ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
                         result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
-            selection, peak = select_and_charge(strategy, ctx, cost, result)
+            selection, peak = select_and_charge(strategy, ctx, cost, result, prepared)
             if peak > ctx.memory_budget_bytes:
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
-            applied = _Applied(model, info, params, selection, bn_mode)
+            applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
             result.selections += 1
             for k in np.flatnonzero(selection.ratios > 0):
                 k = int(k)
@@ -477,12 +580,15 @@ def train_local(
                     axis, mask = applied.masks[k]
                     kept = np.flatnonzero(mask.numpy())
                 else:
-                    axis, kept = 0, np.arange(info.tensor_channels[k])
-                old_axis, old = channel_union.get(k, (axis, np.zeros(0, np.int64)))
+                    axis, kept = 0, prepared.all_channels[k]
+                if k not in channel_union:  # kept is sorted and unique: it is its own union with nothing
+                    channel_union[k] = (axis, kept if kept.dtype == np.int64 else kept.astype(np.int64))
+                    continue
+                old_axis, old = channel_union[k]
                 if old_axis != axis:  # trained along both axes in one round: send it whole
                     axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
                 channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
-            step_time, step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
+            _, step_time, step_macs = prepared.prices(cost, selection)
         if not selection.mask.any():
             continue  # nothing to train: no step runs
         opt.zero_grad(set_to_none=True)
@@ -494,7 +600,7 @@ def train_local(
         result.macs += step_macs
         result.steps += 1
     result.train_time_s += result.overhead_time_s
-    result.train_loss = float(np.mean(losses)) if losses else float("nan")
+    result.train_loss = _mean(losses)
     if not result.steps and plan:  # it fits, yet no step ran: say why (the server counts it apart)
         result.reason = (
             f"strategy {type(strategy).__name__} selected no tensor to train on this device "
@@ -503,8 +609,7 @@ def train_local(
     result.ratios = union
     for p in params:
         p.requires_grad_(True)
-    state = model.state_dict()
-    modules = dict(model.named_modules())
+    state, modules = prepared.state, prepared.modules
     for k in np.flatnonzero(union > 0):
         name = info.tensor_names[k]
         result.trained[name] = state[name].detach().cpu().numpy().copy()
@@ -520,9 +625,8 @@ def train_local(
         for layer in info.layers:
             if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):
                 for buf in ("running_mean", "running_var"):
-                    result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].cpu().numpy().copy()
-    result.host_wall_s = time.perf_counter() - start
-    return result
+                    result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].detach().cpu().numpy().copy()
+    return finish(result)
 
 
 def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:

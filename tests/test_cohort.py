@@ -185,6 +185,9 @@ def test_seed_torch_draws_what_torch_manual_seed_draws():
         ({"node_mode": "nodes"}, "simulation.node_mode"),
         ({"cohorts": -1}, "simulation.cohorts"),
         ({"cohorts": 2, "node_mode": "per_client"}, "simulation.cohorts"),  # would be ignored: refused
+        ({"train_threads": -1}, "simulation.train_threads"),
+        ({"train_threads": 2, "node_mode": "per_client"}, "simulation.train_threads"),
+        ({"train_threads": 2, "vectorize": True}, "simulation.train_threads"),
     ],
 )
 def test_bad_cohort_keys_are_one_line_errors(make_scenario, sim, key):

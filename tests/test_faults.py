@@ -543,7 +543,9 @@ def test_table_append_is_all_or_nothing(tmp_path, monkeypatch):
 
     table = _Table(tmp_path, "t")
     table.append([{"a": 1, "b": "x"}])
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    import pyarrow.parquet as pq  # what writes every part
+
+    monkeypatch.setattr(pq, "write_table", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     with pytest.raises(OSError):
         table.append([{"a": 2, "b": "y"}])
     assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,x"] and len(table.rows) == 1

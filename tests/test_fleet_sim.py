@@ -25,9 +25,9 @@ def test_late_updates_are_never_aggregated(make_scenario, monkeypatch):
     aggregated = []
     real = server.PartialFedAvg._update
 
-    def spy(self, m):
+    def spy(self, m, *decoded):
         aggregated.append((self._round_now, self.partition_of_node[m.metadata.src_node_id]))
-        return real(self, m)
+        return real(self, m, *decoded)
 
     real_configure = server.PartialFedAvg.configure_train
 

@@ -52,7 +52,9 @@ def test_a_leftover_temporary_part_is_not_read(tmp_path):
 def test_failed_part_write_leaves_csv_and_parquet_agreeing(tmp_path, monkeypatch):
     table = _Table(tmp_path, "t")
     table.append(_rows(1))
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    import pyarrow.parquet as pq  # what writes every part
+
+    monkeypatch.setattr(pq, "write_table", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
     with pytest.raises(OSError):
         table.append(_rows(2))
     assert len(pd.read_csv(tmp_path / "t.csv")) == 3 and len(pd.read_parquet(tmp_path / "t.parquet")) == 3

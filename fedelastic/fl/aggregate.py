@@ -21,18 +21,22 @@ class ClientUpdate:
     channel_masks: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
-def _value_and_weight(upd: ClientUpdate, name: str, current: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Client ``upd``'s value of tensor ``name`` and its per-element weight (examples x channel mask)."""
+def _value_and_weight(upd: ClientUpdate, name: str, current: np.ndarray) -> tuple[np.ndarray, np.ndarray | float]:
+    """Client ``upd``'s value of tensor ``name`` and its per-element weight (examples x channel mask).
+
+    Without a mask the weight is one number: the same products and sums, element by element, as
+    an array filled with it, without making that array.
+    """
     value = np.asarray(upd.arrays[name], dtype=np.float64)
     if value.shape != current.shape:
         raise ValueError(f"tensor {name!r}: update shape {value.shape} != global {current.shape}")
+    if name not in upd.channel_masks:
+        return value, float(upd.weight)
     w = np.full(current.shape, float(upd.weight))
-    if name in upd.channel_masks:
-        mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
-        if mask.ndim == 1:
-            mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
-        w = w * np.broadcast_to(mask, current.shape)
-    return value, w
+    mask = np.asarray(upd.channel_masks[name], dtype=np.float64)
+    if mask.ndim == 1:
+        mask = mask.reshape((-1,) + (1,) * (current.ndim - 1))
+    return value, w * np.broadcast_to(mask, current.shape)
 
 
 def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:

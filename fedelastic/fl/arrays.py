@@ -39,8 +39,11 @@ def _remember(cache: dict, key, value) -> None:
     cache[key] = value
 
 
-def to_numpy(array: Array) -> np.ndarray:
-    """``array.numpy()``, with the ``.npy`` header parsed once per distinct header."""
+def to_numpy(array: Array, copy: bool = True) -> np.ndarray:
+    """``array.numpy()``, with the ``.npy`` header parsed once per distinct header.
+
+    ``copy=False``: a read-only view of the message's bytes (no copy), for a reader that only reads.
+    """
     data = array.data
     if array.stype != _NPY or data[:6] != _MAGIC or data[6] not in (1, 2):
         return array.numpy()
@@ -62,7 +65,7 @@ def to_numpy(array: Array) -> np.ndarray:
         return array.numpy()  # let numpy raise its own error
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
     out = flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
-    return out.copy(order="K")  # writable and owning its memory, as np.load's result
+    return out.copy(order="K") if copy else out  # a copy: writable and owning its memory, as np.load's result
 
 
 def from_numpy(ndarray: np.ndarray) -> Array:
@@ -130,8 +133,9 @@ def record_from_numpy(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return _record({k: from_numpy(np.asarray(v)) for k, v in arrays.items()})
 
 
-def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {k: to_numpy(v) for k, v in record.items()}
+def record_to_numpy(record: ArrayRecord, copy: bool = True) -> dict[str, np.ndarray]:
+    """The record's arrays (``copy=False``: read-only views of its bytes, see :func:`to_numpy`)."""
+    return {k: to_numpy(v, copy) for k, v in record.items()}
 
 
 def record_to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:

@@ -127,15 +127,14 @@ class Resumable(PartialFedAvg):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0 and self.offset:
             return None  # the initial row is already on disk
-        metrics = super().evaluate(server_round + self.offset, arrays)
-        save_checkpoint(
-            self.recorder.folder,
-            {
-                "round": server_round + self.offset,
-                "model": _tensors(record_to_numpy(arrays)),
-                "server": {key: getattr(self, key) for key in SERVER_STATE},
-                "client_states": {p: _tensors(st) for p, st in self.client_states.items()},
-                "rng": _rng_state(),
-            },
-        )
-        return metrics
+        return super().evaluate(server_round + self.offset, arrays)
+
+    def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
+        doc = {  # taken now; written after the round's rows (never ahead of them), perhaps behind
+            "round": server_round,
+            "model": _tensors(record_to_numpy(arrays)),
+            "server": {key: getattr(self, key) for key in SERVER_STATE},
+            "client_states": {p: _tensors(st) for p, st in self.client_states.items()},
+            "rng": _rng_state(),
+        }
+        self.recorder.write(lambda: save_checkpoint(self.recorder.folder, doc))

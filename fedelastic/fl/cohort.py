@@ -24,9 +24,11 @@ What a client's own node would do, a cohort does per client:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from functools import partial
 
 import numpy as np
 import torch
@@ -34,9 +36,11 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.serverapp import Grid
 
 from ..fleet import local_steps
+from ..quant import device_numerics
 from ..scenario import Scenario
+from ..training import TorchRngUsed, seed_everything
 from .arrays import record_to_torch
-from .client import prepare_job, reply_content, too_slow_content, train_cohort
+from .client import prepare_job, record_dict, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment
 from .raypool import timeout_reason
 
@@ -45,20 +49,87 @@ DONE, FAILED, TIMEOUT, UNRUN = "done", "failed", "timeout", "unrun"
 _MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
 
 
+def training_threads(env: RunEnvironment, jobs: list) -> int:
+    """Threads that train a cohort call's jobs side by side, each on its own model instance.
+
+    ``simulation.train_threads``, at most one per job; ``0`` (automatic): on Ray 1 (its workers
+    are the parallelism), in-process 2 where the process may use two cores or more, while the
+    :class:`ThreadGauge` finds that they do run side by side. One thread where threads could race,
+    whatever was asked: a vectorised cohort (one batched call), a client whose numerics are
+    emulated (int8/fp16: their optimizer hooks are process-wide), a model off the CPU, and a
+    model that drew from torch's global random generator (each client seeds it).
+    """
+    sim = env.scenario.simulation
+    n = sim.train_threads or (min(2, usable_cores()) if sim.backend == "inprocess" else 1)
+    n = min(n, len(jobs))
+    if n <= 1 or sim.vectorize or env.torch_rng_used:
+        return 1
+    t = env.scenario.train
+    if any(device_numerics(t, env.profile(env.devices[j.pid]).train_dtype).dtype != "fp32" for j in jobs):
+        return 1
+    if any(p.device.type != "cpu" for p in env.client_model.parameters()):
+        return 1
+    if sim.train_threads == 0:
+        if env.thread_gauge is None:
+            env.thread_gauge = ThreadGauge()
+        n = env.thread_gauge.threads(n)
+    return n
+
+
+class ThreadGauge:
+    """Whether training threads run side by side in this process (the automatic thread count).
+
+    Threads pay off only where a second core is free: the Python between torch's kernels holds
+    the GIL, and on a machine whose cores are taken by other work, threads hand the GIL to each
+    other through the scheduler and train slower than one thread. After a call on threads, their
+    CPU time (summed) over the call's wall time is the number of cores they got: below
+    ``min_cores`` the next calls train on one thread, and every ``retry``-th call tries threads
+    again. The results do not depend on it (every thread count gives the same results).
+    """
+
+    def __init__(self, min_cores: float = 1.3, retry: int = 8):
+        self.min_cores, self.retry = min_cores, retry
+        self.parallel, self.calls = True, 0
+
+    def threads(self, wanted: int) -> int:
+        self.calls += 1
+        return wanted if self.parallel or self.calls % self.retry == 0 else 1
+
+    def record(self, threads: int, wall_s: float, cpu_s: float) -> None:
+        """A finished call on ``threads`` threads: ``wall_s`` long, ``cpu_s`` of the threads' CPU time."""
+        if threads > 1 and wall_s > 0:
+            self.parallel = cpu_s / wall_s >= self.min_cores
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def cohort_train(scenario: Scenario, msg: Message) -> Message:
-    """The ClientApp's train handler for a cohort message: every member's reply, packed into one."""
+    """The ClientApp's train handler for a cohort message: every member's reply, packed into one.
+
+    The members train on :func:`training_threads` threads, each on its own model, taking the
+    next untrained member as it finishes one; each member's result is what it would be trained
+    alone, so the reply is the same whatever thread trained what. Each member has ``timeout-s``
+    from its own start; when one overruns, no thread starts another member, the others finish
+    theirs, and the members never started go back unrun.
+    """
     env = environment(scenario)
-    torch.set_num_threads(scenario.simulation.torch_threads)
+    sim = scenario.simulation
+    torch.set_num_threads(sim.torch_threads)
     content = msg.content
     head = content["cohort"]
     pids = [int(p) for p in head["partition-ids"]]
     timeout_s = float(head["timeout-s"])
     status, reasons = [UNRUN] * len(pids), [""] * len(pids)
-    out = RecordDict()
+    members: dict[int, RecordDict] = {}
 
     def put(i: int, member: RecordDict) -> None:
-        for key, record in member.items():
-            out[f"{key}.{i}"] = record
+        members[i] = member
         status[i] = DONE
 
     def fail(i: int, exc: BaseException) -> None:
@@ -79,59 +150,100 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
     abandoned = False
     if jobs:
         weights = record_to_torch(content["arrays"])
-        finished: list = []  # (job, reply content or exception), appended by the training thread
-        cancelled = threading.Event()  # set when a client overran: the thread must not start another
-        progress = [time.monotonic()]  # when the running client started
+        n = training_threads(env, jobs)
+        models = env.client_models(n)
+        lock = threading.Lock()  # guards finished, running and started (the watchdog reads them together)
+        finished: dict[int, RecordDict | Exception] = {}  # job -> reply content or exception
+        running: list[int | None] = [0 if sim.vectorize else None] * n  # the job each thread trains
+        started = [time.monotonic()] * n  # when it started it
+        cancelled = threading.Event()  # no thread may start another job
+        untaken = iter(range(len(jobs)))  # shared by the threads
 
-        def report(j: int, result) -> bool:  # on the training thread: the reply is built there too
+        def take(k: int) -> Iterator[int]:  # thread k's next jobs
+            while True:
+                with lock:
+                    j = None if cancelled.is_set() else next(untaken, None)
+                    if j is None:
+                        return
+                    running[k], started[k] = j, time.monotonic()
+                yield j
+
+        def report(k: int, j: int, result) -> bool:  # on thread k: the reply is built there too
             try:
                 if isinstance(result, Exception):
                     raise result
                 reply: RecordDict | Exception = reply_content(env, jobs[j], result)
             except Exception as exc:  # noqa: BLE001 (this client's failure)
                 reply = exc
-            progress[0] = time.monotonic()  # before the result shows: a watchdog that sees it sees the new start
-            finished.append((j, reply))
+            if isinstance(reply, TorchRngUsed):  # trained again alone: threads no more in this process
+                env.torch_rng_used = True
+                cancelled.set()
+            with lock:
+                finished[j] = reply
+                running[k] = None
             return not cancelled.is_set()
 
-        crashed: list[BaseException] = []  # what stopped the training thread outside any one client
+        crashed: list[BaseException] = []  # what stopped a training thread outside any one client
+        cpu_s = [0.0] * n  # each thread's own CPU time (the process's other threads, e.g. a writer, left out)
 
-        def work(model: torch.nn.Module) -> None:
-            torch.set_num_threads(scenario.simulation.torch_threads)  # OpenMP's thread count is per thread
+        def work(k: int) -> None:
+            start = time.thread_time()
+            torch.set_num_threads(sim.torch_threads)  # OpenMP's thread count is per thread
             try:
-                train_cohort(env, model, weights, jobs, done=report)
-            except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: every client left fails)
+                train_cohort(env, models[k], weights, jobs, partial(report, k), take(k), alone=n == 1)
+            except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: its clients fail)
                 crashed.append(exc)
+            cpu_s[k] = time.thread_time() - start
 
-        thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
-        thread.start()
-        done = len(jobs)
+        threads = [threading.Thread(target=work, args=(k,), name=f"cohort-{k}", daemon=True) for k in range(n)]
+        wall0 = time.perf_counter()
+        for thread in threads:
+            thread.start()
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
-        budget_s = timeout_s * (len(jobs) if scenario.simulation.vectorize else 1)
-        while True:  # wakes only at a client's deadline, not after every client
-            thread.join(max(0.0, progress[0] + budget_s - time.monotonic()))
-            if not thread.is_alive():
-                done = len(finished)
+        budget_s = timeout_s * (len(jobs) if sim.vectorize else 1)
+        late: dict[int, int] = {}  # thread -> the job it overran
+        while True:  # wakes at a client's deadline or when a thread ends, not after every client
+            with lock:
+                now = time.monotonic()
+                for k in range(n):
+                    j = running[k]
+                    if k not in late and j is not None and threads[k].is_alive() and now >= started[k] + budget_s:
+                        late[k] = j  # even if it reports now: it is late
+                        cancelled.set()
+                live = [k for k in range(n) if k not in late and threads[k].is_alive()]
+                waits = [started[k] + budget_s - now for k in live if running[k] is not None]
+            if not live:
                 break
-            done = len(finished)  # read before the deadline: a client finishing now is late
-            if time.monotonic() >= progress[0] + budget_s:  # client `done` overran
-                cancelled.set()
-                abandoned = True
-                env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
-                break
-        for j, result in finished[:done]:
-            if isinstance(result, Exception):
-                fail(where[j], result)
+            threads[live[0]].join(max(0.0, min(waits, default=budget_s)))
+        abandoned = bool(late)
+        if env.thread_gauge is not None and not abandoned:
+            env.thread_gauge.record(n, time.perf_counter() - wall0, sum(cpu_s))
+        for k in late:
+            env.drop_client_model(k)  # its abandoned thread still trains on it
+        with lock:  # an abandoned thread may still report
+            final = dict(finished)
+        timed_out = set(late.values())
+        if abandoned and sim.vectorize:  # one call: all of its clients timed out
+            timed_out = set(range(len(jobs))) - set(final)
+        for j in sorted(final):
+            reply = final[j]
+            if j in timed_out or isinstance(reply, TorchRngUsed):  # TorchRngUsed: left unrun, sent again
+                continue
+            if isinstance(reply, Exception):
+                fail(where[j], reply)
             else:
-                put(where[j], result)
-        for j in range(done, len(jobs)) if crashed else ():  # never reported: the thread's failure is theirs
-            fail(where[j], crashed[0])
-        if abandoned:  # the overrunning client timed out (vectorised: all of them, one call); the rest go back unrun
-            for j in range(done, len(jobs) if scenario.simulation.vectorize else done + 1):
-                status[where[j]] = TIMEOUT
-                reasons[where[j]] = timeout_reason(scenario.simulation.timeout_s)
-    out["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
-    return Message(content=out, reply_to=msg)
+                put(where[j], reply)
+        for j in sorted(timed_out):
+            status[where[j]], reasons[where[j]] = TIMEOUT, timeout_reason(sim.timeout_s)
+        for j in range(len(jobs)) if crashed else ():  # never reported: the thread's failure is theirs
+            if j not in final and j not in timed_out:
+                fail(where[j], crashed[0])
+        if n > 1 and not abandoned:  # torch's generator as one thread leaves it: seeded by the last client
+            last = jobs[-1]
+            seed_everything([scenario.seed, last.server_round, last.pid])
+    records = {f"{key}.{i}": record for i in sorted(members) for key, record in members[i].items()}
+    records["cohort"] = ConfigRecord({"status": status, "reasons": reasons, "abandoned": abandoned})
+    return Message(content=record_dict(records), reply_to=msg)
 
 
 def warm_up(scenario: Scenario) -> None:
@@ -274,7 +386,7 @@ class CohortGrid(Grid):
                 for j, i in enumerate(chunk):
                     state, reason = head["status"][j], head["reasons"][j]
                     if state == DONE:
-                        member = RecordDict(
+                        member = record_dict(
                             {k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content}
                         )
                         if "strategy-state" in member:

@@ -7,8 +7,10 @@ the cost models. Nothing large travels with the messages but the model arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,10 @@ class RunEnvironment:
         self.scenario = scenario
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, DeviceProfile] = {}
+        self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}
+        self._thread_models: list[nn.Module | None] = []  # training threads' models beyond client_model
+        self.torch_rng_used = False  # a client drew from torch's global generator: cohorts train on one thread
+        self.thread_gauge: Any = None  # fl.cohort.ThreadGauge: whether training threads run side by side here
 
     @cached_property
     def external(self) -> FederatedData | None:
@@ -154,6 +160,22 @@ class RunEnvironment:
         """One model instance per process, reused by every client call (weights are loaded each time)."""
         return self.new_model()
 
+    def client_models(self, n: int) -> list[nn.Module]:
+        """``n`` model instances for a cohort's training threads: :attr:`client_model`, then others kept for reuse."""
+        while len(self._thread_models) < n - 1:
+            self._thread_models.append(None)
+        for k, model in enumerate(self._thread_models[: n - 1]):
+            if model is None:
+                self._thread_models[k] = self.new_model()
+        return [self.client_model, *self._thread_models[: n - 1]]  # type: ignore[list-item]
+
+    def drop_client_model(self, k: int) -> None:
+        """Forget training thread ``k``'s model (an abandoned call still trains on it): a new one is built."""
+        if k == 0:
+            self.__dict__.pop("client_model", None)
+        elif k - 1 < len(self._thread_models):
+            self._thread_models[k - 1] = None
+
     @cached_property
     def info(self) -> ModelInfo:
         model = self.new_model()
@@ -175,10 +197,21 @@ class RunEnvironment:
         return "frozen" if sc.model.pretrain is not None or sc.model.weights else "train"
 
     def strategy(self, rho: float | None = None) -> SelectionStrategy:
-        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option."""
+        """The train strategy; ``rho`` (from a deadline) replaces the scenario's rho option.
+
+        A fresh instance each call, of a class and (frozen) config validated once per ``rho``.
+        """
+        known = self._strategies.get(rho)
+        if known is not None:
+            cls, config = known
+            return cls(config)
         t = self.scenario.train
         options = t.options if rho is None else {**t.options, "rho": rho}
-        return make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
+        strategy = make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
+        config = strategy.config
+        if dataclasses.is_dataclass(config) and type(config).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            self._strategies[rho] = (type(strategy), config)  # shared by its instances: it cannot change
+        return strategy
 
 
 _CACHE: dict[str, RunEnvironment] = {}

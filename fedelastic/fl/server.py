@@ -27,7 +27,7 @@ from flwr.supercore import log
 from ..continual import evaluate_tasks
 from ..continual import report as continual_report
 from ..costmodel import CostModel
-from ..errors import RunFailed
+from ..errors import RunFailed, StopRun
 from ..fleet import (
     Availability,
     Batteries,
@@ -94,11 +94,16 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     return mapping
 
 
-def nonfinite_update(reply: Message) -> str:
-    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure)."""
+def nonfinite_update(reply: Message, arrays: dict[str, np.ndarray] | None = None) -> str:
+    """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure).
+
+    ``arrays``: the reply's arrays, if already decoded.
+    """
     loss = float(reply.content["metrics"]["train-loss"])
-    for name, value in record_to_numpy(reply.content["arrays"]).items():
-        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+    if arrays is None:
+        arrays = record_to_numpy(reply.content["arrays"], copy=False)
+    for name, value in arrays.items():
+        if value.dtype.kind == "f" and not np.isfinite(value).all():  # kind "f": np.floating
             return f"non-finite update: tensor {name!r} holds NaN/inf (train loss {loss:g}); update rejected"
     if reply.content["metrics"]["fits"] and int(reply.content["metrics"]["steps"]) and not np.isfinite(loss):
         return f"non-finite update: train loss is {loss:g}; update rejected"
@@ -377,6 +382,9 @@ class PartialFedAvg(FedAvg):
             messages.append(
                 Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
             )
+        # the previous round's rows and checkpoint: written while this round trains (handed over
+        # here, not at that round's end: a writer busy while this thread works makes it wait for the GIL)
+        self.recorder.hand_over()
         return messages
 
     def _trip(self, metrics: dict, dispatch_s: float, version: int) -> Trip:
@@ -469,8 +477,11 @@ class PartialFedAvg(FedAvg):
             "error": reason,
         }
 
-    def _failures(self, replies: list[Message], sampled: list[int]) -> tuple[list[Message], dict[int, str]]:
-        """Replies that can be used, and partition -> reason for the rest (errors, NaN/inf, no reply)."""
+    def _failures(
+        self, replies: list[Message], sampled: list[int]
+    ) -> tuple[list[tuple[Message, dict[str, np.ndarray]]], dict[int, str]]:
+        """Replies that can be used, each with its arrays (read-only views), and partition -> reason
+        for the rest (errors, NaN/inf, no reply)."""
         failures = {
             self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
         }
@@ -478,23 +489,28 @@ class PartialFedAvg(FedAvg):
         for m in replies:
             if m.has_error():
                 continue
-            bad = nonfinite_update(m)  # a NaN/inf update is rejected and recorded with its client
+            arrays = record_to_numpy(m.content["arrays"], copy=False)  # decoded once: checked, then averaged
+            bad = nonfinite_update(m, arrays)  # a NaN/inf update is rejected and recorded with its client
             if bad:
                 failures[int(m.content["metrics"]["partition-id"])] = bad
             else:
-                ok.append(m)
+                ok.append((m, arrays))
         replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
         for p in sampled:  # no reply within the round's timeout: a row, not a gap
             if p not in replied:
                 failures[p] = timeout_reason(self.sc.simulation.timeout_s)
         return ok, failures
 
-    def _update(self, m: Message) -> ClientUpdate:
+    def _update(self, m: Message, arrays: dict[str, np.ndarray]) -> ClientUpdate:
         return ClientUpdate(
-            float(m.content["metrics"]["num-examples"]),
-            record_to_numpy(m.content["arrays"]),
-            record_to_numpy(m.content["masks"]),
+            float(m.content["metrics"]["num-examples"]), arrays, record_to_numpy(m.content["masks"], copy=False)
         )
+
+    @staticmethod
+    def _metrics(m: Message) -> dict:
+        """The reply's figures the server uses (METRIC_KEYS), as a plain dict."""
+        every = dict(m.content["metrics"].items())
+        return {k: every[k] for k in METRIC_KEYS}
 
     def _summary(self, rows: list[dict], failed: int, start_s: float, end_s: float) -> dict:
         fitted = [r for r in rows if r["fits"] and r["status"] != "too_slow"]
@@ -538,14 +554,14 @@ class PartialFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
         ok, failures = self._failures(replies, getattr(self, "_sampled", []))
-        metrics = [{k: m.content["metrics"][k] for k in METRIC_KEYS} for m in ok]
+        metrics = [self._metrics(m) for m, _ in ok]
         start = self.sim_time_s
         trips = [self._trip(r, start, server_round - 1) for r in metrics]
         deadline = self._deadline if self.policy != "wait_all" else None
         keep = (self.sc.server.clients_per_round or self.sc.num_clients) if self.policy == "overcommit" else None
         end, status = sync_round(trips, start, deadline, keep)
         rows = []
-        for m, r, trip in zip(ok, metrics, trips):
+        for (m, _), r, trip in zip(ok, metrics, trips):
             state = status[trip.partition_id]
             cost = self.fleet.cost(trip.partition_id)
             # a late or surplus client is told to stop when the round closes
@@ -559,11 +575,11 @@ class PartialFedAvg(FedAvg):
         )
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
-        counted = [(m, row) for m, row in zip(ok, rows) if row["counted"]]
-        updates = [self._update(m) for m, _ in counted]
+        counted = [(m, arrays, row) for (m, arrays), row in zip(ok, rows) if row["counted"]]
+        updates = [self._update(m, arrays) for m, arrays, _ in counted]
         if self.sc.server.fednova and (self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0):
             updates = fednova_rescale(
-                current, updates, [row["steps"] for _, row in counted], set(self.env.info.tensor_names)
+                current, updates, [row["steps"] for _, _, row in counted], set(self.env.info.tensor_names)
             )
         new_state = aggregate_partial(current, updates)
         self._check_finite(server_round, new_state)
@@ -584,14 +600,14 @@ class PartialFedAvg(FedAvg):
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
     def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
         """FedBuff on the clock: up to ``concurrency`` clients in flight, an aggregation every ``buffer_size`` arrivals."""
-        sc, n = self.sc, self.sc.num_clients
+        sc, n, recorder = self.sc, self.sc.num_clients, self.recorder
         concurrency = sc.server.concurrency or sc.server.clients_per_round or n
         buffer_size = sc.server.buffer_size or max(1, concurrency // 2)
         rng = np.random.default_rng([sc.seed, 0xA5])
         self.evaluate(0, initial_arrays)
         states = {0: record_to_numpy(initial_arrays)}
         version, last_t, dispatched = 0, 0.0, 0
-        replies: dict[Trip, tuple[dict, Message]] = {}
+        replies: dict[Trip, tuple[dict, Message, dict[str, np.ndarray]]] = {}
         pending: list[dict] = []  # rows since the last aggregation
         failures = 0
 
@@ -626,6 +642,7 @@ class PartialFedAvg(FedAvg):
                     )
                 )
             trips = []
+            recorder.hand_over()  # earlier aggregations' writes: made while these clients train
             got = sorted(
                 grid.send_and_receive(messages, timeout=timeout),
                 key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
@@ -636,15 +653,15 @@ class PartialFedAvg(FedAvg):
                 if failures > 10 * n + sc.server.rounds * buffer_size:
                     raise RuntimeError("asynchronous run: clients keep failing")
                 pending.append(self._failed_row(version + 1, p, why))
-            for m in ok:
-                r = {k: m.content["metrics"][k] for k in METRIC_KEYS}
+            for m, arrays in ok:
+                r = self._metrics(m)
                 trip = self._trip(r, t, v)
-                replies[trip] = (r, m)
+                replies[trip] = (r, m, arrays)
                 trips.append(trip)
             return trips
 
         def discard(trip: Trip, t: float, why: str) -> None:
-            r, m = replies.pop(trip)
+            r, m, _ = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
             pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m)))
             self.fleet.drain(trip.partition_id, t, energy)
@@ -653,11 +670,11 @@ class PartialFedAvg(FedAvg):
             nonlocal version, last_t
             rows, updates, bases, discounts = [], [], [], []
             for a in buffer:
-                r, m = replies.pop(a.trip)
+                r, m, arrays = replies.pop(a.trip)
                 energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
                 rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness, _fits_reason(m)))
                 self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
-                updates.append(self._update(m))
+                updates.append(self._update(m, arrays))
                 bases.append(states[a.trip.version])
                 discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
             states[v] = aggregate_buffered(states[version], updates, bases, discounts)
@@ -700,16 +717,24 @@ class PartialFedAvg(FedAvg):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
-    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Global test accuracy after every round; writes the round's row."""
-        model = self.env.new_model()
-        model.load_state_dict(record_to_torch(arrays))
-        if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
-            rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
-            self.recorder.add_tasks(rows)
-        else:
-            test = self.env.data.test
-            accuracy, loss = evaluate_model(model, test.x, test.y)
+    def evaluates(self, server_round: int) -> bool:
+        """Whether the global model is evaluated after ``server_round`` (``server.evaluate_every``; 0 and the last always)."""
+        server = self.sc.server
+        return server_round % server.evaluate_every == 0 or server_round >= server.rounds
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
+        accuracy = loss = float("nan")
+        evaluated = self.evaluates(server_round)
+        if evaluated:
+            model = self.env.new_model()
+            model.load_state_dict(record_to_torch(arrays))
+            if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+                rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+                self.recorder.add_tasks(rows)
+            else:
+                test = self.env.data.test
+                accuracy, loss = evaluate_model(model, test.x, test.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -722,7 +747,11 @@ class PartialFedAvg(FedAvg):
         }
         self.recorder.add_round(row)
         self.progress(row)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        self.keep_state(server_round, arrays)  # its writes are handed over when the next round is sent
+        return MetricRecord({"accuracy": accuracy, "loss": loss}) if evaluated else None
+
+    def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
+        """What a round leaves besides its rows (:class:`~fedelastic.fl.checkpoint.Resumable`: the checkpoint)."""
 
 
 def server_main(
@@ -735,24 +764,38 @@ def server_main(
     strategy_cls: Callable[..., PartialFedAvg] | None = None,
     start_round: int = 0,
 ) -> None:
-    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on)."""
+    """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on).
+
+    The results are written behind (:meth:`~fedelastic.results.Recorder.write_behind`): a round's
+    rows and checkpoint are written while the next round trains; all of them are written when
+    this returns or raises.
+    """
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
-    if scenario.server.policy == "async":
-        if start_round:
-            raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
-        strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
-    else:
-        strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-            num_rounds=scenario.server.rounds - start_round,
-            timeout=timeout,
-            evaluate_fn=strategy.evaluate,
-        )
+    recorder.write_behind()
+    try:
+        if scenario.server.policy == "async":
+            if start_round:
+                raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
+            strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
+        else:
+            strategy.start(
+                grid=grid,
+                initial_arrays=ArrayRecord(torch_state_dict=initial_state),
+                num_rounds=scenario.server.rounds - start_round,
+                timeout=timeout,
+                evaluate_fn=strategy.evaluate,
+            )
+    except StopRun:  # a normal end: the finished rounds reach disk, and a failed write fails the run
+        recorder.flush()
+        raise
+    except BaseException as exc:
+        recorder.flush_quietly(exc)  # the finished rounds reach disk; the run's error is this one
+        raise
+    recorder.flush()
     if scenario.stream is not None:
         continual_report(recorder.folder, scenario.stream.recover_share)
 
