@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
 from .errors import ConfigError, StopRun
 from .scenario import Scenario, parse_scenario
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def parse_overrides(items: Iterable[str], src: str = "<overrides>") -> dict[str, Any]:
@@ -86,10 +87,14 @@ class RunResult:
 
     @cached_property
     def rounds(self) -> pd.DataFrame:
+        import pandas as pd
+
         return pd.read_parquet(self.run_dir / "rounds.parquet")
 
     @cached_property
     def clients(self) -> pd.DataFrame:
+        import pandas as pd
+
         return pd.read_parquet(self.run_dir / "clients.parquet")
 
     @property
@@ -130,7 +135,7 @@ def run(
     the run after that round (early stopping, e.g. :func:`stop_at_accuracy`): the round is kept,
     the run ends normally and its status records ``stopped_after_round``.
     """
-    from .fl.runner import run_scenario
+    from .fl.raypool import quick_shutdown, start_ray_early
 
     sc = load(scenario, overrides, **kw)
 
@@ -140,7 +145,23 @@ def run(
         if any([bool(cb(row)) for cb in callbacks]):  # every callback sees every round
             raise StopRun(f"a callback stopped the run after round {row['round']}")
 
-    return RunResult(run_scenario(sc, run_id=run_id, progress=on_round))
+    started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
+    try:
+        from .fl.runner import run_scenario
+
+        return RunResult(run_scenario(sc, run_id=run_id, progress=on_round))
+    finally:
+        if started:  # the run stops Ray itself; this is for a run that ended before its runtime began
+            quick_shutdown()
+
+
+def prepare_run(sc: Scenario) -> None:
+    """What a run builds first, done ahead (while Ray starts): the runtime's imports, the data and
+    the model's description (cached for the run)."""
+    from .fl.runner import environment
+
+    env = environment(sc)
+    _ = env.data, env.info
 
 
 @dataclass
@@ -152,6 +173,8 @@ class ComparisonResult:
 
     def _read(self, name: str) -> pd.DataFrame:
         if name not in self._cache:
+            import pandas as pd
+
             self._cache[name] = pd.read_csv(self.folder / f"{name}.csv")
         return self._cache[name]
 

@@ -92,12 +92,32 @@ def test_finished_rounds_survive_a_crash(make_scenario, monkeypatch):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
 
 
+def _processes_with(env_entry: bytes) -> list[str]:
+    """Command lines of the live processes whose environment holds ``env_entry`` (Ray's inherit the driver's)."""
+    found = []
+    for proc in Path("/proc").iterdir() if Path("/proc/self/environ").exists() else ():
+        try:
+            if proc.name.isdigit() and env_entry in (proc / "environ").read_bytes().split(b"\0"):
+                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie has exited
+                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
 @pytest.mark.ray
-def test_real_ray_backend_two_rounds_four_clients(make_scenario):
+def test_real_ray_backend_two_rounds_four_clients(make_scenario, monkeypatch, tmp_path):
     # static_elastic keeps per-node state across rounds, which must survive Ray's actor pool too
     train = {"strategy": "static_elastic", "options": {"rho": 0.7}}
     sc = make_scenario(train=train, simulation={"backend": "ray", "num_cpus_per_client": 1})
-    run_dir = run_scenario(sc, run_id="ray")
+    monkeypatch.setenv("FEDELASTIC_TEST_RUN", str(tmp_path))  # Ray's processes inherit it: find them after the run
+    mark = f"FEDELASTIC_TEST_RUN={tmp_path}".encode()
+    during: list[str] = []
+    run_dir = run_scenario(sc, run_id="ray", progress=lambda row: during.extend(_processes_with(mark)))
+    if Path("/proc/self/environ").exists():
+        assert any("raylet" in p for p in during)  # the check below sees Ray's processes ...
+        assert not any("autoscaler" in p for p in during)  # ... and a local cluster runs no autoscaler monitor
+    assert _processes_with(mark) == []  # the run left no Ray process behind
     clients, rounds = _frames(run_dir)
     assert len(clients) == 8 and list(rounds["round"]) == [0, 1, 2]
     assert (clients[clients["round"] == 2].emulated_overhead_time_s == 0).all()

@@ -1,4 +1,4 @@
-"""Crash-tolerant client calls on Flower's Ray backend.
+"""Flower's Ray backend: crash-tolerant client calls, and starting and stopping Ray quickly.
 
 Flower 1.41's ``RayBackend.process_message`` hands a job to an actor and, if the call fails for
 any reason, puts the actor back in its pool. When the actor's *process* died (a segfault, an
@@ -14,19 +14,37 @@ client keeps the runtime (and the driver) alive forever.
   new one, so later rounds use the full pool;
 * stops waiting as soon as the run is over (``stop`` is set), so the driver exits.
 
-A cohort message (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that
-abandoned a hung client (its reply says so) has its worker replaced after it replies.
+Any other client error is returned to the pool and reported as before. A cohort message
+(``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that abandoned a hung
+client (its reply says so) has its worker replaced after it replies.
 
-Any other client error is returned to the pool and reported as before.
+Start and stop (issue 10): :func:`start_ray_beside` runs the driver's own start-up work on a
+thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a local cluster
+without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
+--no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it). At the end the patched
+``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
+interpreter teardown first), and :func:`quick_shutdown` kills a monitor if there is one (its
+SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown`` waits a full
+second on it), shuts Ray down and returns once every process of the cluster has exited.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ..errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,6 +67,20 @@ class ClientTimeout(TimeoutError):
 def timeout_reason(timeout_s: float) -> str:
     """The error of a client that did not reply in time (its row's ``error``; the same on every path)."""
     return f"timeout: no reply within simulation.timeout_s = {timeout_s:g} s"
+
+
+_APPS: dict[str, object] = {}  # in a worker: the ClientApp it runs (fl/runner.ShippedClientApp)
+
+
+def unpickled_app(root: str, key: str, payload: bytes):
+    """The ClientApp pickled in ``payload``, unpickled once per worker and app (``key``)."""
+    if key not in _APPS:
+        import pickle
+
+        os.environ["FEDELASTIC_ROOT"] = root  # the folder the driver runs fedelastic from (client.check_same_code)
+        _APPS.clear()
+        _APPS[key] = pickle.loads(payload)
+    return _APPS[key]
 
 
 def _retire(pool, future, *, replace: bool) -> None:
@@ -78,14 +110,263 @@ def _process_message(self, message, context):
 
 def _terminate(original):
     def terminate(self) -> None:
-        """Stop the client calls first: Ray aborts the process if a thread touches it after shutdown."""
+        """Stop the client calls first (Ray aborts the process if a thread touches it after
+        shutdown), then end the workers and the cluster (:func:`quick_shutdown`)."""
+        import ray
+
         _SETTINGS.stop.set()
         deadline = time.monotonic() + 5.0
         while _SETTINGS.active and time.monotonic() < deadline:
             time.sleep(0.05)
-        original(self)
+        pool = getattr(self, "pool", None)
+        idle = getattr(pool, "pool", None)
+        if isinstance(idle, list):  # kill the workers outright: Flower's polite exit_actor() runs each
+            busy = list(getattr(pool, "_future_to_actor", {}).values())  # worker's interpreter teardown
+            for actor in idle + busy:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+            idle.clear()  # nothing left for Flower's terminate_all_actors to message
+        quick_shutdown()
+        original(self)  # Flower's own teardown (its ray.shutdown finds Ray stopped)
 
     return terminate
+
+
+def stop_autoscaler() -> None:
+    """Kill the autoscaler monitor of the local cluster this process started (nothing else, and nothing if none).
+
+    A single-node cluster has nothing to scale; ``ray.shutdown`` would SIGTERM the monitor after
+    the GCS is gone, wait a full second for it, then SIGKILL it.
+    """
+    for proc in _node_processes("PROCESS_TYPE_MONITOR"):
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _node_processes(kind: str | None = None) -> list[subprocess.Popen]:
+    """The processes ``ray.init`` started here for its local cluster (all, or those of ``ray_constants.<kind>``); [] if none."""
+    try:
+        import ray._private.worker as ray_worker
+        from ray._private import ray_constants
+
+        node = ray_worker._global_node
+        if node is None:
+            return []
+        kinds = [getattr(ray_constants, kind)] if kind else list(node.all_processes)
+        infos = [info for kind in kinds for info in node.all_processes.get(kind, ())]
+    except Exception:  # noqa: BLE001 (another Ray: leave the shutdown to it)
+        return []
+    return [p for p in (getattr(info, "process", None) for info in infos) if isinstance(p, subprocess.Popen)]
+
+
+def _descendants(roots: list[int]) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``roots`` (and the roots); {} without /proc."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # an exited process not yet reaped is gone already
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            started[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    stack = [r for r in roots if r in started]
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found[pid] = started[pid]
+            stack.extend(children.get(pid, ()))
+    return found
+
+
+def _alive(procs: dict[int, str]) -> dict[int, str]:
+    """The processes of ``procs`` still running (same pid and start time, not a zombie)."""
+    left = {}
+    for pid, start in procs.items():
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and fields[19] == start:
+            left[pid] = start
+    return left
+
+
+def ray_init_args(sim) -> dict:
+    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only.
+
+    No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
+    those ``ray.init`` starts (``runner.ShippedClientApp`` puts the driver's code first instead).
+    """
+    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
+    if sim.ray_address:
+        args["address"] = sim.ray_address
+    return args
+
+
+def probe(address: str, src: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not address or address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
+
+
+def start_ray(scenario) -> None:
+    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up.
+
+    Call it on the main thread: Ray ties its daemons' lives to the thread that starts them.
+    """
+    import ray
+
+    sim, src = scenario.simulation, scenario.source or "<scenario>"
+    if not ray.is_initialized():
+        probe(sim.ray_address, src)
+        try:
+            with no_autoscaler():  # used only when ray.init starts a local cluster
+                ray.init(**ray_init_args(sim))
+        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
+            from ..results import one_line
+
+            raise ConfigError(
+                src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address
+            ) from None
+
+
+def start_ray_beside(scenario, work: Callable[[], T]) -> T:
+    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap (issue 10).
+
+    Ray's start is mostly waiting for its daemons; ``work`` is the driver's own (imports, data,
+    the model's description, checks). An error of ``work`` wins: Ray is shut down and the error
+    raised, as if Ray had not been started. Returns what ``work`` returned.
+    """
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(work())
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name="fedelastic-beside-ray", daemon=True)
+    thread.start()
+    try:
+        start_ray(scenario)
+    except BaseException:
+        thread.join()
+        if box and isinstance(box[0], BaseException):
+            raise box[0] from None
+        raise
+    thread.join()
+    if isinstance(box[0], BaseException):
+        quick_shutdown()
+        raise box[0]
+    return box[0]
+
+
+def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
+    """Start the local Ray cluster of ``scenario`` now, with ``prepare()`` (the driver's imports
+    and data) on a thread beside it; True if this call started Ray.
+
+    The entry points (``api.run``, ``fedelastic run``) call it before they import the runtime, so
+    that ``ray.init`` overlaps those imports too (issue 10). Best effort: an error of ``prepare``
+    or of ``ray.init`` is left for the run, which meets it again and reports it as usual. The
+    caller shuts Ray down (:func:`quick_shutdown`) if the run ends before it does.
+    """
+    sim = scenario.simulation
+    if sim.backend != "ray" or sim.ray_address:  # connecting to a running cluster is quick
+        return False
+    import ray
+
+    if ray.is_initialized():
+        return False
+
+    def quietly() -> None:
+        try:
+            prepare()
+        except Exception:  # noqa: BLE001,S110 (the run prepares again and reports the error)
+            pass
+
+    try:
+        start_ray_beside(scenario, quietly)
+    except Exception:  # noqa: BLE001 (the run starts Ray again and reports the error)
+        return False
+    return ray.is_initialized()
+
+
+@contextmanager
+def no_autoscaler() -> Iterator[bool]:
+    """Inside this block ``ray.init`` starts a local cluster without its autoscaler monitor.
+
+    Ray builds its ``RayParams`` inside ``ray.init``; the block swaps in a subclass whose
+    ``no_monitor`` defaults to True. Yields whether it could (a Ray without that parameter is
+    left as it is).
+    """
+    import inspect
+
+    try:
+        import ray._private.parameter as parameter
+
+        original = parameter.RayParams
+        usable = "no_monitor" in inspect.signature(original.__init__).parameters
+    except Exception:  # noqa: BLE001 (another Ray)
+        usable = False
+    if not usable:
+        yield False
+        return
+
+    class RayParams(original):  # type: ignore[misc,valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("no_monitor", True)
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = RayParams
+    try:
+        yield True
+    finally:
+        parameter.RayParams = original
+
+
+def quick_shutdown(wait_s: float = 3.0) -> None:
+    """``ray.shutdown()`` of the local cluster this process started, without waiting on its
+    autoscaler; returns once every process of that cluster has exited (workers included).
+
+    Ray stops its own processes but not the workers they started, which exit on their own a
+    moment later. Any of them still running after ``wait_s`` seconds is killed.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return
+    ours = _descendants([p.pid for p in _node_processes()])
+    stop_autoscaler()
+    ray.shutdown()
+    deadline = time.monotonic() + wait_s
+    while (left := _alive(ours)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _call_client(self, message, context):

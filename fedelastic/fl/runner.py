@@ -8,12 +8,11 @@ tests and for measuring Flower/Ray's own overhead.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -34,9 +33,9 @@ from ..scenario import Scenario, is_plain_name, parse_scenario
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .dispatch import fast_dispatch, notify_pushed
+from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
-from .raypool import resilient_actors
+from .raypool import quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
 
 
@@ -158,6 +157,7 @@ class GuardedGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         if isinstance(self.grid, InProcessGrid):
             return self.grid.send_and_receive(messages, timeout=timeout)
+        replies_may_wait()
         pending = {i for i in self.grid.push_messages(messages) if i}
         notify_pushed()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,16 +165,20 @@ class GuardedGrid(Grid):
         while pending:
             if self.stop.is_set():
                 raise RunAborted("the simulation runtime stopped")
+            replies_may_wait()  # a reply stored from here on ends the wait below at once
             got = list(self.grid.pull_messages(pending))
             replies.extend(got)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending or (deadline is not None and time.monotonic() >= deadline):
                 break
-            time.sleep(PULL_PERIOD_S if self.pull_period_s is None else self.pull_period_s)
+            if self.pull_period_s is None:  # the simulation's grid: woken by each stored reply
+                wait_for_replies(PULL_PERIOD_S)
+            else:
+                time.sleep(self.pull_period_s)
         return replies
 
 
-PULL_PERIOD_S = 0.01  # how often the ServerApp asks for replies (was 0.05 s; a pull is one cheap lookup)
+PULL_PERIOD_S = 0.01  # how often the ServerApp asks for replies at most (a stored reply wakes it sooner)
 
 
 class RunAborted(RuntimeError):
@@ -286,54 +290,57 @@ def _preflight(scenario: Scenario, env) -> dict:
     return state
 
 
-_HOOK = """
-def put_driver_code_first():
+_LOADER = """
+def load_with_driver_code(root, paths, key, payload):
     import sys
-    sys.path.insert(0, ROOT)
-    try:
-        import fedelastic  # noqa: F401 (imported from ROOT now, it stays the package of this process)
-    finally:
-        sys.path.remove(ROOT)
+
+    if "fedelastic" not in sys.modules:  # this worker's first app: the driver's code goes first
+        sys.path[:] = [root] + [p for p in paths if p != root] + [p for p in sys.path if p != root and p not in paths]
+    from fedelastic.fl.raypool import unpickled_app
+
+    return unpickled_app(root, key, payload)
 """
 
 
-def _driver_code_first(root: str):
-    """A worker start-up hook that puts the driver's fedelastic first on the worker's path.
+def _loader():
+    """The worker-side loader of :class:`ShippedClientApp`, built outside any importable module so
+    that Ray ships it by value (unpickling it imports no fedelastic)."""
+    namespace: dict = {"__name__": "fedelastic_ray_loader"}
+    exec(compile(_LOADER, "<fedelastic ray loader>", "exec"), namespace)  # noqa: S102 (fixed source above)
+    return namespace["load_with_driver_code"]
 
-    Ray adds the driver's working directory to every worker's path, ahead of PYTHONPATH, so a
-    folder holding another copy of fedelastic would shadow the one the driver runs. The hook
-    imports fedelastic from the driver's folder before anything else can. It is built outside
-    any importable module so that Ray ships it by value (unpickling it imports no fedelastic).
+
+class ShippedClientApp(ClientApp):
+    """The ClientApp as Ray ships it to its workers: with the driver's code path, unpickled once per worker.
+
+    Ray puts the driver's working directory and script folder first on every worker's path, so a
+    folder holding another copy of fedelastic would shadow the one the driver runs. Unpickling
+    this app first puts the driver's fedelastic folder, then the driver's own ``sys.path``, ahead
+    of the worker's, imports fedelastic from there, and only then unpickles the app (whose
+    functions import the rest). This needs no Ray ``runtime_env``, so the workers ``ray.init``
+    starts are used as they are rather than replaced by fresh ones (issue 10: about a second of
+    start-up). Flower pickles the app with every call; the pickled app is made once, and each
+    worker keeps the app it unpickled.
     """
-    namespace: dict = {"__name__": "fedelastic_ray_setup_hook", "ROOT": root}
-    exec(compile(_HOOK, "<fedelastic ray setup hook>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace["put_driver_code_first"]
 
+    def __init__(self, app: ClientApp):
+        import fedelastic
 
-def _ray_init_args(sim) -> dict:
-    """Ray's init arguments: the workers import exactly the fedelastic this driver runs."""
-    import fedelastic
+        self.__dict__.update(app.__dict__)
+        self._root = str(Path(fedelastic.__file__).resolve().parent.parent)
+        self._paths = [p for p in sys.path if p]
+        self._payload: bytes | None = None
+        self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
 
-    root = str(Path(fedelastic.__file__).resolve().parent.parent)
-    paths = [root] + [p for p in sys.path if p and p != root]
-    env_vars = {"PYTHONPATH": os.pathsep.join(paths), "FEDELASTIC_ROOT": root}
-    runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": _driver_code_first(root)}
-    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR, "runtime_env": runtime_env}
-    if sim.ray_address:
-        args["address"] = sim.ray_address
-    return args
+    def __reduce__(self):
+        if self._payload is None:
+            from ray import cloudpickle
 
-
-def _probe(address: str, src: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not address or address == "auto" or not sep or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
+            plain = ClientApp.__new__(ClientApp)
+            own = ("_root", "_paths", "_payload", "_key")
+            plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
+            self._payload = cloudpickle.dumps(plain)
+        return (_loader(), (self._root, self._paths, self._key, self._payload))
 
 
 def ray_workers(cpus_per_client: float) -> int:
@@ -344,57 +351,18 @@ def ray_workers(cpus_per_client: float) -> int:
     return max(1, total)
 
 
-def _start_ray(scenario: Scenario) -> None:
-    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up."""
-    import ray
-
-    sim, src = scenario.simulation, scenario.source or "<scenario>"
-    if not ray.is_initialized():
-        _probe(sim.ray_address, src)
-        try:
-            ray.init(**_ray_init_args(sim))
-        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address) from None
-
-
 def _preflight_beside_ray(scenario: Scenario, env) -> dict:
     """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
 
-    Ray's start is mostly waiting for its daemons; the checks are the driver's own work (data,
-    the model's description, starting weights). A check that fails wins: Ray is shut down and
-    the check's error is raised, as if Ray had not been started.
+    A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had
+    not been started (:func:`raypool.start_ray_beside`).
     """
-    import ray
-
-    box: list = []
-
-    def check() -> None:
-        try:
-            box.append(_preflight(scenario, env))
-        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
-            box.append(exc)
-
-    thread = threading.Thread(target=check, name="fedelastic-preflight", daemon=True)
-    thread.start()
-    try:
-        _start_ray(scenario)
-    except BaseException:
-        thread.join()
-        if box and isinstance(box[0], BaseException):
-            raise box[0] from None
-        raise
-    thread.join()
-    if isinstance(box[0], BaseException):
-        if ray.is_initialized():
-            ray.shutdown()
-        raise box[0]
-    return box[0]
+    return start_ray_beside(scenario, lambda: _preflight(scenario, env))
 
 
 def _run_ray(
     scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, notes: dict
 ) -> None:
-    import ray
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -410,8 +378,9 @@ def _run_ray(
             server(CohortGrid(guarded, environment(scenario), nodes) if cohort else guarded)
         finally:
             stop.set()  # the runtime's workers stop waiting on hung clients
+            notify_pushed()  # and the dispatch loop sees the end now, not at its next sweep
 
-    _start_ray(scenario)
+    start_ray(scenario)
     cohort = sim.node_mode == "cohort"
     if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
         nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
@@ -420,15 +389,14 @@ def _run_ray(
             notes["actors_replaced"] = 0
             run_simulation(
                 server_app=app,
-                client_app=client_app,
+                client_app=ShippedClientApp(client_app),
                 num_supernodes=nodes,
                 backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
             )
             notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
     finally:
         stop.set()
-        if ray.is_initialized():
-            ray.shutdown()
+        quick_shutdown()
 
 
 def run_scenario(
