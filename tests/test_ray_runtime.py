@@ -1,4 +1,4 @@
-"""The Ray path's start-up and teardown pieces (issue 10), each checked without starting Ray.
+"""The Ray path's start-up and teardown pieces (issue 10), most checked without starting Ray.
 
 The real-Ray run in tests/test_simulation.py checks them together: its results equal the
 in-process run's, and no Ray process outlives it.
@@ -101,13 +101,13 @@ def test_fast_dispatch_makes_flowers_run_queues_stoppable_and_restores_them():
 
 
 def test_descendants_finds_a_process_tree_and_alive_sees_it_end():
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc")
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
     try:
         deadline = time.monotonic() + 30
         while len(tree := _descendants([parent.pid])) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not Path("/proc").is_dir():
-            pytest.skip("no /proc")
         assert len(tree) == 2 and parent.pid in tree
         child = next(p for p in tree if p != parent.pid)
         os.kill(child, 9)
@@ -230,3 +230,41 @@ def test_the_reply_loop_stores_what_flowers_stores_and_wakes_the_pull_loop():
     with fast_dispatch():
         assert vce_api.put_message_into_state is dispatch._storing_replies
     assert vce_api.put_message_into_state is not dispatch._storing_replies
+
+
+def test_another_flowers_reply_loop_is_left_in_place(monkeypatch):
+    """Only the exact loop _storing_replies copies is replaced (a loop with another signature would break)."""
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    from fedelastic.fl import dispatch
+
+    def newer_loop(state, queue, f_stop, metrics):  # a later Flower's loop, say
+        pass
+
+    monkeypatch.setattr(vce_api, "put_message_into_state", newer_loop)
+    with fast_dispatch():
+        assert vce_api.put_message_into_state is newer_loop
+    assert not dispatch._replaceable_reply_loop(newer_loop)
+
+
+@pytest.mark.ray
+def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path):
+    import signal
+
+    import ray
+
+    from fedelastic.fl import raypool
+    from fedelastic.scenario import parse_scenario
+    from tests.conftest import small_scenario_dict
+
+    sc = parse_scenario(small_scenario_dict(tmp_path, simulation={"backend": "ray"}), src=str(tmp_path / "t.toml"))
+
+    def prepare():  # the driver's imports and data, still running when Ctrl-C comes
+        while not ray.is_initialized():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the main thread is waiting for this thread now
+        time.sleep(5)
+
+    with pytest.raises(KeyboardInterrupt):
+        raypool.start_ray_early(sc, prepare)
+    assert not ray.is_initialized()

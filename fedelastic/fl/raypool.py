@@ -270,7 +270,9 @@ def start_ray_beside(scenario, work: Callable[[], T]) -> T:
     thread.start()
     try:
         start_ray(scenario)
-    except BaseException:
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # Ctrl-C: do not wait for ``work`` first
+            raise
         thread.join()
         if box and isinstance(box[0], BaseException):
             raise box[0] from None
@@ -309,6 +311,10 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
         start_ray_beside(scenario, quietly)
     except Exception:  # noqa: BLE001 (the run starts Ray again and reports the error)
         return False
+    except BaseException:  # Ctrl-C while Ray starts or the data is prepared: leave no cluster behind
+        if ray.is_initialized():
+            quick_shutdown()
+        raise
     return ray.is_initialized()
 
 
