@@ -248,7 +248,7 @@ def test_another_flowers_reply_loop_is_left_in_place(monkeypatch):
 
 
 @pytest.mark.ray
-def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path):
+def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path, monkeypatch):
     import signal
 
     import ray
@@ -258,13 +258,24 @@ def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path):
     from tests.conftest import small_scenario_dict
 
     sc = parse_scenario(small_scenario_dict(tmp_path, simulation={"backend": "ray"}), src=str(tmp_path / "t.toml"))
+    started = threading.Event()
+    real = raypool.start_ray
+
+    def start_ray(scenario):
+        real(scenario)
+        started.set()  # ray.init has returned: the main thread goes on to wait for prepare
+
+    monkeypatch.setattr(raypool, "start_ray", start_ray)
 
     def prepare():  # the driver's imports and data, still running when Ctrl-C comes
-        while not ray.is_initialized():
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)  # the main thread is waiting for this thread now
+        started.wait(120)
+        os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
 
-    with pytest.raises(KeyboardInterrupt):
-        raypool.start_ray_early(sc, prepare)
-    assert not ray.is_initialized()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            raypool.start_ray_early(sc, prepare)
+        assert not ray.is_initialized()
+    finally:
+        if ray.is_initialized():  # never leave a cluster to the next test
+            raypool.quick_shutdown()
