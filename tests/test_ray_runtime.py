@@ -44,7 +44,9 @@ def test_a_shipped_client_app_runs_the_drivers_fedelastic_beside_another_copy(ma
     """A worker that starts in a folder holding another fedelastic still runs the driver's (issue 14), without a runtime_env."""
     shadow = tmp_path / "cwd"
     (shadow / "fedelastic").mkdir(parents=True)
-    (shadow / "fedelastic" / "__init__.py").write_text("raise ImportError('the shadow copy of fedelastic was imported')")
+    (shadow / "fedelastic" / "__init__.py").write_text(
+        "raise ImportError('the shadow copy of fedelastic was imported')"
+    )
     blob = tmp_path / "app.pkl"
     blob.write_bytes(cloudpickle.dumps(ShippedClientApp(make_client_app(make_scenario()))))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDELASTIC_ROOT")}  # only the shipped path
@@ -103,7 +105,13 @@ def test_fast_dispatch_makes_flowers_run_queues_stoppable_and_restores_them():
 def test_descendants_finds_a_process_tree_and_alive_sees_it_end():
     if not Path("/proc").is_dir():
         pytest.skip("no /proc")
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+        ]
+    )
     try:
         deadline = time.monotonic() + 30
         while len(tree := _descendants([parent.pid])) < 2 and time.monotonic() < deadline:
@@ -247,35 +255,48 @@ def test_another_flowers_reply_loop_is_left_in_place(monkeypatch):
     assert not dispatch._replaceable_reply_loop(newer_loop)
 
 
+_CTRL_C_DURING_EARLY_START = """
+import os, signal, sys, threading, time
+import ray
+from fedelastic.fl import raypool
+from fedelastic.scenario import parse_scenario
+from tests.conftest import small_scenario_dict
+from pathlib import Path
+
+tmp = Path(sys.argv[1])
+sc = parse_scenario(small_scenario_dict(tmp, simulation={"backend": "ray"}), src=str(tmp / "t.toml"))
+started = threading.Event()
+real = raypool.start_ray
+
+def start_ray(scenario):
+    real(scenario)
+    started.set()  # ray.init has returned: the main thread goes on to wait for prepare
+
+raypool.start_ray = start_ray
+
+def prepare():  # the driver's imports and data, still running when Ctrl-C comes
+    started.wait(120)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+
+try:
+    raypool.start_ray_early(sc, prepare)
+    print("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt; ray initialized:", ray.is_initialized())
+finally:
+    if ray.is_initialized():
+        ray.shutdown()
+"""
+
+
 @pytest.mark.ray
-def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path, monkeypatch):
-    import signal
-
-    import ray
-
-    from fedelastic.fl import raypool
-    from fedelastic.scenario import parse_scenario
-    from tests.conftest import small_scenario_dict
-
-    sc = parse_scenario(small_scenario_dict(tmp_path, simulation={"backend": "ray"}), src=str(tmp_path / "t.toml"))
-    started = threading.Event()
-    real = raypool.start_ray
-
-    def start_ray(scenario):
-        real(scenario)
-        started.set()  # ray.init has returned: the main thread goes on to wait for prepare
-
-    monkeypatch.setattr(raypool, "start_ray", start_ray)
-
-    def prepare():  # the driver's imports and data, still running when Ctrl-C comes
-        started.wait(120)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)
-
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            raypool.start_ray_early(sc, prepare)
-        assert not ray.is_initialized()
-    finally:
-        if ray.is_initialized():  # never leave a cluster to the next test
-            raypool.quick_shutdown()
+def test_ctrl_c_while_the_early_start_prepares_leaves_no_ray_running(tmp_path):
+    """In a fresh process, as a user's Ctrl-C would come (no cluster or signal handler left by other tests)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_DURING_EARLY_START, str(tmp_path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "KeyboardInterrupt; ray initialized: False" in out.stdout, out.stdout + out.stderr[-2000:]
