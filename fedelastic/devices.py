@@ -13,6 +13,7 @@ then uses ``compute.efficiency``, the whole ``mem_bandwidth`` and no extra overh
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -201,7 +202,7 @@ def _quantity(src: str, key: str, raw: Any, dimension: str) -> Quantity:
         if part not in raw:
             raise ConfigError(src, f"{key}.{part}", f"a '{part}' entry (every number cites its source)")
     value, unit, source = raw["value"], raw["unit"], raw["source"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+    if not _finite_number(value) or value < 0:
         raise ConfigError(src, f"{key}.value", "a finite non-negative number", value)
     if not isinstance(unit, str) or unit not in UNITS[dimension]:
         raise ConfigError(src, f"{key}.unit", f"a {dimension} unit, one of {list(UNITS[dimension])}", unit)
@@ -213,8 +214,19 @@ def _quantity(src: str, key: str, raw: Any, dimension: str) -> Quantity:
     return Quantity(si, source)
 
 
+def _finite_number(v: Any) -> bool:
+    """An int or float (not a bool) that is finite as a float: an int past float's range (TOML allows
+    64-bit ones) is not (np.isfinite raises TypeError on it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _seconds(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and bool(np.isfinite(v)) and v >= 0
+    return _finite_number(v) and v >= 0
 
 
 def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:

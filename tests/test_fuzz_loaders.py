@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import typing
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,3 +111,16 @@ def test_profile_loader_returns_a_profile_or_raises_config_error(profile_raw, da
         q = getattr(profile, f.name)
         if hasattr(q, "value"):
             assert q.value == q.value and abs(q.value) < float("inf")
+
+
+@pytest.mark.parametrize("big", [-(2**63) - 1, 2**1100])  # past int64, past float
+def test_an_int_past_floats_range_is_a_config_error_not_a_type_error(profile_raw, big):
+    """Found by the fuzz test above: np.isfinite raised TypeError on such ints (TOML allows 64-bit ones)."""
+    raw = copy.deepcopy(profile_raw)
+    raw["measured"] = {"small_cnn": {"batch_size": 4, "source": "x", "layers": {"conv": {"fwd": big, "dx": 0.0, "dw": 0.0}}}}
+    with pytest.raises(ConfigError, match="dev.toml: key .measured.small_cnn"):
+        parse_profile(raw, "dev.toml")
+    raw = copy.deepcopy(profile_raw)
+    raw["compute"]["peak_fp32"]["value"] = big
+    with pytest.raises(ConfigError, match="dev.toml: key .compute.peak_fp32"):
+        parse_profile(raw, "dev.toml")
