@@ -311,10 +311,10 @@ def _same_record(ours, theirs) -> None:
 def test_fast_metric_records_are_flowers_own(values):
     from flwr.app import MetricRecord
 
-    from fedelastic.fl import client
+    from fedelastic.fl import arrays
 
-    assert client._FAST  # this Flower's constructors were matched at import
-    ours, theirs = client.metric_record(dict(values)), MetricRecord(dict(values))
+    assert arrays._FAST  # this Flower's constructors were matched at import
+    ours, theirs = arrays.metric_record(dict(values)), MetricRecord(dict(values))
     _same_record(ours, theirs)
     assert all(a is b or a == b for a, b in zip(ours.values(), theirs.values()))
 
@@ -323,7 +323,7 @@ def test_fast_metric_records_are_flowers_own(values):
 def test_fast_metric_records_refuse_what_flower_refuses(bad):
     from flwr.app import MetricRecord
 
-    from fedelastic.fl.client import metric_record
+    from fedelastic.fl.arrays import metric_record
 
     with pytest.raises(TypeError) as theirs:
         MetricRecord({"a": 1, "b": bad})
@@ -336,7 +336,7 @@ def test_fast_record_dicts_are_flowers_own():
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
     from fedelastic.fl import arrays
-    from fedelastic.fl.client import record_dict
+    from fedelastic.fl.arrays import record_dict
 
     records = {
         "arrays": arrays.record_from_numpy({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}),

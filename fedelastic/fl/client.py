@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
-from .arrays import record_from_numpy, record_to_numpy, record_to_torch
+from .arrays import metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
 # Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
@@ -223,62 +223,6 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
             "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
         }
     )
-
-
-# Flower's record constructors type-check every item (~2 us each): 40 us for a client's 19 metrics, as
-# much as a tenth of a small client's training step. The reply's values are built here, so the records
-# are filled directly where the values are of the types Flower's checks accept; whether a record made so
-# is the one Flower's constructor makes is checked once, at import (_fast_records_match).
-_RECORDS = (ArrayRecord, MetricRecord, ConfigRecord)
-
-
-_SCALARS = (int, float, np.float64)  # what Flower's check accepts (np.float64 is a float), exactly these types
-
-
-def metric_record(values: dict[str, int | float]) -> MetricRecord:
-    """``MetricRecord(values)`` for plain ints and floats, without the per-item checks."""
-    if not _FAST or not all(type(v) in _SCALARS for v in values.values()):
-        return MetricRecord(values)
-    record = MetricRecord()
-    record.__dict__["_data"].update(values)
-    return record
-
-
-def record_dict(records: dict[str, ArrayRecord | MetricRecord | ConfigRecord]) -> RecordDict:
-    """``RecordDict(records)`` for Flower's own record types, without the per-item checks."""
-    if not _FAST or not all(type(v) in _RECORDS for v in records.values()):
-        return RecordDict(records)
-    out = RecordDict()
-    out.__dict__["_data"].update(records)
-    return out
-
-
-def _fast_records_match() -> bool:
-    """Whether :func:`metric_record` and :func:`record_dict` build what Flower's constructors build."""
-    global _FAST
-    try:
-        values = {"a": 1, "b": 2.5, "c": -0.0, "d": np.float64(3.0)}
-        _FAST = True
-        ours_m, ours_r = metric_record(values), record_dict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
-        _FAST = False
-        theirs_m, theirs_r = (
-            MetricRecord(values),
-            RecordDict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})}),
-        )
-        same_m = vars(ours_m).keys() == vars(theirs_m).keys() and list(ours_m.items()) == list(theirs_m.items())
-        same_r = vars(ours_r).keys() == vars(theirs_r).keys() and list(ours_r.keys()) == list(theirs_r.keys())
-        same_r = same_r and all(type(ours_r[k]) is type(theirs_r[k]) for k in ours_r)
-        return bool(
-            same_m and same_r and ours_m.object_id == theirs_m.object_id and ours_r.object_id == theirs_r.object_id
-        )
-    except Exception:  # noqa: BLE001 (another Flower: use its constructors)
-        return False
-    finally:
-        _FAST = False
-
-
-_FAST = False
-_FAST = _fast_records_match()
 
 
 def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:

@@ -37,8 +37,8 @@ from flwr.serverapp import Grid
 
 from ..fleet import local_steps
 from ..scenario import Scenario
-from .arrays import record_to_torch
-from .client import prepare_job, record_dict, reply_content, too_slow_content, train_cohort
+from .arrays import record_dict, record_to_torch
+from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment
 from .raypool import timeout_reason
 
