@@ -8,7 +8,8 @@ Functional operations inside a ``forward`` (a residual ``x + y``, an attention c
 ``q @ k.T``, ``softmax`` and ``@ v``, ``F.scaled_dot_product_attention``, ``F.gelu``...) are not
 seen by module hooks. :func:`describe` records them with a torch function mode (every torch call
 made outside a leaf module's forward) as :class:`FunctionalOp` entries. It also counts the
-forward's FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` and warns when the layers and
+forward's FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` does (:func:`flop_count_mode`:
+torch's FLOP formulas over the aten ops the forward runs) and warns when the layers and
 functional ops it saw hold less than 90% of them (something else runs that nothing prices).
 """
 
@@ -121,11 +122,11 @@ class ModelInfo:
 
     @property
     def macs_coverage(self) -> float:
-        """``hooked_macs`` over FlopCounterMode's count (1.0 when it was not counted)."""
+        """``hooked_macs`` over the FLOP counter's count (FlopCounterMode's; 1.0 when it was not counted)."""
         return self.hooked_macs / self.flop_counter_macs if self.flop_counter_macs else 1.0
 
 
-#: Share of FlopCounterMode's forward FLOPs below which :func:`describe` warns.
+#: Share of the forward's FLOPs (FlopCounterMode's count) below which :func:`describe` warns.
 MIN_MACS_COVERAGE = 0.9
 
 # functional torch calls by the kernel class that prices them (names as ``func.__name__``)
@@ -209,6 +210,53 @@ def first_tensor(x) -> torch.Tensor | None:
     return None
 
 
+def flop_count_mode():
+    """A torch dispatch mode whose ``flops`` sums torch's FLOP formulas over the aten ops run inside it.
+
+    ``torch.utils.flop_counter.FlopCounterMode``'s total (its ``get_total_flops()``), counted the
+    same way (each op decomposed first where it can be, then the formulas of
+    ``torch.utils.flop_counter.flop_registry``, custom ones registered with
+    ``register_flop_formula`` included), without its per-module tracking. FlopCounterMode's
+    dispatch is wrapped in ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``
+    (~0.9 s of CPU in a fresh process, in every worker); this mode opts out of that wrapping.
+    Higher-order operators (``torch.cond``, flex attention...) run uncounted.
+    """
+    import torch
+    from torch._ops import HigherOrderOperator
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    device_op = torch.ops.prim.device.default
+
+    class FlopCount(TorchDispatchMode):
+        supports_higher_order_operators = True  # they run, uncounted
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # no _disable_dynamo wrapper (torch >= 2.6): compiling is never asked for here
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if isinstance(func, HigherOrderOperator):
+                return func(*args, **kwargs)
+            if func is not device_op:  # FlopCounterMode's order: a composite op counts through its parts
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+            return out
+
+    return FlopCount()
+
+
 def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> ModelInfo:
     """Run ``model`` once on ``sample`` (batch >= 1) and describe it per sample."""
     import torch
@@ -254,7 +302,6 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         return fn
 
     from torch.overrides import TorchFunctionMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     class Functional(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -286,7 +333,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         if any(True for _ in mod.children()):
             handles.append(mod.register_forward_pre_hook(pre_hook(name)))
     was_training = model.training
-    counter = FlopCounterMode(display=False)
+    counter = flop_count_mode()
     try:
         model.eval()
         with torch.no_grad(), counter, Functional():
@@ -349,13 +396,13 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         tensor_channels=np.array(channels, dtype=np.int64),
         functional=fn_ops,
         parallel=_parallel_branches(layer_io, adds),
-        flop_counter_macs=int(counter.get_total_flops()) // 2 // batch,
+        flop_counter_macs=int(counter.flops) // 2 // batch,
     )
     if info.macs_coverage < MIN_MACS_COVERAGE:
         warnings.warn(
             f"describe({model_name or type(model).__name__}): the layers and functional ops seen hold "
-            f"{info.macs_coverage:.0%} of the forward MACs FlopCounterMode counts ({info.flop_counter_macs:,} "
-            f"per sample); the cost model does not price the rest",
+            f"{info.macs_coverage:.0%} of the forward MACs torch's FLOP counter (FlopCounterMode) counts "
+            f"({info.flop_counter_macs:,} per sample); the cost model does not price the rest",
             stacklevel=2,
         )
     return info

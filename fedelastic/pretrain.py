@@ -17,6 +17,7 @@ import torch
 
 from .config import to_dict
 from .errors import ConfigError
+from .optim import SGD
 from .training import batches, seed_everything
 
 
@@ -66,7 +67,7 @@ def pretrain(env) -> dict:
     source = env.view(env.split[0], cfg.classes, cfg.transform)  # the training split only
     rng = seed_everything([sc.seed, 0x9E])
     model = env.new_model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
+    opt = SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)  # torch's SGD, bit for bit
     x, y = torch.from_numpy(source.x), torch.from_numpy(source.y)
     model.train()
     per_epoch = -(-len(source) // cfg.batch_size)

@@ -63,6 +63,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import optim
 from .modelinfo import ModelInfo
 
 DTYPES = ("fp32", "fp16", "int8")
@@ -235,7 +236,7 @@ class Emulation:
                 if mod.num_features == q.w_scale.numel():
                     self.folded[layer.name] = (mod, q)
         self.params = {id(p) for p in model.parameters()}
-        self._depth = 0  # an optimizer whose step calls its parent's step fires the hooks twice, nested
+        self._depth = 0  # a torch optimizer whose step calls its parent's step fires the hooks twice, nested
 
     # -- gradient and update rules, per parameter: (parameter, kind, per-channel scale or None)
     def _quantised_tensors(self) -> Iterator[tuple[nn.Parameter, str, torch.Tensor | None]]:
@@ -250,11 +251,11 @@ class Emulation:
                 s_wf = q.w_scale * norm.weight.detach().abs() / torch.sqrt(norm.running_var + norm.eps)
                 yield norm.bias, "bias", s_wf.clamp_min(_EPS) * q.x_qparams[0]
 
-    def _ours(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _ours(self, optimizer: Any) -> bool:
         return any(id(p) in self.params for group in optimizer.param_groups for p in group["params"])
 
     @torch.no_grad()
-    def before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def before_step(self, optimizer: Any, *_: Any) -> None:
         if not self._ours(optimizer):
             return
         self._depth += 1
@@ -274,7 +275,7 @@ class Emulation:
                 p.grad.mul_(_per_channel(scale, p.grad) ** 2)
 
     @torch.no_grad()
-    def after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def after_step(self, optimizer: Any, *_: Any) -> None:
         if not self._ours(optimizer):
             return
         self._depth -= 1
@@ -310,7 +311,13 @@ def emulate(model: nn.Module, info: ModelInfo, numerics: Numerics | None) -> Ite
         yield None
         return
     em = Emulation(model, info, numerics)
-    handles = [register_optimizer_step_pre_hook(em.before_step), register_optimizer_step_post_hook(em.after_step)]
+    # the trainer's optimizers (fedelastic.optim) and torch.optim's each fire their own hooks
+    handles = [
+        optim.register_step_pre_hook(em.before_step),
+        optim.register_step_post_hook(em.after_step),
+        register_optimizer_step_pre_hook(em.before_step),
+        register_optimizer_step_post_hook(em.after_step),
+    ]
     em.install()
     try:
         yield em

@@ -34,6 +34,7 @@ from torch import nn
 from .costmodel import CostModel
 from .data import ArrayDataset
 from .modelinfo import ModelInfo
+from .optim import SGD, SGDW
 from .quant import with_numerics
 from .selection import Selection, SelectionContext, SelectionStrategy
 
@@ -79,34 +80,16 @@ class LocalResult:
     reason: str = ""  # why fits is False, or why a fitting client ran no step
 
 
-class SGDW(torch.optim.SGD):
-    """SGD with decoupled weight decay (the artifact's ``tfa.optimizers.SGDW``).
+def make_optimizer(params, optimizer: str, lr: float, momentum: float, weight_decay: float) -> SGD:
+    """``sgd`` (torch's SGD, weight decay coupled as L2 in the gradient) or ``sgdw`` (decoupled).
 
-    Each step first shrinks every parameter that has a gradient by ``lr * weight_decay`` (the
-    decay follows the learning-rate schedule, as the artifact's ``lr * weight_decay`` cosine
-    does), then takes a plain momentum-SGD step on the gradient alone.
+    fedelastic's own (:mod:`fedelastic.optim`): torch's single-tensor SGD step bit for bit, without
+    ``torch.optim``, whose constructor and step import ``torch._dynamo``.
     """
-
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float):
-        super().__init__(params, lr=lr, momentum=momentum, weight_decay=0.0)
-        for group in self.param_groups:
-            group["decoupled_weight_decay"] = weight_decay
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.mul_(1 - group["lr"] * group["decoupled_weight_decay"])
-        return super().step(closure)
-
-
-def make_optimizer(params, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
-    """``sgd`` (torch SGD, weight decay coupled as L2 in the gradient) or ``sgdw`` (decoupled)."""
     if optimizer == "sgdw":
         return SGDW(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
 
 
@@ -157,13 +140,13 @@ class Prepared:
         self.norms = [m for m in self.modules.values() if isinstance(m, _NORM_TYPES)]
         # every module's train() is nn.Module's own: setting the flags is all model.train() does
         self.plain_modes = all(type(m).train is nn.Module.train for m in self.modules.values())
-        self._optimizers: dict[tuple, torch.optim.SGD] = {}
+        self._optimizers: dict[tuple, SGD] = {}
         self._prices: dict[tuple, tuple[float, float, float]] = {}
         self.all_channels = [np.arange(int(c), dtype=np.int64) for c in info.tensor_channels]  # read only
         for kept in self.all_channels:
             kept.setflags(write=False)
 
-    def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+    def optimizer(self, optimizer: str, lr: float, momentum: float, weight_decay: float) -> SGD:
         """:func:`make_optimizer` over the model's parameters, as freshly made."""
         key = (optimizer, lr, momentum, weight_decay)
         opt = self._optimizers.get(key)
@@ -225,7 +208,7 @@ def _chunks(n: int, micro_batch: int) -> list[slice]:
 def importance_probe(
     model: nn.Module,
     info: ModelInfo,
-    optimizer: torch.optim.Optimizer,
+    optimizer: SGD | torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
     micro_batch: int = 0,
@@ -394,7 +377,7 @@ class _Applied:
             return float(self.masks[k][1].float().mean())
         return float(self.selection.ratios[k])
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: SGD | torch.optim.Optimizer) -> None:
         """Optimizer step that leaves unselected channels exactly as they were."""
         saved = {}
         for k, (axis, mask) in self.masks.items():
