@@ -92,6 +92,7 @@ VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
 # Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
 EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap")
 REFERENCE = "bare"
+TORCH_OPTIM_VARIANTS = ("bare", "pfl", "pfl2", "pfl-stock", "flower")  # they train with torch.optim.SGD
 
 
 class PeersCNN(nn.Sequential):
@@ -505,9 +506,11 @@ def worker_fedelastic(
 def worker_main(args) -> None:
     variant = args.worker
     torch.set_num_threads(1)
-    # torch.optim imports torch._dynamo (~2 s) on first use: an import, so it belongs to start-up in
-    # every variant (fedelastic's start-up already pays it; the bare loop would pay it in round 1)
-    importlib.import_module("torch._dynamo")
+    if variant in TORCH_OPTIM_VARIANTS:
+        # torch.optim's constructor and step import torch._dynamo (~0.9 s of CPU) on first use: an
+        # import, so it belongs to start-up (the bare loop would pay it in round 1). fedelastic's
+        # variants train with fedelastic.optim and never import it.
+        importlib.import_module("torch._dynamo")
     wl = Workload(args.clients, args.rounds, args.per_round)
     out: dict = {"variant": variant, "_tmp": args.tmp}
     if variant == "bare":
