@@ -4,6 +4,7 @@ FLOP cross-check of describe() against FlopCounterMode; and no torch._dynamo on 
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import warnings
@@ -304,7 +305,8 @@ from pathlib import Path
 import fedelastic
 from tests.conftest import small_scenario_dict
 raw = small_scenario_dict(Path(tempfile.mkdtemp()), train={"strategy": "elastic_tensor", "batch_size": 16,
-    "max_steps": 3, "momentum": 0.9, "weight_decay": 1e-3, "optimizer": "sgdw", "lr_schedule": "cosine"})
+    "max_steps": 3, "momentum": 0.9, "weight_decay": 1e-3, "optimizer": "sgdw", "lr_schedule": "cosine"},
+    model={"name": "small_cnn", "options": {"width": 8}, "pretrain": {"classes": [0, 1, 2], "epochs": 1}})
 result = fedelastic.run(raw)
 from fedelastic.models import describe_model
 describe_model("small_cnn", num_classes=10, input_size=8)
@@ -313,9 +315,13 @@ print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
 """
 
 
-def test_in_process_run_never_imports_torch_dynamo():
-    """A fresh process: an in-process run (pretraining-free, int8 devices emulated) and a model
-    description leave torch._dynamo unimported (~0.9 s of CPU saved in every process)."""
-    out = subprocess.run([sys.executable, "-c", NO_DYNAMO], capture_output=True, text=True, cwd=ROOT, timeout=300)
+def test_in_process_run_never_imports_torch_dynamo(tmp_path):
+    """A fresh process: an in-process run (pretrained, an int8 device emulated, the importance
+    probe) and a model description leave torch._dynamo unimported (~0.9 s of CPU a process)."""
+    env = {**os.environ, "FEDELASTIC_CACHE": str(tmp_path)}  # pretrains for real, not from a cache
+    out = subprocess.run(
+        [sys.executable, "-c", NO_DYNAMO], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "pretraining small_cnn" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]

@@ -148,12 +148,13 @@ def test_qas_scaling_matches_hand_computation():
 
 
 def test_scaling_applies_once_per_step_with_sgdw():
-    """SGDW.step calls SGD.step, which fires the optimizer hooks twice (nested): scale once."""
+    """The trainer's SGDW (fedelastic.optim) fires the emulation's hooks once a step, with torch's
+    SGD in use too (its hooks are registered as well): the gradient is scaled once."""
     from fedelastic.training import SGDW
 
     _, q = hand_int8(X, W1, B1)
     model, info = two_layer()
-    torch.optim.SGD(model.parameters(), lr=0.1)  # patches SGD.step with the hook wrapper, as in a run
+    torch.optim.SGD(model.parameters(), lr=0.1)  # torch's optimizers in the same process
     opt = SGDW(model.parameters(), lr=0.1, momentum=0.0, weight_decay=0.0)
     with emulate(model, info, Numerics("int8", qas=False)):
         nn.functional.cross_entropy(model(torch.from_numpy(X)), torch.tensor([0, 1, 1])).backward()
