@@ -7,6 +7,9 @@ One command, two parts (``--parts``):
   ``small_cnn(width=8)``, momentum 0 and 0.9: fedelastic's SGD against ``torch.optim.SGD``
   (single-tensor, as torch picks on CPU), in interleaved blocks, median microseconds per step.
   One thread; the gradients are set, not recomputed, so only the optimizer is timed.
+* ``count``: one forward (batch 1) counted by ``describe()``'s FLOP counter
+  (``modelinfo.flop_count_mode``) and by ``FlopCounterMode`` (``torch._dynamo`` already
+  imported), and uncounted, interleaved, median milliseconds; the two counts must agree.
 * ``fresh``: fresh processes, alternating a checkout of the code before (``--before DIR``, the
   same tree before fedelastic.optim) and this one, each timing (CPU and wall, by phase)
   (1) a Ray worker's start: imports, the cohort warm-up (data, model, model description) and the
@@ -170,9 +173,49 @@ def step_costs(repeats: int, block: int) -> dict:
     return out
 
 
+def count_costs(repeats: int) -> dict:
+    """Milliseconds of one counted forward (batch 1): fedelastic's flop_count_mode against FlopCounterMode."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedelastic.modelinfo import flop_count_mode
+    from fedelastic.models import build_with_input
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers import cnn
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    models = {"peers cnn": (cnn(), (1, 8, 8))}
+    for name, size in (("mobilenetv2", 32), ("vit_tiny", 32)):
+        models[name] = build_with_input(name, num_classes=10, input_size=size)
+    for name, (model, shape) in models.items():
+        model.eval()
+        sample = torch.zeros(1, *shape)
+        times: dict[str, list[float]] = {"fedelastic": [], "FlopCounterMode": [], "no counter": []}
+        flops = {}
+        for _ in range(repeats):
+            for kind in times:
+                counter = {"fedelastic": flop_count_mode, "FlopCounterMode": lambda: FlopCounterMode(display=False)}
+                mode = counter[kind]() if kind in counter else None
+                start = time.perf_counter()
+                with torch.no_grad():
+                    if mode is None:
+                        model(sample)
+                    else:
+                        with mode:
+                            model(sample)
+                times[kind].append((time.perf_counter() - start) * 1e3)
+                if mode is not None:
+                    flops[kind] = mode.flops if kind == "fedelastic" else mode.get_total_flops()
+        out[name] = {k: statistics.median(v) for k, v in times.items()} | {"flops": flops}
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in out[name].items() if k != "flops") + f"; {flops}")
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", choices=("step", "fresh"), default=["step", "fresh"])
+    p.add_argument("--parts", nargs="+", choices=("step", "count", "fresh"), default=["step", "count", "fresh"])
     p.add_argument("--before", type=Path, help="a checkout of the code before fedelastic.optim (for 'fresh')")
     p.add_argument("--runs", type=int, default=5, help="fresh processes per checkout and kind (alternating)")
     p.add_argument("--repeats", type=int, default=15, help="interleaved blocks per optimizer (step)")
@@ -182,6 +225,8 @@ def main(argv=None) -> None:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()}
     if "step" in args.parts:
         result["step_us"] = step_costs(args.repeats, args.block)
+    if "count" in args.parts:
+        result["count_ms"] = count_costs(args.repeats)
     if "fresh" in args.parts:
         if args.before is None:
             p.error("--before DIR is needed for the 'fresh' part")
