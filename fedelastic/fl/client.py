@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
-from .arrays import metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
+from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
 # Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
@@ -220,7 +220,7 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
             "masks": record_from_numpy(result.channel_masks),
             "metrics": metric_record({k: metrics[k] for k in METRIC_KEYS}),
             "strategy-state": record_from_numpy(job.strategy.state()),  # the server checkpoints it (resume)
-            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
+            "info": config_record({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
         }
     )
 
