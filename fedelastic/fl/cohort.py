@@ -263,7 +263,10 @@ class CohortGrid(Grid):
         records["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
         self.sent += 1
         return Message(
-            content=record_dict(records), message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}"
+            content=record_dict(records),
+            message_type=MessageType.TRAIN,
+            dst_node_id=node,
+            group_id=f"cohort-{self.sent}",
         )
 
     def _train(self, trains: list[Message]) -> list[Message]:
