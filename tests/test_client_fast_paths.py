@@ -95,7 +95,9 @@ def test_a_whole_tensor_absorbs_channels_before_and_after_it():
     k = 3  # "3.weight": a conv weight with 16 output and 8 input channels at width 8
     some = Selection.from_channels(info, {k: np.array([1, 3])})  # output channels (axis 0)
     every = Selection.from_mask(np.arange(info.num_tensors) == k)
-    inputs = Selection(np.where(np.arange(info.num_tensors) == k, 0.5, 0.0), input_sparse=np.ones(info.num_tensors, bool))
+    inputs = Selection(
+        np.where(np.arange(info.num_tensors) == k, 0.5, 0.0), input_sparse=np.ones(info.num_tensors, bool)
+    )
     for order in ([some, every, some], [every, some], [some, inputs], [inputs, some, inputs]):  # axes 0 and 1: whole
         applied = [_Applied(model, info, params, s, "frozen") for s in order]
         union, whole, channels = np.zeros(info.num_tensors), np.zeros(info.num_tensors, dtype=bool), {}
@@ -103,7 +105,9 @@ def test_a_whole_tensor_absorbs_channels_before_and_after_it():
             _add_to_union(s, a, union, whole, channels)
         old_union, old_channels = _old_union(order, applied, info)
         assert whole[k] and union[k] == old_union[k]  # whole: any channels listed for it are ignored
-        assert old_channels[k][0] == 0 and old_channels[k][1].size == info.tensor_channels[k]  # the old loop: every channel
+        assert (
+            old_channels[k][0] == 0 and old_channels[k][1].size == info.tensor_channels[k]
+        )  # the old loop: every channel
 
 
 @pytest.mark.parametrize(
@@ -186,8 +190,11 @@ def test_weight_sums_kept_as_one_float_give_the_per_element_means():
         ClientUpdate(3, {k: rng.standard_normal(v.shape) for k, v in global_state.items() if k != "steps"}),
         ClientUpdate(7, {"conv": rng.standard_normal((4, 2, 3)), "bias": rng.standard_normal(4)}),
         # a mask after two unmasked clients of the same tensor; an all-zero mask on another
-        ClientUpdate(5, {"conv": rng.standard_normal((4, 2, 3)), "head": rng.standard_normal((3, 4))},
-                     {"conv": np.array([1.0, 0.0, 1.0, 0.0]), "head": np.zeros(3)}),  # fmt: skip
+        ClientUpdate(
+            5,
+            {"conv": rng.standard_normal((4, 2, 3)), "head": rng.standard_normal((3, 4))},
+            {"conv": np.array([1.0, 0.0, 1.0, 0.0]), "head": np.zeros(3)},
+        ),  # fmt: skip
         ClientUpdate(2, {"bias": rng.standard_normal(4)}),
     ]
     new = aggregate_partial(global_state, updates)
