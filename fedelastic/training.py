@@ -416,6 +416,47 @@ def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_
             step += 1
 
 
+def _add_to_union(
+    selection: Selection,
+    applied: _Applied,
+    union: np.ndarray,
+    whole: np.ndarray,
+    channel_union: dict[int, tuple[int, np.ndarray]],
+) -> None:
+    """Adds a selection's trained tensors to a round's union, in place.
+
+    ``union[k]``: the largest share of tensor ``k`` any selection trained; ``whole[k]``: some
+    selection trained all of ``k``'s channels; ``channel_union[k]``: for a tensor only ever trained in
+    part, (axis, the kept channels of all selections along it; along both axes: all of them).
+
+    A tensor without a channel mask trains whole, its share being its ratio: its union with any
+    channels is all its channels, so it is marked in ``whole`` without a per-tensor loop (a full
+    selection has no masked tensor). tests/test_training_union.py checks this against the per-tensor
+    union of channel index arrays.
+    """
+    ratios = selection.ratios
+    unmasked = ratios > 0
+    masked = [k for k in applied.masks if unmasked[k]]
+    unmasked[masked] = False
+    np.maximum(union, np.where(unmasked, ratios, 0.0), out=union)
+    whole |= unmasked
+    for k in masked:
+        union[k] = max(union[k], applied.kept_share(k))
+        if whole[k]:
+            continue
+        axis, mask = applied.masks[k]
+        kept = np.flatnonzero(mask.numpy())
+        if k not in channel_union:  # kept is sorted and unique: it is its own union with nothing
+            channel_union[k] = (axis, kept)
+            continue
+        old_axis, old = channel_union[k]
+        if old_axis != axis:  # trained along both axes in one round: send it whole
+            whole[k] = True
+            del channel_union[k]
+            continue
+        channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
+
+
 def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
     """Before any selection: BatchNorms in inference mode unless ``bn_mode == "train"``."""
     model.train()
@@ -481,21 +522,25 @@ def train_local(
     params = prepared.params
     opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
-    x_all, y_all = torch.from_numpy(data.x).to(dev), torch.from_numpy(data.y).to(dev)
-    before = {k: v.detach().clone() for k, v in prepared.state.items()}
+    # the weights a selection that does not fit rolls back to, taken before the first step that such a
+    # selection could follow (see fail); None while no step ran
+    before: dict[str, torch.Tensor] | None = None
     prepared.set_norm_modes(bn_mode)
     result = LocalResult(fits=True, num_examples=len(data))
     union = np.zeros(info.num_tensors)
-    channel_union: dict[int, tuple[int, np.ndarray]] = {}  # partial tensor -> (axis, kept channels)
+    whole = np.zeros(info.num_tensors, dtype=bool)  # tensors trained whole (every channel) by some selection
+    channel_union: dict[int, tuple[int, np.ndarray]] = {}  # other partial tensors -> (axis, kept channels)
     losses = []
     applied = None
     step_time = step_macs = 0.0
     memory = cost.device.memory_train_bytes.value
     steps_per_epoch = -(-len(data) // batch_size)
-    plan = [torch.from_numpy(idx) for idx in batches(len(data), batch_size, epochs, rng, max_steps)]
+    plan = list(batches(len(data), batch_size, epochs, rng, max_steps))
 
     def fail(reason: str) -> LocalResult:
-        model.load_state_dict(before)
+        # with no step run the model holds its starting weights: a probe restores all it changes
+        if before is not None:
+            model.load_state_dict(before)
         result.fits, result.reason = False, reason
         result.train_time_s += result.overhead_time_s
         result.trained, result.channel_masks, result.ratios = {}, {}, None
@@ -504,7 +549,8 @@ def train_local(
         return result
 
     for step, idx in enumerate(plan):
-        x, y = x_all[idx], y_all[idx]
+        # the batch gathered by numpy (a few rows: cheaper than torch's index op), the same values
+        x, y = torch.from_numpy(data.x[idx]).to(dev), torch.from_numpy(data.y[idx]).to(dev)
         if lr_schedule == "cosine":
             for group in opt.param_groups:
                 group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / len(plan)))
@@ -539,24 +585,13 @@ def train_local(
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
             applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
             result.selections += 1
-            for k in np.flatnonzero(selection.ratios > 0):
-                k = int(k)
-                union[k] = max(union[k], applied.kept_share(k))
-                if k in applied.masks:
-                    axis, mask = applied.masks[k]
-                    kept = np.flatnonzero(mask.numpy())
-                else:
-                    axis, kept = 0, prepared.all_channels[k]
-                if k not in channel_union:  # kept is sorted and unique: it is its own union with nothing
-                    channel_union[k] = (axis, kept if kept.dtype == np.int64 else kept.astype(np.int64))
-                    continue
-                old_axis, old = channel_union[k]
-                if old_axis != axis:  # trained along both axes in one round: send it whole
-                    axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
-                channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
+            _add_to_union(selection, applied, union, whole, channel_union)
             _, step_time, step_macs = prepared.prices(cost, selection)
-        if not selection.mask.any():
+            trains = bool(selection.mask.any())
+        if not trains:
             continue  # nothing to train: no step runs
+        if before is None and step + 1 < len(plan):  # a later step may reselect, and that selection not fit
+            before = {k: v.detach().clone() for k, v in prepared.state.items()}
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -576,10 +611,12 @@ def train_local(
     for p in params:
         p.requires_grad_(True)
     state, modules = prepared.state, prepared.modules
-    for k in np.flatnonzero(union > 0):
+    for k in np.flatnonzero(union > 0).tolist():
         name = info.tensor_names[k]
         result.trained[name] = state[name].detach().cpu().numpy().copy()
-        axis, kept = channel_union[int(k)]
+        if whole[k]:
+            continue
+        axis, kept = channel_union[k]
         size = state[name].shape[axis]
         if len(kept) < size:
             shape = [1] * state[name].dim()

@@ -44,15 +44,22 @@ def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[
     new_state = {}
     for name, current in global_state.items():
         num = np.zeros(current.shape, dtype=np.float64)
-        den = np.zeros(current.shape, dtype=np.float64)
+        # while no update of this tensor has a mask, every element's weight sum is the same: one float,
+        # the same float64 additions in the same order as the array's (filled when a mask comes)
+        den: np.ndarray | float = 0.0
         for upd in updates:
             if name not in upd.arrays:
                 continue
             value, w = _value_and_weight(upd, name, current)
             num += w * value
+            if isinstance(den, float) and not isinstance(w, float):
+                den = np.full(current.shape, den)
             den += w
-        trained = den > 0
-        merged = np.where(trained, num / np.where(trained, den, 1.0), current)
+        if isinstance(den, float):  # dividing by a float divides each element by it, as by an array of it
+            merged = num / den if den > 0 else np.array(current, dtype=np.float64)
+        else:
+            trained = den > 0
+            merged = np.where(trained, num / np.where(trained, den, 1.0), current)
         new_state[name] = merged.astype(current.dtype, copy=False)
     return new_state
 

@@ -31,7 +31,9 @@ _NPY = "numpy.ndarray"  # flwr's SType.NUMPY
 _MAGIC = b"\x93NUMPY"
 _MAX_CACHE = 4096
 _READ: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # header bytes -> (shape, fortran, dtype)
-_WRITE: dict[tuple[str, tuple[int, ...], bool], bytes] = {}  # (dtype.str, shape, fortran) -> header bytes
+# (dtype.str, shape, fortran) -> (header bytes, str(dtype)); only for dtypes without fields, whose
+# ``.str`` ('<f4') fixes both the header and the name ('float32'): a structured dtype's ``.str`` ('|V8') does not
+_WRITE: dict[tuple[str, tuple[int, ...], bool], tuple[bytes, str]] = {}
 
 
 def _remember(cache: dict, key, value) -> None:
@@ -70,20 +72,24 @@ def to_numpy(array: Array, copy: bool = True) -> np.ndarray:
 
 
 def from_numpy(ndarray: np.ndarray) -> Array:
-    """``Array(ndarray)``: the same bytes as ``np.save``, with the header built once per dtype and shape."""
-    if ndarray.dtype.hasobject:
+    """``Array(ndarray)``: the same bytes as ``np.save``, with the header and the dtype's name worked
+    out once per dtype and shape (``str(dtype)`` is a Python-level numpy call, ~2 us a tensor)."""
+    dtype = ndarray.dtype
+    if dtype.hasobject or dtype.fields is not None:
         return Array(ndarray)
     fortran = bool(ndarray.flags.f_contiguous and not ndarray.flags.c_contiguous)
-    key = (ndarray.dtype.str, tuple(ndarray.shape), fortran)
-    header = _WRITE.get(key)
-    if header is None:
+    shape = ndarray.shape  # a tuple of ints, what Array(ndarray) stores
+    key = (dtype.str, shape, fortran)
+    known = _WRITE.get(key)
+    if known is None:
         buffer = io.BytesIO()
         np.save(buffer, ndarray, allow_pickle=False)
         data = buffer.getvalue()
-        _remember(_WRITE, key, data[: len(data) - ndarray.nbytes])
+        known = (data[: len(data) - ndarray.nbytes], str(dtype))
+        _remember(_WRITE, key, known)
     else:
-        data = header + ndarray.tobytes(order="F" if fortran else "C")
-    return _array(str(ndarray.dtype), tuple(int(n) for n in ndarray.shape), _NPY, data)
+        data = known[0] + ndarray.tobytes(order="F" if fortran else "C")
+    return _array(known[1], shape, _NPY, data)
 
 
 def _array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) -> Array:
@@ -110,6 +116,7 @@ def _record(arrays: dict[str, Array]) -> ArrayRecord:
 # are filled directly where the values are of the types Flower's checks accept.
 _RECORDS = (ArrayRecord, MetricRecord, ConfigRecord)
 _SCALARS = (int, float, np.float64)  # what Flower's check accepts (np.float64 is a float), exactly these types
+_CONFIG_SCALARS = (str, bytes, bool, int, float)  # scalars Flower's ConfigRecord accepts
 
 
 def metric_record(values: dict[str, int | float]) -> MetricRecord:
@@ -117,6 +124,15 @@ def metric_record(values: dict[str, int | float]) -> MetricRecord:
     if not _FAST or not all(type(v) in _SCALARS for v in values.values()):
         return MetricRecord(values)
     record = MetricRecord()
+    record.__dict__["_data"].update(values)
+    return record
+
+
+def config_record(values: dict[str, str | bytes | bool | int | float]) -> ConfigRecord:
+    """``ConfigRecord(values)`` for plain scalars (a reply's one-string info), without the per-item checks."""
+    if not _FAST or not all(type(v) in _CONFIG_SCALARS for v in values.values()):
+        return ConfigRecord(values)
+    record = ConfigRecord()
     record.__dict__["_data"].update(values)
     return record
 
@@ -131,8 +147,8 @@ def record_dict(records: dict[str, ArrayRecord | MetricRecord | ConfigRecord]) -
 
 
 def _fast_records_match() -> bool:
-    """Whether :func:`_array`, :func:`_record`, :func:`metric_record` and :func:`record_dict` build
-    exactly what Flower's constructors build."""
+    """Whether :func:`_array`, :func:`_record`, :func:`metric_record`, :func:`config_record` and
+    :func:`record_dict` build exactly what Flower's constructors build."""
     global _FAST
     try:
         sample = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(0, np.int64)}
@@ -140,7 +156,10 @@ def _fast_records_match() -> bool:
         _FAST = True
         ours = _record({k: from_numpy(v) for k, v in sample.items()})
         ours_m, ours_r = metric_record(values), record_dict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
+        config = {"s": "why", "e": "", "b": b"x", "t": True, "i": 2, "f": 0.5}
+        ours_c = config_record(config)
         _FAST = False
+        theirs_c = ConfigRecord(config)
         theirs = ArrayRecord({k: from_numpy(v) for k, v in sample.items()})
         theirs_m = MetricRecord(values)
         theirs_r = RecordDict({"m": MetricRecord(values), "c": ConfigRecord({"x": "y"})})
@@ -152,6 +171,8 @@ def _fast_records_match() -> bool:
         same = same and vars(ours_m).keys() == vars(theirs_m).keys() and list(ours_m.items()) == list(theirs_m.items())
         same = same and vars(ours_r).keys() == vars(theirs_r).keys() and list(ours_r.keys()) == list(theirs_r.keys())
         same = same and all(type(ours_r[k]) is type(theirs_r[k]) for k in ours_r)
+        same = same and vars(ours_c).keys() == vars(theirs_c).keys() and list(ours_c.items()) == list(theirs_c.items())
+        same = same and ours_c.object_id == theirs_c.object_id
         return bool(same and ours_m.object_id == theirs_m.object_id and ours_r.object_id == theirs_r.object_id)
     except Exception:  # noqa: BLE001 (another Flower: use its constructors)
         return False

@@ -12,10 +12,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..costmodel import CostModel, Emulated
 from ..quant import device_numerics
 from ..scenario import Scenario
 from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
-from .arrays import metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
+from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
 # Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
@@ -183,16 +184,42 @@ def prepare_job(env: RunEnvironment, pid: int, config: ConfigRecord, state: Arra
     return CohortJob(pid, int(config["server-round"]), strategy, step_cap)
 
 
+# (cost model, train time, MACs, peak memory, ratios' dtype and bytes) -> (figures, time band, trained share)
+_FIGURES: dict[tuple, tuple[Emulated, float, float]] = {}
+
+
+def round_figures(
+    env: RunEnvironment, cost: CostModel, result: LocalResult, ratios: np.ndarray
+) -> tuple[Emulated, float, float]:
+    """(``cost.round_figures``, the time's error band, the share of parameters trained) of a result.
+
+    All three are pure functions of the cost model and the key's numbers (``cost.device`` is a
+    fixed profile), and in a round most clients of a device train alike (the same selections and
+    steps: the same times, MACs and ratios), so each distinct combination is worked out once.
+    The times and MACs are sums of non-negative prices from 0.0, never -0.0 (which a dict would
+    take for 0.0); a NaN never matches and is worked out afresh.
+    """
+    key = (cost, result.train_time_s, result.macs, result.peak_memory_bytes, ratios.dtype.str, ratios.tobytes())
+    known = _FIGURES.get(key)
+    if known is None:
+        figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+        trained = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
+        known = (figures, cost.time_band_s(figures.train_time_s), trained)
+        if len(_FIGURES) >= 4096:
+            _FIGURES.clear()
+        _FIGURES[key] = known
+    return known
+
+
 def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> RecordDict:
     """What a client sends back after training: its update, masks, figures and strategy state."""
     scenario, pid = env.scenario, job.pid
     cost = env.cost(env.devices[pid])
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
-    figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
+    figures, band, trained_params = round_figures(env, cost, result, ratios)
     if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
         energy = cost.energy_j(result.train_time_s, 0.0, 0.0, result.macs, 0.0)
         figures = replace(figures, comm_time_s=0.0, energy_j=energy, bytes_up=0.0, bytes_down=0.0)
-    trained_params = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
     metrics = {
         "num-examples": result.num_examples,
         "partition-id": pid,
@@ -202,7 +229,7 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
         "train-loss": result.train_loss,
         "fraction-params-trained": trained_params,
         "emulated-train-time-s": figures.train_time_s,
-        "emulated-train-time-band-s": cost.time_band_s(figures.train_time_s),
+        "emulated-train-time-band-s": band,
         "emulated-overhead-time-s": result.overhead_time_s,
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
@@ -220,7 +247,7 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
             "masks": record_from_numpy(result.channel_masks),
             "metrics": metric_record({k: metrics[k] for k in METRIC_KEYS}),
             "strategy-state": record_from_numpy(job.strategy.state()),  # the server checkpoints it (resume)
-            "info": ConfigRecord({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
+            "info": config_record({"fits-reason": result.reason}),  # why fits is 0, or why it ran 0 steps
         }
     )
 

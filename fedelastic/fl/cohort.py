@@ -252,18 +252,21 @@ class CohortGrid(Grid):
 
     def _pack(self, chunk: list[int], trains: list[Message], node: int) -> Message:
         pids = [self.virtual[trains[i].metadata.dst_node_id] for i in chunk]
-        content = RecordDict({"arrays": trains[chunk[0]].content["arrays"]})
+        records = {"arrays": trains[chunk[0]].content["arrays"]}  # filled as a dict: one RecordDict at the end
         for j, (i, pid) in enumerate(zip(chunk, pids)):
             member = trains[i].content
-            content[f"config.{j}"] = member["config"]
+            records[f"config.{j}"] = member["config"]
             if "strategy-state" in member:  # a resumed run hands back the checkpointed state
-                content[f"strategy-state.{j}"] = member["strategy-state"]
+                records[f"strategy-state.{j}"] = member["strategy-state"]
             elif pid in self.states:
-                content[f"strategy-state.{j}"] = self.states[pid]
-        content["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
+                records[f"strategy-state.{j}"] = self.states[pid]
+        records["cohort"] = ConfigRecord({"partition-ids": pids, "timeout-s": self.timeout_s})
         self.sent += 1
         return Message(
-            content=content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=f"cohort-{self.sent}"
+            content=record_dict(records),
+            message_type=MessageType.TRAIN,
+            dst_node_id=node,
+            group_id=f"cohort-{self.sent}",
         )
 
     def _train(self, trains: list[Message]) -> list[Message]:
@@ -286,13 +289,13 @@ class CohortGrid(Grid):
                             Message(Error(code=reply.error.code, reason=reply.error.reason), reply_to=trains[chunk[0]])
                         )
                     continue  # no reply at all: the server records the timeout
-                head = reply.content["cohort"]
+                records = dict(reply.content.items())  # a plain dict: each member's records looked up once
+                head = records["cohort"]
                 for j, i in enumerate(chunk):
                     state, reason = head["status"][j], head["reasons"][j]
                     if state == DONE:
-                        member = record_dict(
-                            {k: reply.content[f"{k}.{j}"] for k in _MEMBER_KEYS if f"{k}.{j}" in reply.content}
-                        )
+                        keys = [(k, f"{k}.{j}") for k in _MEMBER_KEYS]
+                        member = record_dict({k: records[key] for k, key in keys if key in records})
                         if "strategy-state" in member:
                             self.states[self.virtual[trains[i].metadata.dst_node_id]] = member["strategy-state"]
                         replies.append(Message(content=member, reply_to=trains[i]))

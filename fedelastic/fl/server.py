@@ -47,7 +47,7 @@ from ..results import Recorder
 from ..scenario import Scenario
 from ..training import evaluate_model
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
-from .arrays import record_from_numpy, record_to_numpy, record_to_torch
+from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
 from .clock import COUNTED, EXTRA, LATE, Arrival, Trip, run_async, staleness_weight, sync_round
 from .env import RunEnvironment, environment
@@ -366,7 +366,7 @@ class PartialFedAvg(FedAvg):
             )
         messages, self._plan = [], {}
         for p in chosen:
-            cfg = ConfigRecord({**config, "server-round": server_round})
+            cfg = {**config, "server-round": server_round}  # a plain dict, made a ConfigRecord once filled
             rho, cap = float("nan"), -1
             if self.policy == "deadline_elastic":
                 assert self._deadline is not None
@@ -378,7 +378,7 @@ class PartialFedAvg(FedAvg):
                 assert self._deadline is not None
                 cap = cfg["max-steps"] = self.fleet.step_cap(p, self._deadline)
             self._plan[p] = (rho, cap)
-            record = RecordDict({"arrays": arrays, "config": cfg})
+            record = record_dict({"arrays": arrays, "config": config_record(cfg)})
             messages.append(
                 Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
             )

@@ -1,0 +1,224 @@
+"""The in-process client step's fast paths (issue 10, session 19), each against the plain computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ConfigRecord
+
+from fedelastic.costmodel import CostModel
+from fedelastic.devices import get_profile
+from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
+from fedelastic.fl.arrays import config_record, from_numpy, to_numpy
+from fedelastic.modelinfo import describe
+from fedelastic.models.small import small_cnn
+from fedelastic.selection import Selection
+from fedelastic.training import LocalResult, _add_to_union, _Applied, ordered_params
+
+
+def _old_union(selections, applied_list, info):
+    """The per-tensor union train_local kept before session 19 (a verbatim copy of its loop)."""
+    union = np.zeros(info.num_tensors)
+    channel_union: dict[int, tuple[int, np.ndarray]] = {}
+    for selection, applied in zip(selections, applied_list):
+        for k in np.flatnonzero(selection.ratios > 0):
+            k = int(k)
+            union[k] = max(union[k], applied.kept_share(k))
+            if k in applied.masks:
+                axis, mask = applied.masks[k]
+                kept = np.flatnonzero(mask.numpy())
+            else:
+                axis, kept = 0, np.arange(int(info.tensor_channels[k]), dtype=np.int64)
+            if k not in channel_union:
+                channel_union[k] = (axis, kept if kept.dtype == np.int64 else kept.astype(np.int64))
+                continue
+            old_axis, old = channel_union[k]
+            if old_axis != axis:
+                axis, kept, old = 0, np.arange(info.tensor_channels[k]), np.zeros(0, np.int64)
+            channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
+    return union, channel_union
+
+
+def _selections(info, rng):
+    """Random selections: whole tensors, output channels, input channels (Sparse Update), a channel list
+    on a tensor whose ratio is 0, and nothing at all."""
+    n = info.num_tensors
+    out = []
+    for _ in range(4):
+        kind = rng.integers(4)
+        if kind == 0:  # whole tensors
+            out.append(Selection.from_mask(rng.random(n) < 0.5))
+        elif kind == 1:  # output channels of some tensors, others whole
+            channels = {
+                int(k): rng.choice(int(info.tensor_channels[k]), size=rng.integers(1, info.tensor_channels[k] + 1))
+                for k in rng.choice(n, size=2, replace=False)
+            }
+            out.append(Selection.from_channels(info, channels, whole=(rng.random(n) < 0.3).astype(float)))
+        elif kind == 2:  # a share of the input channels of the weights
+            ratios = np.where(rng.random(n) < 0.6, rng.choice([0.25, 0.5, 1.0], size=n), 0.0)
+            out.append(Selection(ratios, input_sparse=rng.random(n) < 0.7))
+        else:  # channels listed for a tensor that does not train: ignored, as before
+            k = int(rng.integers(n))
+            ratios = np.zeros(n)
+            ratios[(k + 1) % n] = 1.0
+            out.append(Selection(ratios, {k: np.array([0])}))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_union_of_selections_is_the_per_tensor_union(seed):
+    torch.manual_seed(seed)
+    model = small_cnn(width=8)
+    info = describe(model, torch.zeros(1, 1, 8, 8), "small_cnn")
+    params = ordered_params(model, info)
+    rng = np.random.default_rng(seed)
+    selections = _selections(info, rng)
+    applied = [_Applied(model, info, params, s, "frozen") for s in selections]
+    union, whole = np.zeros(info.num_tensors), np.zeros(info.num_tensors, dtype=bool)
+    channel_union: dict[int, tuple[int, np.ndarray]] = {}
+    for s, a in zip(selections, applied):
+        _add_to_union(s, a, union, whole, channel_union)
+    old_union, old_channels = _old_union(selections, applied, info)
+    np.testing.assert_array_equal(union, old_union)
+    assert set(np.flatnonzero(union > 0)) == set(old_channels)  # every trained tensor has channels, as before
+    for k, (old_axis, old_kept) in old_channels.items():
+        axis, kept = (0, np.arange(info.tensor_channels[k])) if whole[k] else channel_union[k]
+        assert axis == old_axis and np.array_equal(kept, old_kept), k
+
+
+def test_a_whole_tensor_absorbs_channels_before_and_after_it():
+    torch.manual_seed(0)
+    model = small_cnn(width=8)
+    info = describe(model, torch.zeros(1, 1, 8, 8), "small_cnn")
+    params = ordered_params(model, info)
+    k = 3  # "3.weight": a conv weight with 16 output and 8 input channels at width 8
+    some = Selection.from_channels(info, {k: np.array([1, 3])})  # output channels (axis 0)
+    every = Selection.from_mask(np.arange(info.num_tensors) == k)
+    inputs = Selection(
+        np.where(np.arange(info.num_tensors) == k, 0.5, 0.0), input_sparse=np.ones(info.num_tensors, bool)
+    )
+    for order in ([some, every, some], [every, some], [some, inputs], [inputs, some, inputs]):  # axes 0 and 1: whole
+        applied = [_Applied(model, info, params, s, "frozen") for s in order]
+        union, whole, channels = np.zeros(info.num_tensors), np.zeros(info.num_tensors, dtype=bool), {}
+        for s, a in zip(order, applied):
+            _add_to_union(s, a, union, whole, channels)
+        old_union, old_channels = _old_union(order, applied, info)
+        assert whole[k] and union[k] == old_union[k]  # whole: any channels listed for it are ignored
+        assert (
+            old_channels[k][0] == 0 and old_channels[k][1].size == info.tensor_channels[k]
+        )  # the old loop: every channel
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.zeros(3, dtype=[("a", "<f4"), ("b", "<i4")]),
+        np.zeros(3, dtype=[("c", "<i4"), ("d", "<f4")]),  # same size and .str ('|V8'), other fields
+        np.arange(4, dtype=np.float32),
+        np.arange(4, dtype=">f4"),
+        np.array(["ab", "c"]),
+    ],
+    ids=lambda x: str(x.dtype),
+)
+def test_array_names_and_headers_are_flowers_own(x):
+    for _ in range(2):  # cold and cached
+        ours, ref = from_numpy(x), Array(x)
+        assert (ours.dtype, ours.shape, ours.stype, ours.data) == (ref.dtype, ref.shape, ref.stype, ref.data)
+        np.testing.assert_array_equal(to_numpy(ours), x)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"fits-reason": ""},
+        {"fits-reason": "the selection needs 12 bytes"},
+        {"s": "x", "b": b"\x00", "t": True, "i": -3, "f": float("nan")},
+        {"l": ["a", "b"]},  # a list: Flower's constructor
+        {},
+    ],
+)
+def test_fast_config_records_are_flowers_own(values):
+    ours, theirs = config_record(dict(values)), ConfigRecord(dict(values))
+    assert type(ours) is type(theirs) and ours.object_id == theirs.object_id
+    assert list(ours.items()) == list(theirs.items()) or values.get("f") != values.get("f")
+    assert [type(v) for v in ours.values()] == [type(v) for v in theirs.values()]
+
+
+@pytest.mark.parametrize("bad", [np.float32(1.0), np.int64(3), None, {"a": 1}])
+def test_fast_config_records_refuse_what_flower_refuses(bad):
+    with pytest.raises(TypeError) as theirs:
+        ConfigRecord({"a": "x", "b": bad})
+    with pytest.raises(TypeError) as ours:
+        config_record({"a": "x", "b": bad})
+    assert str(ours.value) == str(theirs.value)
+
+
+def _brute_force_mean(global_state, updates):
+    """Per element, in Python floats: sum of weight x mask x value over the clients, in order, / sum of weight x mask."""
+    out = {}
+    for name, current in global_state.items():
+        flat = np.asarray(current, np.float64).ravel()
+        merged = []
+        for i in range(flat.size):
+            num = den = 0.0
+            for upd in updates:
+                if name not in upd.arrays:
+                    continue
+                value = float(np.asarray(upd.arrays[name], np.float64).ravel()[i])
+                w = float(upd.weight)
+                if name in upd.channel_masks:
+                    mask = np.asarray(upd.channel_masks[name], np.float64)
+                    mask = mask.reshape((-1,) + (1,) * (current.ndim - 1)) if mask.ndim == 1 else mask
+                    w *= float(np.broadcast_to(mask, current.shape).ravel()[i])
+                num += w * value
+                den += w
+            merged.append(num / den if den > 0 else float(flat[i]))
+        out[name] = np.array(merged).reshape(current.shape).astype(current.dtype)
+    return out
+
+
+def test_weight_sums_kept_as_one_float_give_the_per_element_means():
+    rng = np.random.default_rng(5)
+    global_state = {
+        "conv": rng.standard_normal((4, 2, 3)).astype(np.float32),
+        "bias": rng.standard_normal(4).astype(np.float32),
+        "steps": np.array(7, np.int64),  # a buffer nobody sends keeps its value and dtype
+        "head": rng.standard_normal((3, 4)).astype(np.float32),
+    }
+    updates = [
+        ClientUpdate(3, {k: rng.standard_normal(v.shape) for k, v in global_state.items() if k != "steps"}),
+        ClientUpdate(7, {"conv": rng.standard_normal((4, 2, 3)), "bias": rng.standard_normal(4)}),
+        # a mask after two unmasked clients of the same tensor; an all-zero mask on another
+        ClientUpdate(
+            5,
+            {"conv": rng.standard_normal((4, 2, 3)), "head": rng.standard_normal((3, 4))},
+            {"conv": np.array([1.0, 0.0, 1.0, 0.0]), "head": np.zeros(3)},
+        ),  # fmt: skip
+        ClientUpdate(2, {"bias": rng.standard_normal(4)}),
+    ]
+    new = aggregate_partial(global_state, updates)
+    expected = _brute_force_mean(global_state, updates)
+    for k in global_state:
+        assert new[k].dtype == global_state[k].dtype
+        np.testing.assert_array_equal(new[k], expected[k])
+    only_head = aggregate_partial(global_state, [updates[2]])  # weight sum 0 everywhere: the global values
+    np.testing.assert_array_equal(only_head["head"], global_state["head"])
+    assert only_head["bias"] is not global_state["bias"]  # a new array, as np.where made
+
+
+def test_reply_figures_are_the_cost_models_own(make_scenario):
+    from fedelastic.fl.client import round_figures
+    from fedelastic.fl.env import environment
+
+    env = environment(make_scenario())
+    info = env.info
+    for device in ("raspberry_pi_4", "jetson_nano"):
+        cost = CostModel(info, get_profile(device), 16)
+        for ratios in (np.ones(info.num_tensors), np.linspace(0, 1, info.num_tensors), np.zeros(info.num_tensors)):
+            for time_s, macs, peak in ((0.25, 1e6, 3e5), (0.5, 2e6, 3e5), (0.25, 1e6, 3e5)):  # the last repeats
+                result = LocalResult(fits=True, num_examples=5, train_time_s=time_s, macs=macs, peak_memory_bytes=peak)
+                figures, band, share = round_figures(env, cost, result, ratios)
+                assert figures == cost.round_figures(time_s, macs, ratios, peak)
+                assert band == cost.time_band_s(figures.train_time_s)
+                assert share == float((ratios * info.tensor_numel).sum() / info.num_params)
