@@ -156,12 +156,15 @@ def run(
 
 
 def prepare_run(sc: Scenario) -> None:
-    """What a run builds first, done ahead (while Ray starts): the runtime's imports, the data and
-    the model's description (cached for the run)."""
+    """What a run builds first, done ahead (while Ray starts): the runtime's imports (Flower's
+    simulation engine included), the data and the model's description (cached for the run)."""
     from .fl.runner import environment
 
     env = environment(sc)
     _ = env.data, env.info
+    if sc.simulation.backend == "ray":  # imported by the run right after Ray is up, on the start-up's critical path
+        import flwr.server.superlink.fleet.vce.backend.raybackend  # noqa: F401
+        import flwr.simulation  # noqa: F401
 
 
 @dataclass
