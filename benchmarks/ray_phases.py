@@ -21,6 +21,7 @@ The stamps come from wrappers set in the measured process only (nothing in fedel
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -48,48 +49,73 @@ def _created(stat: str = "/proc/self/stat") -> float:
 
 
 _WORKER_TRACE = """
+import sys as _sys
+import time as _time
+
 _traced_load = load_with_driver_code
+_traced_warm = globals().get("warm_with_driver_code")
 
 
-def load_with_driver_code(root, paths, key, payload):
-    import json, os, time
-    t0 = time.time()
-    app = _traced_load(root, paths, key, payload)
-    import fedelastic.fl.raypool as rp
-    if not hasattr(rp, "_PHASES"):
+def _phases():
+    T = getattr(_sys, "_ray_phases", None)
+    if T is None:
+        import os
+
         with open("/proc/self/stat") as fh:
             start = int(fh.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/stat") as fh:
             boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-        T = rp._PHASES = [
-            ("worker: process created", boot + start / os.sysconf("SC_CLK_TCK")),
-            ("worker: first call reaches the loader", t0),
-            ("worker: app unpickled (imports done)", time.time()),
-        ]
-        import fedelastic.fl.cohort as cohort
+        T = _sys._ray_phases = [("worker: process created", boot + start / os.sysconf("SC_CLK_TCK"))]
+    return T
 
-        def dump():
-            with open(OUT + "." + str(os.getpid()), "w") as fh:
-                json.dump(T, fh)
+
+def _dump(T):
+    import json, os
+
+    with open(OUT + "." + str(os.getpid()), "w") as fh:
+        json.dump(T, fh)
+
+
+if _traced_warm is not None:
+
+    def warm_with_driver_code(root, paths, payload):
+        T = _phases()
+        T.append(("worker: early warm-up start", _time.time()))
+        try:
+            return _traced_warm(root, paths, payload)
+        finally:
+            T.append(("worker: early warm-up end", _time.time()))
+            _dump(T)
+
+
+def load_with_driver_code(root, paths, key, payload):
+    T = _phases()
+    first = not any(k == "worker: first call reaches the loader" for k, _ in T)
+    t0 = _time.time()
+    app = _traced_load(root, paths, key, payload)
+    if first:
+        T.append(("worker: first call reaches the loader", t0))
+        T.append(("worker: app unpickled (imports done)", _time.time()))
+        import fedelastic.fl.cohort as cohort
 
         def stamped(fn, label):
             def inner(*a, **k):
-                T.append((label + " start", time.time()))
+                T.append((label + " start", _time.time()))
                 try:
                     return fn(*a, **k)
                 finally:
-                    T.append((label + " end", time.time()))
-                    dump()
+                    T.append((label + " end", _time.time()))
+                    _dump(T)
             return inner
 
         cohort.warm_up = stamped(cohort.warm_up, "worker: warm-up")
         cohort.cohort_train = stamped(cohort.cohort_train, "worker: cohort call")
-        dump()
+        _dump(T)
     return app
 """
 
 
-def measured(out: str, tmp: str) -> None:
+def measured(out: str, tmp: str, dynamo: bool) -> None:
     stamps: list[tuple[str, float]] = [("driver: first statement", time.time())]
 
     def st(name: str) -> None:
@@ -101,8 +127,9 @@ def measured(out: str, tmp: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # as peers.py's workers do
-    st("driver: torch and torch._dynamo imported")
+    if dynamo:  # as peers.py's workers did before session 19 (torch.optim imported it)
+        importlib.import_module("torch._dynamo")
+    st("driver: torch (and torch._dynamo with --dynamo) imported")
     sys.path.insert(0, str(HERE.parent))
     import peers
 
@@ -116,6 +143,7 @@ def measured(out: str, tmp: str) -> None:
         if fn is None:
             return
 
+        @functools.wraps(fn)
         def inner(*a, **k):
             st(label + " start")
             try:
@@ -151,10 +179,10 @@ def measured(out: str, tmp: str) -> None:
         if hasattr(runner, "_LOADER"):  # worker-side stamps through the shipped app's loader
             source = runner._LOADER + _WORKER_TRACE
 
-            def loader():
+            def loader(name="load_with_driver_code"):
                 namespace = {"__name__": "fedelastic_ray_phases_loader", "OUT": out + ".worker"}
                 exec(compile(source, "<ray_phases loader>", "exec"), namespace)  # noqa: S102 (this file's text)
-                return namespace["load_with_driver_code"]
+                return namespace[name]
 
             runner._loader = loader
 
@@ -176,6 +204,7 @@ def measured(out: str, tmp: str) -> None:
 
         raypool.start_ray = started
     wrap(raypool, "quick_shutdown", "driver: Ray shutdown")
+    wrap(raypool, "early_start", "driver: early actors")
     st("driver: api.run called")
     api.run(scenario, progress=lambda row: rounds.append((f"round {row['round']} row", time.time())))
     st("driver: api.run returned")
@@ -194,7 +223,7 @@ def measured(out: str, tmp: str) -> None:
 # the parent: runs, phases, medians
 
 
-def _one(i: int, tmp: str) -> dict:
+def _one(i: int, tmp: str, dynamo: bool = False) -> dict:
     out = str(Path(tmp) / f"run{i}.json")
     env = {
         **os.environ,
@@ -203,7 +232,8 @@ def _one(i: int, tmp: str) -> dict:
     }
     launch = time.time()
     proc = subprocess.run(
-        [sys.executable, str(HERE), "--measure", out, "--tmp", str(Path(tmp) / f"runs{i}")],
+        [sys.executable, str(HERE), "--measure", out, "--tmp", str(Path(tmp) / f"runs{i}")]
+        + (["--dynamo"] if dynamo else []),
         env=env,
         capture_output=True,
         text=True,
@@ -234,7 +264,7 @@ def phases(run: dict) -> dict[str, float]:
     init_end = t["driver: ray.init end"]
     p = {
         "launch -> Python's first statement": t["driver: first statement"],
-        "imports (torch, torch._dynamo, fedelastic.api)": t["driver: fedelastic.api imported"]
+        "imports (torch, fedelastic.api; torch._dynamo with --dynamo)": t["driver: fedelastic.api imported"]
         - t["driver: first statement"],
         "api.run -> ray.init starts": t["driver: ray.init start"] - t["driver: api.run called"],
         "ray.init (local cluster)": init_end - t["driver: ray.init start"],
@@ -242,6 +272,10 @@ def phases(run: dict) -> dict[str, float]:
             "driver: imports and data beside ray.init end", float("nan")
         )
         - t.get("driver: imports and data beside ray.init start", float("nan")),
+        "ray.init end -> early actors created": t.get("driver: early actors end", float("nan")) - init_end,
+        "ray.init end -> first early warm-up starts": first("worker: early warm-up start") - init_end,
+        "worker: early warm-up (imports, data, model; slower)": slow("worker: early warm-up end")
+        - slow("worker: early warm-up start"),
         "ray.init end -> first worker call reaches the app": first("worker: first call reaches the loader") - init_end,
         "worker: imports (fedelastic, torch; slower worker)": slow("worker: app unpickled (imports done)")
         - slow("worker: first call reaches the loader"),
@@ -302,17 +336,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", help="write the stamps and phases as JSON here")
+    p.add_argument("--dynamo", action="store_true", help="import torch._dynamo first (peers.py before session 19)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.measure:
-        measured(args.measure, args.tmp)
+        measured(args.measure, args.tmp, args.dynamo)
         return
     load0 = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory(prefix="fedelastic-ray-phases-") as tmp:
         for i in range(args.runs):
-            runs.append(_one(i, tmp))
+            runs.append(_one(i, tmp, args.dynamo))
             ph = phases(runs[-1])
             print(
                 f"[run {i + 1}/{args.runs}] start-up {ph['START-UP (launch -> round 0 row)']:.2f} s, wall {ph['PROCESS WALL (launch -> exit)']:.2f} s",

@@ -205,8 +205,9 @@ def cmd_run(args) -> int:
 
         run_dir = resume_run(args.resume, progress=progress)
     else:
-        from .api import prepare_run
+        from .api import check_run_folder, prepare_run
 
+        check_run_folder(sc, args.run_id)  # a bad folder fails now, not after Ray's start
         started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
         try:
             from .fl.runner import run_scenario

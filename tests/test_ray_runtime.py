@@ -153,25 +153,25 @@ def test_no_autoscaler_leaves_a_ray_without_the_parameter_alone(monkeypatch):
 
 @pytest.mark.ray
 def test_a_run_that_fails_after_ray_started_early_leaves_no_ray_behind(make_scenario, monkeypatch, tmp_path):
-    """api.run starts Ray before it imports the runtime; a run refused after that (its run id is taken) stops it."""
+    """api.run starts Ray before it imports the runtime; a run refused after that (its data has no
+    class 42, found by the checks beside ray.init) stops it."""
     import ray
 
     from fedelastic import api
-    from fedelastic.errors import FedelasticError
+    from fedelastic.errors import ConfigError
 
     from .test_simulation import _processes_with
 
-    sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1})
-    (Path(sc.output_dir) / sc.name / "taken").mkdir(parents=True)
+    sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1}, data={"classes": [0, 42]})
     monkeypatch.setenv("FEDELASTIC_TEST_RUN", str(tmp_path))
     import fedelastic.fl.raypool as raypool
 
     up_at_shutdown: list[bool] = []
     real = raypool.quick_shutdown
     monkeypatch.setattr(raypool, "quick_shutdown", lambda: (up_at_shutdown.append(ray.is_initialized()), real()))
-    with pytest.raises(FedelasticError, match="a run with this id exists"):
-        api.run(sc, run_id="taken")
-    assert up_at_shutdown == [True]  # Ray was up (started early) when the refused run ended, and was stopped
+    with pytest.raises(ConfigError, match="key 'data.classes'"):
+        api.run(sc)
+    assert up_at_shutdown[:1] == [True]  # Ray was up (started early) when the refused run ended, and was stopped
     assert not ray.is_initialized()
     assert _processes_with(f"FEDELASTIC_TEST_RUN={tmp_path}".encode()) == []
 

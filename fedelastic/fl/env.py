@@ -197,6 +197,23 @@ class RunEnvironment:
         return strategy
 
 
+def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelInfo | None = None) -> None:
+    """Build in a Ray worker, before its first client call, what every call needs: the driver's
+    strategies and model names, the data and the client model (issue 10).
+
+    ``info`` is the driver's model description, used instead of describing the model again here
+    (the same object the worker would build: the description is deterministic).
+    """
+    from .. import models, selection
+
+    selection.adopt(strategies)
+    models.adopt(names)
+    env = environment(scenario)
+    if info is not None:
+        env.__dict__.setdefault("info", info)  # cached_property's slot
+    _ = env.data, env.info, env.client_model
+
+
 _CACHE: dict[str, RunEnvironment] = {}
 STRATEGY_CACHE = 64  # validated strategy configs kept per environment (by rho)
 

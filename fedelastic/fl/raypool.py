@@ -83,6 +83,79 @@ def unpickled_app(root: str, key: str, payload: bytes):
     return _APPS[key]
 
 
+_EARLY: dict = {}  # actors created as soon as Ray was up ("actors"), with the resources they reserve ("resources")
+
+
+def create_early_actors(resources: dict, init: Callable[[], None]) -> int:
+    """Create as many of Flower's client actors as its Ray backend would (each reserving
+    ``resources``), each running ``init`` as it starts; :func:`early_actors` hands them to the
+    backend's pool. Returns how many."""
+    from flwr.simulation.ray_transport.ray_actor import ClientAppActor, pool_size_from_resources
+
+    count = pool_size_from_resources(resources)
+    actors = [ClientAppActor.options(**resources).remote(on_actor_init_fn=init) for _ in range(count)]
+    _EARLY.update(actors=actors, resources=dict(resources))
+    return count
+
+
+def early_actors(resources: dict) -> list:
+    """The actors :func:`create_early_actors` made for ``resources`` (each handed out once); [] if none."""
+    actors, made_for = _EARLY.pop("actors", []), _EARLY.pop("resources", None)
+    if made_for == resources:
+        return actors
+    _kill(actors)  # made for other resources: of no use to this pool
+    return []
+
+
+def _kill(actors) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 (already gone)
+            pass
+
+
+#: The names Flower 1.41's ``RayBackend.build`` uses: a pool of ``actors_capacity`` actors of
+#: ``client_resources``, and the app. A build using other names is left as it is.
+_BUILD_NAMES = frozenset(
+    {"BasicActorPool", "ClientAppActor", "DEBUG", "Exception", "actor_kwargs", "actors_capacity",
+     "add_actors_to_pool", "app_fn", "client_resources", "log", "num_actors", "pool"}
+)  # fmt: skip
+
+
+def _same_build(build) -> bool:
+    import inspect
+
+    code = getattr(inspect.unwrap(build), "__code__", None)  # through a functools.wraps wrapper (a benchmark's stamps)
+    return code is not None and set(code.co_names) == _BUILD_NAMES
+
+
+def _build(original):
+    def build(self, app_fn) -> None:
+        """Flower's ``RayBackend.build``, with the actors made early (:func:`create_early_actors`)
+        in its pool instead of new ones, when they were made for this pool's resources."""
+        actors = early_actors(self.client_resources)
+        if not actors:
+            original(self, app_fn)
+            return
+        from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
+
+        self.pool = BasicActorPool(
+            actor_type=ClientAppActor, client_resources=self.client_resources, actor_kwargs=self.actor_kwargs
+        )
+        capacity = self.pool.actors_capacity
+        _kill(actors[capacity:])
+        self.pool.pool.extend(actors[:capacity])
+        self.pool.num_actors += len(actors[:capacity])
+        if capacity > len(actors):
+            self.pool.add_actors_to_pool(capacity - len(actors))
+        self.app_fn = app_fn
+
+    return build
+
+
 def _retire(pool, future, *, replace: bool) -> None:
     """Kill the actor that ran ``future`` and, unless the run is stopping, put a fresh one in the pool."""
     import ray
@@ -206,8 +279,17 @@ def _alive(procs: dict[int, str]) -> dict[int, str]:
     return left
 
 
+#: Ray's settings for a local cluster this process starts (``ray.init(_system_config=...)``): a
+#: raylet, worker or driver that finds its object store or raylet socket not yet listening tries
+#: again after 50 ms instead of Ray's 1 s (the same 10 s in all). The raylet connects to the
+#: object store it has just started on another thread; when it looks before the store listens,
+#: Ray's default costs the start-up a whole second (about one start in five here, issue 10).
+LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
+
+
 def ray_init_args(sim) -> dict:
-    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only.
+    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only, and
+    :data:`LOCAL_SYSTEM_CONFIG` for a local cluster (a running cluster keeps its own settings).
 
     No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
     those ``ray.init`` starts (``runner.ShippedClientApp`` puts the driver's code first instead).
@@ -215,6 +297,8 @@ def ray_init_args(sim) -> dict:
     args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
         args["address"] = sim.ray_address
+    elif not os.environ.get("RAY_ADDRESS"):  # ray.init starts a local cluster (it would connect to RAY_ADDRESS's)
+        args["_system_config"] = dict(LOCAL_SYSTEM_CONFIG)
     return args
 
 
@@ -241,7 +325,7 @@ def start_ray(scenario) -> None:
     if not ray.is_initialized():
         probe(sim.ray_address, src)
         try:
-            with no_autoscaler():  # used only when ray.init starts a local cluster
+            with no_autoscaler(), prompt_node_wait():  # used only when ray.init starts a local cluster
                 ray.init(**ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
             from ..results import one_line
@@ -309,6 +393,8 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
 
     try:
         start_ray_beside(scenario, quietly)
+        if ray.is_initialized():
+            early_start(scenario)
     except Exception:  # noqa: BLE001 (the run starts Ray again and reports the error)
         return False
     except BaseException:  # Ctrl-C while Ray starts or the data is prepared: leave no cluster behind
@@ -316,6 +402,65 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
             quick_shutdown()
         raise
     return ray.is_initialized()
+
+
+def early_start(scenario) -> None:
+    """Flower's client actors created now (``runner.start_actors_early``), so that they import the
+    runtime and build their data while the driver sets the run up. Best effort: an error leaves
+    the actors to Flower, which creates them when the simulation starts."""
+    try:
+        from .runner import start_actors_early
+
+        start_actors_early(scenario)
+    except Exception:  # noqa: BLE001,S110 (the run meets the error again and reports it)
+        _kill(_EARLY.pop("actors", []))
+        _EARLY.clear()
+
+
+@contextmanager
+def prompt_node_wait(period_s: float = 0.02) -> Iterator[bool]:
+    """Inside this block ``ray.init`` goes on as soon as its raylet has registered, not at Ray's next 1 s poll.
+
+    ``ray.init`` waits for the raylet it started through ``services.get_node``, whose C++ loop
+    (``GlobalStateAccessor::GetNode``) sleeps a fixed second between looks at the GCS's node
+    table: the raylet registers at a random point of that second, so ``ray.init`` waits half a
+    second on average for nothing. The block swaps in a ``get_node`` that looks every
+    ``period_s`` (at most Ray's own 30 s) and then asks Ray's, which finds the node at once.
+    Yields whether it could (a Ray without these functions is left as it is).
+    """
+    try:
+        import ray._private.services as services
+        from ray._private.state import GlobalState
+
+        original, options = services.get_node, services._get_gcs_client_options
+    except Exception:  # noqa: BLE001 (another Ray)
+        yield False
+        return
+
+    def get_node(gcs_address, node_id):
+        try:
+            state = GlobalState()
+            state._initialize_global_state(options(gcs_address))
+            deadline = time.monotonic() + 30.0
+            try:
+                while time.monotonic() < deadline:
+                    table = state.node_table()
+                    if any(n.get("NodeID") == node_id and n.get("Alive") for n in table):
+                        break
+                    if not all("NodeID" in n and "Alive" in n for n in table):  # another Ray's table: its own wait
+                        break
+                    time.sleep(period_s)
+            finally:
+                state.disconnect()
+        except Exception:  # noqa: BLE001,S110 (Ray's own wait below decides)
+            pass
+        return original(gcs_address, node_id)
+
+    services.get_node = get_node
+    try:
+        yield True
+    finally:
+        services.get_node = original
 
 
 @contextmanager
@@ -360,6 +505,7 @@ def quick_shutdown(wait_s: float = 3.0) -> None:
     """
     import ray
 
+    _EARLY.clear()
     if not ray.is_initialized():
         return
     ours = _descendants([p.pid for p in _node_processes()])
@@ -441,13 +587,21 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     import ray._private.auto_init_hook as auto_init
 
     original, terminate, auto = RayBackend.process_message, RayBackend.terminate, auto_init.enable_auto_connect
+    build = RayBackend.build
     _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
     RayBackend.process_message = _process_message
     RayBackend.terminate = _terminate(terminate)
+    if _same_build(build):  # Flower's build as this module knows it: the early actors may join its pool
+        RayBackend.build = _build(build)
+    else:  # another Flower: its build makes its own actors, which the early ones would keep from the CPUs
+        _kill(_EARLY.pop("actors", []))
+        _EARLY.clear()
     # a worker thread still waiting after ray.shutdown() must not start a new local Ray (whose agents outlive us)
     auto_init.enable_auto_connect = False
     try:
         yield _SETTINGS
     finally:
-        RayBackend.process_message, RayBackend.terminate = original, terminate
+        RayBackend.process_message, RayBackend.terminate, RayBackend.build = original, terminate, build
         auto_init.enable_auto_connect = auto
+        _kill(_EARLY.pop("actors", []))  # not taken (the run stopped before its pool was built)
+        _EARLY.clear()

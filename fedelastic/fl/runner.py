@@ -35,7 +35,7 @@ from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
-from .raypool import quick_shutdown, resilient_actors, start_ray, start_ray_beside
+from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
 
 
@@ -291,23 +291,45 @@ def _preflight(scenario: Scenario, env) -> dict:
 
 
 _LOADER = """
-def load_with_driver_code(root, paths, key, payload):
+def driver_code_first(root, paths):
     import sys
 
-    if "fedelastic" not in sys.modules:  # this worker's first app: the driver's code goes first
+    if "fedelastic" not in sys.modules:  # this worker's first fedelastic: the driver's code goes first
         sys.path[:] = [root] + [p for p in paths if p != root] + [p for p in sys.path if p != root and p not in paths]
+
+
+def load_with_driver_code(root, paths, key, payload):
+    driver_code_first(root, paths)
     from fedelastic.fl.raypool import unpickled_app
 
     return unpickled_app(root, key, payload)
+
+
+def warm_with_driver_code(root, paths, payload):
+    driver_code_first(root, paths)
+    try:
+        import pickle
+
+        pickle.loads(payload)()
+    except Exception:  # best effort: the worker's first call builds what is missing, and reports its errors
+        pass
 """
 
 
-def _loader():
-    """The worker-side loader of :class:`ShippedClientApp`, built outside any importable module so
-    that Ray ships it by value (unpickling it imports no fedelastic)."""
+def _loader(name: str = "load_with_driver_code"):
+    """A worker-side function of :data:`_LOADER` (the loader of :class:`ShippedClientApp`, or the
+    warm-up of :func:`start_actors_early`), built outside any importable module so that Ray ships
+    it by value (unpickling it imports no fedelastic)."""
     namespace: dict = {"__name__": "fedelastic_ray_loader"}
     exec(compile(_LOADER, "<fedelastic ray loader>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace["load_with_driver_code"]
+    return namespace[name]
+
+
+def _driver_paths() -> tuple[str, list[str]]:
+    """The folder the driver's fedelastic is in, and the driver's ``sys.path``."""
+    import fedelastic
+
+    return str(Path(fedelastic.__file__).resolve().parent.parent), [p for p in sys.path if p]
 
 
 class ShippedClientApp(ClientApp):
@@ -324,11 +346,8 @@ class ShippedClientApp(ClientApp):
     """
 
     def __init__(self, app: ClientApp):
-        import fedelastic
-
         self.__dict__.update(app.__dict__)
-        self._root = str(Path(fedelastic.__file__).resolve().parent.parent)
-        self._paths = [p for p in sys.path if p]
+        self._root, self._paths = _driver_paths()
         self._payload: bytes | None = None
         self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
 
@@ -341,6 +360,33 @@ class ShippedClientApp(ClientApp):
             plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
             self._payload = cloudpickle.dumps(plain)
         return (_loader(), (self._root, self._paths, self._key, self._payload))
+
+
+def client_resources(sim) -> dict:
+    """What each of Flower's client actors reserves on Ray (``simulation.num_cpus_per_client``, no GPU)."""
+    return {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}
+
+
+def start_actors_early(scenario: Scenario) -> int:
+    """Create Flower's client actors now, Ray being up, rather than when the simulation starts;
+    returns how many (issue 10).
+
+    Each actor, as it is created, puts the driver's code first on its path (as
+    :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,
+    with the driver's model description (:func:`env.warm_worker`), while the driver sets the run
+    up. Flower's Ray backend then takes these actors (``raypool.early_actors``) instead of
+    creating its own. Call it after the runtime's imports and the data (``api.prepare_run``).
+    """
+    from ray import cloudpickle
+
+    from .. import models, selection
+    from .env import warm_worker
+
+    env = environment(scenario)
+    warm = partial(warm_worker, scenario, selection.plugins(), models.user_entries(), env.info)
+    root, paths = _driver_paths()
+    init = partial(_loader("warm_with_driver_code"), root, paths, cloudpickle.dumps(warm))
+    return create_early_actors(client_resources(scenario.simulation), init)
 
 
 def ray_workers(cpus_per_client: float) -> int:
@@ -391,7 +437,7 @@ def _run_ray(
                 server_app=app,
                 client_app=ShippedClientApp(client_app),
                 num_supernodes=nodes,
-                backend_config={"client_resources": {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}},
+                backend_config={"client_resources": client_resources(sim)},
             )
             notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
     finally:

@@ -1,0 +1,126 @@
+"""Session 19's Ray start-up pieces (issue 10): the run-folder check before Ray starts, Ray's
+init arguments, the prompt wait for the raylet, and the client actors created early."""
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedelastic import api
+from fedelastic.errors import ConfigError, FedelasticError
+from fedelastic.fl import raypool
+
+
+def _no_ray_start(monkeypatch) -> list:
+    """Record every attempt to start Ray early (none expected)."""
+    calls: list = []
+    monkeypatch.setattr(raypool, "start_ray_early", lambda *a, **k: calls.append(a) or False)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("overrides", "run_id", "error", "match"),
+    [
+        ({}, "../up", ConfigError, "key '--run-id': expected a plain folder name"),
+        ({}, "taken", FedelasticError, "a run with this id exists"),
+    ],
+)
+def test_a_bad_run_folder_fails_before_ray_starts(make_scenario, monkeypatch, overrides, run_id, error, match):
+    sc = make_scenario(simulation={"backend": "ray"}, **overrides)
+    (Path(sc.output_dir) / "tiny" / "taken").mkdir(parents=True)
+    calls = _no_ray_start(monkeypatch)
+    with pytest.raises(error, match=match):
+        api.run(sc, run_id=run_id)
+    assert calls == []
+
+
+def test_an_output_dir_behind_a_file_fails_before_ray_starts(make_scenario, monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    sc = make_scenario(output_dir=str(tmp_path / "file" / "runs"), simulation={"backend": "ray"})
+    calls = _no_ray_start(monkeypatch)
+    with pytest.raises(ConfigError, match=r"key 'output_dir': expected a folder \(a file is in the way\)"):
+        api.run(sc)
+    assert calls == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_dir_that_cannot_be_written_fails_before_ray_starts(make_scenario, monkeypatch, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    sc = make_scenario(output_dir=str(locked / "runs"), simulation={"backend": "ray"})
+    calls = _no_ray_start(monkeypatch)
+    try:
+        with pytest.raises(ConfigError, match="key 'output_dir': expected a folder fedelastic can write to"):
+            api.run(sc)
+    finally:
+        locked.chmod(0o700)
+    assert calls == []
+
+
+def test_the_check_lets_a_new_output_dir_and_a_free_run_id_through(make_scenario, tmp_path):
+    sc = make_scenario(output_dir=str(tmp_path / "not" / "yet" / "there"))
+    api.check_run_folder(sc, "free")  # no error, and nothing made
+    assert not (tmp_path / "not").exists()
+
+
+def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_settings(make_scenario, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    local = raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+    config = local["_system_config"]
+    # the same 10 s in all as Ray's default (1000 ms x 10 attempts), tried every 50 ms
+    assert config["raylet_client_connect_timeout_milliseconds"] * config["raylet_client_num_connect_attempts"] == 10_000
+    assert config["raylet_client_connect_timeout_milliseconds"] == 50
+    given = raypool.ray_init_args(make_scenario(simulation={"backend": "ray", "ray_address": "10.0.0.1:6379"}).simulation)
+    assert "_system_config" not in given and given["address"] == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # ray.init would connect there, where _system_config is refused
+    assert "_system_config" not in raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+
+
+def test_prompt_node_wait_swaps_rays_get_node_and_restores_it():
+    import ray._private.services as services
+
+    before = services.get_node
+    with raypool.prompt_node_wait() as used:
+        assert used and services.get_node is not before
+    assert services.get_node is before
+
+
+def test_prompt_node_wait_leaves_a_ray_without_the_function_alone(monkeypatch):
+    import ray._private.services as services
+
+    monkeypatch.delattr(services, "get_node")
+    with raypool.prompt_node_wait() as used:
+        assert not used
+    assert not hasattr(services, "get_node")
+
+
+def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch):
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    assert raypool._same_build(RayBackend.build)  # Flower 1.41's, as pinned
+
+    def other_build(self, app_fn):  # a Flower whose build does something else
+        self.pool = None
+
+    assert not raypool._same_build(other_build)
+
+
+@pytest.mark.ray
+def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_run_does(make_scenario, monkeypatch):
+    """The actors made as Ray came up (warmed with the driver's model description) are the ones
+    Flower's pool runs the clients on, and the tables equal the in-process run's."""
+    import ray
+
+    from .test_simulation import _frames
+
+    taken: list[int] = []
+    real = raypool.early_actors
+    monkeypatch.setattr(raypool, "early_actors", lambda resources: taken.append(len(out := real(resources))) or out)
+    ray_sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1})
+    on_ray = api.run(ray_sc, run_id="ray")
+    assert not ray.is_initialized()
+    assert len(taken) == 1 and taken[0] >= 1  # the pool was built from early actors
+    local = api.run(make_scenario(), run_id="local")
+    for ray_frame, local_frame in zip(_frames(on_ray.run_dir), _frames(local.run_dir)):  # host timings left out
+        pd.testing.assert_frame_equal(ray_frame, local_frame)
