@@ -18,6 +18,11 @@ Only what the trainer uses is kept: one parameter group, ``param_groups`` (a sch
 ``load_state_dict`` (torch's layout) and step hooks (:func:`register_step_pre_hook`,
 :func:`register_step_post_hook`; the emulated int8/fp16 numerics in :mod:`fedelastic.quant` use
 them). No nesterov, dampening, maximize, foreach or fused variants, no tensor learning rates.
+
+On a GPU, ``torch.optim.SGD`` by default takes its multi-tensor (``foreach``) path instead; the
+operations are the same, but whether its CUDA kernels round exactly as the single-tensor ones do
+is not checked (no GPU in the test runs), so a GPU run may differ in the last bits from one made
+with ``torch.optim``.
 """
 
 from __future__ import annotations

@@ -222,3 +222,13 @@ def test_reply_figures_are_the_cost_models_own(make_scenario):
                 assert figures == cost.round_figures(time_s, macs, ratios, peak)
                 assert band == cost.time_band_s(figures.train_time_s)
                 assert share == float((ratios * info.tensor_numel).sum() / info.num_params)
+
+
+def test_a_0d_tensor_averaged_stays_a_0d_array():
+    """A scalar parameter (e.g. a learned temperature) that clients send comes back as an array, as np.where gave."""
+    new = aggregate_partial(
+        {"t": np.array(3.0, np.float32)}, [ClientUpdate(2.0, {"t": np.array(5.0)}), ClientUpdate(6.0, {"t": np.array(1.0)})]
+    )
+    assert isinstance(new["t"], np.ndarray) and new["t"].shape == () and new["t"].dtype == np.float32
+    assert float(new["t"]) == (2 * 5.0 + 6 * 1.0) / 8
+    torch.from_numpy(new["t"])  # the server loads it into the model

@@ -44,6 +44,16 @@ def test_an_output_dir_behind_a_file_fails_before_ray_starts(make_scenario, monk
     assert calls == []
 
 
+def test_a_file_where_the_run_id_folder_goes_is_not_called_a_run(make_scenario, monkeypatch, tmp_path):
+    sc = make_scenario(output_dir=str(tmp_path), simulation={"backend": "ray"})
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "mine").write_text("not a run")
+    calls = _no_ray_start(monkeypatch)
+    with pytest.raises(ConfigError, match=r"expected a folder \(a file is in the way\)"):
+        api.run(sc, run_id="mine")
+    assert calls == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_an_output_dir_that_cannot_be_written_fails_before_ray_starts(make_scenario, monkeypatch, tmp_path):
     locked = tmp_path / "locked"
@@ -64,8 +74,11 @@ def test_the_check_lets_a_new_output_dir_and_a_free_run_id_through(make_scenario
     assert not (tmp_path / "not").exists()
 
 
-def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_settings(make_scenario, monkeypatch):
+def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_settings(
+    make_scenario, monkeypatch, tmp_path
+):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's temp dir: no cluster recorded by `ray start` there
     local = raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
     config = local["_system_config"]
     # the same 10 s in all as Ray's default (1000 ms x 10 attempts), tried every 50 ms
@@ -74,6 +87,11 @@ def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_s
     given = raypool.ray_init_args(make_scenario(simulation={"backend": "ray", "ray_address": "10.0.0.1:6379"}).simulation)
     assert "_system_config" not in given and given["address"] == "10.0.0.1:6379"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # ray.init would connect there, where _system_config is refused
+    assert "_system_config" not in raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+    monkeypatch.delenv("RAY_ADDRESS")
+    # a cluster `ray start --head` recorded: ray.init() with no address connects to it (and would refuse the config)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.2:6379")
     assert "_system_config" not in raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
 
 

@@ -56,7 +56,7 @@ def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[
                 den = np.full(current.shape, den)
             den += w
         if isinstance(den, float):  # dividing by a float divides each element by it, as by an array of it
-            merged = num / den if den > 0 else np.array(current, dtype=np.float64)
+            merged = np.asarray(num / den) if den > 0 else np.array(current, dtype=np.float64)  # a 0-d array stays one
         else:
             trained = den > 0
             merged = np.where(trained, num / np.where(trained, den, 1.0), current)

@@ -184,10 +184,6 @@ def prepare_job(env: RunEnvironment, pid: int, config: ConfigRecord, state: Arra
     return CohortJob(pid, int(config["server-round"]), strategy, step_cap)
 
 
-# (cost model, train time, MACs, peak memory, ratios' dtype and bytes) -> (figures, time band, trained share)
-_FIGURES: dict[tuple, tuple[Emulated, float, float]] = {}
-
-
 def round_figures(
     env: RunEnvironment, cost: CostModel, result: LocalResult, ratios: np.ndarray
 ) -> tuple[Emulated, float, float]:
@@ -197,17 +193,19 @@ def round_figures(
     fixed profile), and in a round most clients of a device train alike (the same selections and
     steps: the same times, MACs and ratios), so each distinct combination is worked out once.
     The times and MACs are sums of non-negative prices from 0.0, never -0.0 (which a dict would
-    take for 0.0); a NaN never matches and is worked out afresh.
+    take for 0.0); a NaN never matches and is worked out afresh. The cache lives on ``env``
+    (keyed by cost model, train time, MACs, peak memory, ratios' dtype and bytes), so it goes
+    with the run's environment.
     """
     key = (cost, result.train_time_s, result.macs, result.peak_memory_bytes, ratios.dtype.str, ratios.tobytes())
-    known = _FIGURES.get(key)
+    known = env.figures.get(key)
     if known is None:
         figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
         trained = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
         known = (figures, cost.time_band_s(figures.train_time_s), trained)
-        if len(_FIGURES) >= 4096:
-            _FIGURES.clear()
-        _FIGURES[key] = known
+        if len(env.figures) >= 4096:
+            env.figures.clear()
+        env.figures[key] = known
     return known
 
 

@@ -43,6 +43,7 @@ class RunEnvironment:
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, DeviceProfile] = {}
         self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}  # see strategy()
+        self.figures: dict[tuple, tuple] = {}  # reply figures worked out once (client.round_figures)
 
     @cached_property
     def external(self) -> FederatedData | None:

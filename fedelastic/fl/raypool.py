@@ -297,9 +297,23 @@ def ray_init_args(sim) -> dict:
     args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
         args["address"] = sim.ray_address
-    elif not os.environ.get("RAY_ADDRESS"):  # ray.init starts a local cluster (it would connect to RAY_ADDRESS's)
+    elif _starts_local_cluster():
         args["_system_config"] = dict(LOCAL_SYSTEM_CONFIG)
     return args
+
+
+def _starts_local_cluster() -> bool:
+    """Whether ``ray.init()`` without an address starts a cluster: it connects instead to
+    ``RAY_ADDRESS``'s, or to the one ``ray start`` recorded (``<ray temp dir>/ray_current_cluster``),
+    and a connecting ``ray.init`` refuses ``_system_config``. False for a Ray without that record."""
+    if os.environ.get("RAY_ADDRESS"):
+        return False
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        return find_bootstrap_address(None) is None
+    except Exception:  # noqa: BLE001 (another Ray: its settings are left alone)
+        return False
 
 
 def probe(address: str, src: str, timeout_s: float = 5.0) -> None:
