@@ -40,6 +40,7 @@ from ..scenario import Scenario
 from .arrays import record_dict, record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment
+from .env import warm_up as env_warm_up
 from .raypool import timeout_reason
 
 # a member's state in a cohort's reply
@@ -151,9 +152,8 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
 
 def warm_up(scenario: Scenario) -> None:
-    """Build what every cohort call needs (data, model, its description) while the run starts."""
-    env = environment(scenario)
-    _ = env.data, env.info, env.client_model
+    """A cohort node's start-up query: :func:`env.warm_up` (data, model, its description)."""
+    env_warm_up(scenario)
 
 
 class CohortGrid(Grid):

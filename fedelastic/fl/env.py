@@ -209,6 +209,12 @@ def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelIn
 
     selection.adopt(strategies)
     models.adopt(names)
+    warm_up(scenario, info)
+
+
+def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
+    """Build what every client call needs (data, model, its description) while the run starts;
+    ``info``: a description already made (the driver's), used instead of describing the model again."""
     env = environment(scenario)
     if info is not None:
         env.__dict__.setdefault("info", info)  # cached_property's slot
