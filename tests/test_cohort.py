@@ -394,3 +394,54 @@ def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make
     failed = clients[clients.status == "failed"]
     assert failed.partition_id.tolist() == [culprit] and "died" in failed.error.iloc[0]
     assert clients[clients.status != "failed"].steps.eq(1).all()
+
+
+# --- the Ray workers' warm-up training (env.warm_train_step) ---------------------------------
+
+
+def _state(model: torch.nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_warm_train_step_changes_nothing_a_client_sees(make_scenario):
+    # bn_mode "train": the norm layers' running statistics would move if the warm-up trained the real model
+    scenario = make_scenario(train={"bn_mode": "train", "strategy": "elastic_tensor", "options": {"rho": 0.6}})
+    from fedelastic.fl.client import train_partition
+    from fedelastic.fl.env import _CACHE, warm_train_step
+
+    def trained(warm: bool):
+        _CACHE.clear()
+        env = environment(scenario)
+        before, rng, threads = _state(env.client_model), torch.get_rng_state(), torch.get_num_threads()
+        if warm:
+            warm_train_step(env, budget_s=60)
+            after = _state(env.client_model)
+            assert all(torch.equal(before[k], after[k]) for k in before)  # weights and running statistics
+            assert torch.equal(rng, torch.get_rng_state()) and torch.get_num_threads() == threads
+        result = train_partition(env, env.client_model, env.strategy(), 1, 1)
+        return result.trained, result.steps
+
+    cold, warm = trained(False), trained(True)
+    assert cold[1] > 0 and cold[0].keys() == warm[0].keys()
+    assert all(np.array_equal(cold[0][k], warm[0][k]) for k in cold[0])
+
+
+def test_warm_train_step_trains_every_batch_size_of_the_partitions_once(make_scenario, monkeypatch):
+    import fedelastic.training as training
+    from fedelastic.fl.env import _CACHE, warm_train_step
+
+    _CACHE.clear()
+    env = environment(make_scenario(fleet={"raspberry_pi_4": 12}, train={"max_steps": 0, "batch_size": 8}))
+    expected = set()  # the sizes of the batches the trainer's own batching makes of each partition
+    for part in env.data.partitions:
+        expected |= {len(b) for b in training.batches(len(part), 8, 1, np.random.default_rng(0))}
+    seen: list[int] = []
+    real = training.train_local
+
+    def counted(model, info, strategy, cost, data, **kw):
+        seen.append(len(data))
+        return real(model, info, strategy, cost, data, **kw)
+
+    monkeypatch.setattr(training, "train_local", counted)
+    warm_train_step(env, budget_s=60)
+    assert len(expected) > 2 and sorted(seen) == sorted(expected)
