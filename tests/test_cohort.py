@@ -396,6 +396,36 @@ def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make
     assert clients[clients.status != "failed"].steps.eq(1).all()
 
 
+@pytest.mark.ray
+def test_ray_an_early_worker_killed_by_its_warm_up_training_is_replaced_and_only_the_culprit_fails(
+    tmp_path, monkeypatch
+):
+    # fedelastic.run starts Flower's actors early, and each trains on every batch size of the partitions
+    # (env.warm_train_step): the culprit's batch size kills both actors before the run's start-up query
+    from fedelastic import api
+    from fedelastic.scenario import parse_scenario
+
+    from .conftest import small_scenario_dict
+
+    (tmp_path / "exit_models.py").write_text(EXIT_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    train = {"batch_size": 512, "max_steps": 1}
+    probe = parse_scenario(small_scenario_dict(tmp_path, fleet=SIX, train=train), src="probe.toml")
+    sizes = [len(environment(probe).data.client(p)) for p in range(6)]
+    culprit = next(p for p, n in enumerate(sizes) if sizes.count(n) == 1 and n > 1)
+    raw = small_scenario_dict(
+        tmp_path, fleet=SIX, train=train, server={"rounds": 1},
+        model={"name": "exit_models:net", "options": {"size": sizes[culprit]}},
+        simulation={"backend": "ray", "num_cpus_per_client": 1, "client_retries": 0, "cohorts": 2},
+    )  # fmt: skip
+    result = api.run(raw)
+    clients = result.clients
+    assert len(clients) == 6 and result.status["status"] == "completed_with_errors"
+    assert clients[clients.status == "failed"].partition_id.tolist() == [culprit]
+    assert result.status["actors_replaced"] >= 2  # both early actors died warming up
+
+
 # --- the Ray workers' warm-up training (env.warm_train_step) ---------------------------------
 
 

@@ -229,7 +229,7 @@ def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
     env.strategy()  # imports the strategy's module and validates its config once, before round 1
 
 
-def warm_train_step(env: RunEnvironment, budget_s: float = 0.5) -> None:
+def warm_train_step(env: RunEnvironment, budget_s: float = 0.25) -> None:
     """Local training of a copy of the client model on each batch size the clients will train on
     (full batches and the partitions' last, short ones; the most common first), until ``budget_s``
     is spent, so that a Ray worker's first round does not pay torch's first-call costs for each new
