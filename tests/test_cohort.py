@@ -475,3 +475,13 @@ def test_warm_train_step_trains_every_batch_size_of_the_partitions_once(make_sce
     monkeypatch.setattr(training, "train_local", counted)
     warm_train_step(env, budget_s=60)
     assert len(expected) > 2 and sorted(seen) == sorted(expected)
+
+
+def test_simulation_warm_up_false_leaves_the_warm_up_training_out(make_scenario, monkeypatch):
+    import fedelastic.fl.env as env_module
+
+    calls = []
+    monkeypatch.setattr(env_module, "warm_train_step", lambda env, budget_s=0.25: calls.append(env))
+    for warm in (True, False):
+        env_module.warm_worker(make_scenario(simulation={"backend": "ray", "warm_up": warm}), {}, {})
+    assert len(calls) == 1  # only the first

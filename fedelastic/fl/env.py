@@ -213,7 +213,8 @@ def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelIn
     selection.adopt(strategies)
     models.adopt(names)
     warm_up(scenario, info)
-    warm_train_step(environment(scenario))
+    if scenario.simulation.warm_up:
+        warm_train_step(environment(scenario))
 
 
 def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
