@@ -42,10 +42,20 @@ from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment
 from .env import warm_up as env_warm_up
 from .raypool import timeout_reason
+from .threads import KeptThread
 
 # a member's state in a cohort's reply
 DONE, FAILED, TIMEOUT, UNRUN = "done", "failed", "timeout", "unrun"
 _MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
+
+
+_TRAINING: list[KeptThread] = []  # this process's training thread (threads.py), made at its first call
+
+
+def training_thread() -> KeptThread:
+    if not _TRAINING or _TRAINING[0].retired:
+        _TRAINING[:] = [KeptThread("cohort")]
+    return _TRAINING[0]
 
 
 def cohort_train(scenario: Scenario, msg: Message) -> Message:
@@ -109,23 +119,22 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
         crashed: list[BaseException] = []  # what stopped the training thread outside any one client
 
-        def work(model: torch.nn.Module) -> None:
+        def work(model: torch.nn.Module = env.client_model) -> None:
             torch.set_num_threads(sim.torch_threads)  # OpenMP's thread count is per thread
             try:
                 train_cohort(env, model, weights, jobs, done=report)
             except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: every client left fails)
                 crashed.append(exc)
 
-        thread = threading.Thread(target=work, args=(env.client_model,), name="cohort", daemon=True)
-        thread.start()
+        trained = training_thread().run(work)
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
         budget_s = timeout_s * (len(jobs) if sim.vectorize else 1)
         while True:  # wakes only at a client's deadline, not after every client
             with lock:
                 deadline = started[0] + budget_s
-            thread.join(max(0.0, deadline - time.monotonic()))
+            trained.wait(max(0.0, deadline - time.monotonic()))
             with lock:  # the replies are read once, here: an abandoned thread may still report
-                alive = thread.is_alive()
+                alive = not trained.is_set()
                 if alive and time.monotonic() < started[0] + budget_s:
                     continue  # a job finished meanwhile: the next one has its own deadline
                 if alive:  # job len(finished) overran
@@ -141,6 +150,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 put(where[j], reply)
         if abandoned:  # the overrunning job timed out (vectorised: all of them, one call); the rest go back unrun
             env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
+            training_thread().retired = True  # it goes on with the abandoned job: the next call gets a new one
             for j in range(done, len(jobs) if sim.vectorize else done + 1):
                 status[where[j]], reasons[where[j]] = TIMEOUT, timeout_reason(sim.timeout_s)
         elif crashed:  # never reported: the thread's failure is theirs

@@ -37,6 +37,7 @@ from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_r
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
+from .threads import KeptThread
 
 
 class InProcessGrid(Grid):
@@ -56,7 +57,7 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._run = None
-        self.abandoned: list[threading.Thread] = []  # client calls that overran the round's timeout
+        self._caller: KeptThread | None = None  # the thread client calls run on (threads.py)
         self.on_abandon: Callable[[], None] = lambda: None
 
     def set_run(self, run) -> None:
@@ -75,9 +76,10 @@ class InProcessGrid(Grid):
     def _call(self, msg: Message, timeout: float | None = None) -> Message | None:
         """Run the ClientApp on ``msg``; None if it did not return within ``timeout`` seconds.
 
-        A call that overruns is abandoned on its (daemon) thread, which Python cannot stop: it
-        keeps its CPU until it returns, and its late result is dropped. The process's shared
-        client model is rebuilt so the abandoned call cannot disturb later clients.
+        Calls run on one kept thread (:class:`~.threads.KeptThread`). A call that overruns is
+        abandoned on that (daemon) thread, which Python cannot stop: it keeps its CPU until it
+        returns, and its late result is dropped; the next call gets a new thread. The process's
+        shared client model is rebuilt so the abandoned call cannot disturb later clients.
         """
         node = msg.metadata.dst_node_id
         box: list[Message] = []
@@ -91,11 +93,10 @@ class InProcessGrid(Grid):
         if timeout is None:
             work()
             return box[0]
-        thread = threading.Thread(target=work, name=f"client-{node}", daemon=True)
-        thread.start()
-        thread.join(max(timeout, 0.0))
-        if thread.is_alive() or not box:
-            self.abandoned.append(thread)
+        if self._caller is None or self._caller.retired:
+            self._caller = KeptThread("client-call")
+        if not self._caller.run(work).wait(max(timeout, 0.0)) or not box:
+            self._caller.retired = True  # it goes on with the abandoned call: the next call gets a new thread
             self.on_abandon()
             return None
         return box[0]
