@@ -1,6 +1,6 @@
-"""Why round 1 is slow, and what the Ray workers' warm-up and the kept threads save (issue 10, session 20).
+"""Why round 1 is slow, and what threads kept between rounds save (issue 10, session 20).
 
-    python benchmarks/round_one.py                    # all three parts
+    python benchmarks/round_one.py                    # both parts
     python benchmarks/round_one.py --part shapes --reps 3
 
 It uses benchmarks/peers.py's workload (200 Dirichlet clients on digits, 50 a round, its
@@ -13,9 +13,9 @@ It uses benchmarks/peers.py's workload (200 Dirichlet clients on digits, 50 a ro
   accumulated, contiguous batches). Wall ms of each pass.
 * ``threads``: the 10 rounds' cohort step on the calling thread and on a fresh thread per round
   (what ``cohort_train`` did before ``fl/threads.py``), alternated; wall ms per round.
-* ``warm-up``: whole Ray runs of the peers workload through ``fedelastic.run`` with
-  ``simulation.warm_up`` on and off, alternated, each in a fresh process: start-up, round 1,
-  the later rounds' median, the training phase and the process wall.
+
+(A third part, whole Ray runs with the trainer's warm-up in each worker on and off, ran at commit
+e20b37f, where that warm-up existed; its result is in benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -144,45 +144,10 @@ def threads_part(reps: int) -> dict:
     return {"ms_per_round": ms, "median_ms": {k: statistics.median(v) for k, v in ms.items()}}
 
 
-WARM_CHILD = r"""
-import json, sys, tempfile, time
-sys.path.insert(0, HERE)
-import torch
-torch.set_num_threads(1)
-import peers
-from fedelastic import api
-wl = peers.Workload()
-stamps = []
-with tempfile.TemporaryDirectory() as tmp:
-    sc = wl.scenario("ray", tmp)
-    sc["simulation"]["warm_up"] = sys.argv[1] == "on"
-    api.run(sc, progress=lambda row: stamps.append(time.time()))
-print("RESULT" + json.dumps(stamps))
-"""
-
-
-def warm_up_part(reps: int) -> dict:
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
-    for rep in range(reps):
-        for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-            code = WARM_CHILD.replace("HERE", repr(str(HERE.parent)))
-            start = time.time()
-            p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
-            wall = time.time() - start
-            st = json.loads(p.stdout.split("RESULT")[1])
-            rounds = [b - a for a, b in zip(st, st[1:])]
-            runs[mode].append(
-                {"startup_s": st[0] - start, "round_1_s": rounds[0], "later_rounds_median_s": statistics.median(rounds[1:]),
-                 "training_phase_s": st[-1] - st[0], "process_wall_s": wall}
-            )  # fmt: skip
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    return {"runs": runs, "median": med}
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("shapes", "threads", "warm-up"), nargs="+", default=["shapes", "threads", "warm-up"])
-    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3; warm-up: pairs)")
+    p.add_argument("--part", choices=("shapes", "threads"), nargs="+", default=["shapes", "threads"])
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--out", default=str(HERE.parent / "results" / "round_one.json"))
     args = p.parse_args(argv)
     report: dict = {
@@ -199,10 +164,6 @@ def main(argv=None) -> None:
     if "threads" in args.part:
         report["threads"] = threads_part(args.reps)
         print("cohort step per round (ms, medians):", {k: round(v, 1) for k, v in report["threads"]["median_ms"].items()})
-    if "warm-up" in args.part:
-        report["warm_up"] = warm_up_part(args.reps)
-        for mode, m in report["warm_up"]["median"].items():
-            print(f"Ray, simulation.warm_up {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
     report["loadavg_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -292,12 +292,6 @@ class SimulationConfig:
         "'per_client': every virtual client is its own Flower node",
     )
     cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
-    warm_up: bool = field(
-        True,
-        help="Ray: before round 1 each worker trains a copy of the model once on each batch size the partitions "
-        "give (at most 0.25 s; results dropped), so round 1 does not pay torch's first-step costs; a model "
-        "whose forward has side effects (files, counters) sees these calls",
-    )
     vectorize: bool = field(
         False,
         help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "

@@ -150,7 +150,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
                 put(where[j], reply)
         if abandoned:  # the overrunning job timed out (vectorised: all of them, one call); the rest go back unrun
             env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
-            training_thread().retired = True  # it goes on with the abandoned job: the next call gets a new one
+            _TRAINING[0].retired = True  # it goes on with the abandoned job: the next call gets a new thread
             for j in range(done, len(jobs) if sim.vectorize else done + 1):
                 status[where[j]], reasons[where[j]] = TIMEOUT, timeout_reason(sim.timeout_s)
         elif crashed:  # never reported: the thread's failure is theirs
@@ -223,18 +223,20 @@ class CohortGrid(Grid):
     def _answer_query(self, msg: Message, timeout: float | None) -> Message:
         """The partition of a virtual node; the first query also checks (and warms up) every cohort node."""
         if not self.queried:
-            nodes = list(self.real)
-            for attempt in (1, 2):  # failed nodes are asked once more: a worker that died warming up is replaced
-                content = [RecordDict({"cohort": ConfigRecord({"warm-up": True})}) for _ in nodes]
-                real = [Message(content=c, message_type=MessageType.QUERY, dst_node_id=n) for c, n in zip(content, nodes)]
-                got = list(self.grid.send_and_receive(real, timeout=timeout))
-                failed = [reply for reply in got if reply.has_error()]
-                if len(got) != len(real) or not failed or attempt == 2:
-                    break
-                nodes = [reply.metadata.src_node_id for reply in failed]
-            if failed:
-                node, reason = failed[0].metadata.src_node_id, failed[0].error.reason
-                raise RuntimeError(f"node {node} failed the start-up query: {reason}")
+            real = [
+                Message(
+                    content=RecordDict({"cohort": ConfigRecord({"warm-up": True})}),
+                    message_type=MessageType.QUERY,
+                    dst_node_id=n,
+                )
+                for n in self.real
+            ]
+            got = list(self.grid.send_and_receive(real, timeout=timeout))
+            for reply in got:
+                if reply.has_error():
+                    raise RuntimeError(
+                        f"node {reply.metadata.src_node_id} failed the start-up query: {reply.error.reason}"
+                    )
             if len(got) != len(real):
                 raise RuntimeError(f"{len(got)} of {len(real)} nodes answered the start-up query")
             self.queried = True

@@ -7,11 +7,8 @@ the cost models. Nothing large travels with the messages but the model arrays.
 
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
 import json
-import time
 from functools import cached_property
 
 import numpy as np
@@ -213,8 +210,6 @@ def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelIn
     selection.adopt(strategies)
     models.adopt(names)
     warm_up(scenario, info)
-    if scenario.simulation.warm_up:
-        warm_train_step(environment(scenario))
 
 
 def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
@@ -228,45 +223,6 @@ def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
         env.__dict__.setdefault("info", info)  # cached_property's slot
     _ = env.data, env.info, env.client_model
     env.strategy()  # imports the strategy's module and validates its config once, before round 1
-
-
-def warm_train_step(env: RunEnvironment, budget_s: float = 0.25) -> None:
-    """Local training of a copy of the client model on each batch size the clients will train on
-    (full batches and the partitions' last, short ones; the most common first), until ``budget_s``
-    is spent, so that a Ray worker's first round does not pay torch's first-call costs for each new
-    input shape (round 1 of the peers workload took ~1.5x its later rounds; a plain forward and
-    backward pass per shape did not remove it, the trainer's own step does).
-
-    A Ray worker runs it while the driver is still starting the run. It changes nothing a client
-    sees: the model is a copy, its results are dropped, torch's global generator and thread count
-    are restored.
-    Best effort: a model or strategy this fails on fails in its first client, which reports it.
-    """
-    from ..training import train_local
-
-    sc, t = env.scenario, env.scenario.train
-    threads = torch.get_num_threads()
-    torch.set_num_threads(sc.simulation.torch_threads)  # as the clients will train
-    train, bs = env.data.train, t.batch_size
-    sizes = collections.Counter(
-        size for part in env.data.partitions for size in (bs if len(part) >= bs else 0, len(part) % bs) if size
-    )
-    start = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model = copy.deepcopy(env.client_model)
-            for size, _ in sizes.most_common():
-                if time.perf_counter() - start > budget_s or size > len(train):
-                    break
-                train_local(
-                    model, env.info, env.strategy(), env.cost(env.devices[0]), train.subset(np.arange(size)),
-                    epochs=1, batch_size=bs, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
-                    bn_mode=env.bn_mode, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
-                )  # fmt: skip
-    except Exception:  # noqa: BLE001 (see the docstring)
-        pass
-    finally:
-        torch.set_num_threads(threads)
 
 
 _CACHE: dict[str, RunEnvironment] = {}
