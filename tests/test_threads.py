@@ -38,6 +38,15 @@ def test_a_retired_thread_ends_after_its_call():
         assert not thread.is_alive()
 
 
+def test_a_closed_thread_ends_after_its_calls():
+    kept, seen = KeptThread("t"), []
+    done = kept.run(lambda: seen.append(threading.current_thread()))
+    kept.close()
+    assert done.wait(10)
+    seen[0].join(10)
+    assert not seen[0].is_alive() and kept.retired
+
+
 THREAD_MODEL = """
 import threading
 from torch import nn
@@ -69,5 +78,10 @@ def test_in_process_clients_train_on_one_kept_thread_across_rounds(make_scenario
 
     thread_models.SEEN.clear()
     sc = make_scenario(model={"name": "thread_models:net"}, server={"rounds": 3}, simulation={"node_mode": node_mode})
+    before = set(threading.enumerate())
     run_scenario(sc, run_id=node_mode)
     assert len(thread_models.SEEN) == 1 and threading.get_ident() not in thread_models.SEEN
+    left = [t for t in set(threading.enumerate()) - before if t.name == "client-call"]
+    for t in left:
+        t.join(10)
+    assert not any(t.is_alive() for t in left)  # the run's client-call thread ends with it

@@ -60,6 +60,11 @@ class InProcessGrid(Grid):
         self._caller: KeptThread | None = None  # the thread client calls run on (threads.py)
         self.on_abandon: Callable[[], None] = lambda: None
 
+    def close(self) -> None:
+        """End the thread client calls run on (once an abandoned call returns, if one is running)."""
+        if self._caller is not None:
+            self._caller.close()
+
     def set_run(self, run) -> None:
         self._run = run
 
@@ -530,7 +535,10 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             local = InProcessGrid(client_app, nodes)
             local.on_abandon = lambda: env.__dict__.pop("client_model", None)
             guarded = GuardedGrid(local, stop)
-            server(CohortGrid(guarded, env, nodes) if cohort else guarded)
+            try:
+                server(CohortGrid(guarded, env, nodes) if cohort else guarded)
+            finally:
+                local.close()
         else:
             _run_ray(scenario, server, client_app, stop, recorder.notes)
         if failure:

@@ -11,8 +11,8 @@ class KeptThread:
     """A daemon thread that runs the calls given to it one after another, kept between them.
 
     A fresh thread per call pays per-thread set-up again in its first torch calls: training the
-    peers workload's cohort on a new thread each round cost ~2.8 ms a round more than on one kept
-    thread (48.0 against 50.8 ms, benchmarks/RESULTS.md). A caller that gives up on a call that
+    peers workload's cohort on a new thread each round cost ~2.9 ms a round more than on one kept
+    thread (50.0 against 47.1 ms, ``python benchmarks/round_one.py --part threads``). A caller that gives up on a call that
     overran sets ``retired`` and makes a new one: Python cannot stop a thread, so this one goes on
     with the abandoned call and ends after it. A call that raises ends the thread too (Python
     reports the exception as for any thread) and retires it.
@@ -33,6 +33,11 @@ class KeptThread:
                 raise
             finally:
                 done.set()
+
+    def close(self) -> None:
+        """End the thread after the calls given to it so far."""
+        self.retired = True
+        self._calls.put((lambda: None, threading.Event()))  # wakes a thread waiting for a call
 
     def run(self, work: Callable[[], None]) -> threading.Event:
         """Run ``work()`` on this thread after the calls before it; the event is set when it has returned."""
