@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from functools import partial
 
 import numpy as np
 import torch
@@ -119,14 +120,14 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
         crashed: list[BaseException] = []  # what stopped the training thread outside any one client
 
-        def work(model: torch.nn.Module = env.client_model) -> None:
+        def work(model: torch.nn.Module) -> None:
             torch.set_num_threads(sim.torch_threads)  # OpenMP's thread count is per thread
             try:
                 train_cohort(env, model, weights, jobs, done=report)
             except BaseException as exc:  # noqa: BLE001 (e.g. the weights do not load: every client left fails)
                 crashed.append(exc)
 
-        trained = training_thread().run(work)
+        trained = training_thread().run(partial(work, env.client_model))
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
         budget_s = timeout_s * (len(jobs) if sim.vectorize else 1)
         while True:  # wakes only at a client's deadline, not after every client

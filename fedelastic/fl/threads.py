@@ -12,10 +12,10 @@ class KeptThread:
 
     A fresh thread per call pays per-thread set-up again in its first torch calls: training the
     peers workload's cohort on a new thread each round cost ~2.9 ms a round more than on one kept
-    thread (50.0 against 47.1 ms, ``python benchmarks/round_one.py --part threads``). A caller that gives up on a call that
-    overran sets ``retired`` and makes a new one: Python cannot stop a thread, so this one goes on
-    with the abandoned call and ends after it. A call that raises ends the thread too (Python
-    reports the exception as for any thread) and retires it.
+    thread (50.0 against 47.1 ms, ``python benchmarks/round_one.py --part threads``). A caller
+    that gives up on a call that overran sets ``retired`` and makes a new one: Python cannot stop
+    a thread, so this one goes on with the abandoned call and ends after it. A call that raises
+    ends the thread too (Python reports the exception as for any thread) and retires it.
     """
 
     def __init__(self, name: str) -> None:
