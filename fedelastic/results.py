@@ -235,9 +235,15 @@ class _Table:
             self.rows = rows[-1:]
 
     def _set_schema(self, schema) -> None:
-        """The parts' schema changed: what pandas makes of each signature may change with it."""
+        """The parts' schema changed: what pandas makes of each signature may change with it.
+
+        A signature that pandas typed exactly as the new schema (metadata included) keeps its
+        entry: given that schema, pandas types it so again. So the first part's signature, whose
+        types became the table's, takes the fast path from the second append on.
+        """
         self._schema = schema
-        self._typed = {}
+        keep = schema is not None
+        self._typed = {sig: s for sig, s in self._typed.items() if keep and s.equals(schema, check_metadata=True)}
 
     def frame(self) -> pd.DataFrame:
         if not self.keep_rows:
@@ -248,6 +254,24 @@ class _Table:
 _MISSING = float("nan")  # a key a row lacks: what pd.DataFrame(rows, columns=...) puts there
 # pandas dtypes whose Arrow column _write_part may build from the values directly
 _PLAIN_DTYPES = {"int64": "int64", "float64": "double", "bool": "bool", "str": "large_string"}
+
+
+def warm_up() -> None:
+    """The Parquet writer's imports and first conversion, made now on a one-row table in memory.
+
+    The first table written in a process pays ~25 ms that later ones do not: pyarrow's Parquet
+    modules are imported, and pandas' Arrow-backed strings and pyarrow's Parquet writer and
+    reader set themselves up on first use. A run's first rows are written while its first round
+    trains (write-behind), so that cost slowed round 1; the runner calls this at start-up, beside
+    Ray's start where there is one (issue 10). It writes nothing to disk.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame([{"int": 0, "float": 0.0, "str": "", "bool": False}])
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), buffer, compression="snappy")
+    pq.read_schema(pa.BufferReader(buffer.getvalue()))
 
 
 def _plain(frame: pd.DataFrame, schema) -> bool:

@@ -537,3 +537,36 @@ def test_a_hand_over_interrupted_by_ctrl_c_writes_each_job_once(tmp_path):
     rec.flush_quietly()
     rec.close()
     assert ran == [0, 1, 2]
+
+
+@pytest.mark.parametrize("policy", ["wait_all", "deadline_drop"])
+def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_built(make_scenario, monkeypatch, policy):
+    """Handed over as the messages leave (GuardedGrid's on_sent), after the cohort packed them and
+    before any client runs: never while the driver's thread still builds them (issue 10)."""
+    import fedelastic.fl.cohort as cohort
+    import fedelastic.fl.runner as runner
+    import fedelastic.results as results
+
+    events: list[str] = []
+
+    def logged(cls, name, tag):
+        real = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            if tag == "hand_over":
+                events.append(f"hand_over:{len(self._kept)}")
+            else:
+                events.append(tag)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, call)
+
+    logged(cohort.CohortGrid, "_pack", "pack")
+    logged(results.Recorder, "hand_over", "hand_over")
+    logged(runner.InProcessGrid, "_call", "call")
+    deadline = {} if policy == "wait_all" else {"deadline_quantile": 0.6}
+    run_scenario(make_scenario(server={"rounds": 4, "policy": policy, **deadline}))
+    handed = [i for i, e in enumerate(events) if e.startswith("hand_over:") and e != "hand_over:0"]
+    assert len(handed) >= 3, events  # every round after the first has writes waiting
+    for i in handed[:-1]:  # the last: the run's final flush
+        assert events[i - 1] == "pack" and events[i + 1] == "call", events[max(0, i - 3) : i + 3]

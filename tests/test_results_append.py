@@ -78,3 +78,41 @@ def test_recorder_counts_errors_without_keeping_client_rows(tmp_path):
     rec2.close()
     tasks = pd.read_parquet(tmp_path / "run" / "tasks.parquet")
     assert tasks["round"].tolist() == [1, 3, 4] and tasks.accuracy.tolist() == [0.1, 0.3, 0.45]
+
+
+def test_a_signature_that_typed_the_table_takes_the_fast_path_from_its_second_append(tmp_path):
+    """The first part's types become the table's; the same value types again need no pandas round trip."""
+    from .pandas_writer import PandasTable
+
+    (tmp_path / "new").mkdir(), (tmp_path / "old").mkdir()
+    new, old = _Table(tmp_path / "new", "t", keep_rows=False), PandasTable(tmp_path / "old", "t")
+    for r in range(3):
+        rows = [{"round": r, "loss": 0.5 + r, "status": "counted", "fits": True}]
+        new.append([dict(row) for row in rows])
+        old.append([dict(row) for row in rows])
+        assert new.direct_parts == r  # the first append through pandas, every later one direct
+        for part in sorted(p.name for p in (tmp_path / "old" / "t.parquet").iterdir()):
+            assert (tmp_path / "new" / "t.parquet" / part).read_bytes() == (tmp_path / "old" / "t.parquet" / part).read_bytes()
+
+
+def test_a_runs_rounds_table_is_never_merged(make_scenario):
+    """Round 0's row (the initial model) carries the types of every later round's: one part per round."""
+    from fedelastic.fl.runner import run_scenario
+
+    run_dir = run_scenario(make_scenario(server={"rounds": 3}))
+    parts = sorted(p.name for p in (run_dir / "rounds.parquet").iterdir())
+    assert parts == [f"part-{i:06d}.parquet" for i in range(1, 5)]  # rounds 0..3, each its own part
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    assert rounds["round"].tolist() == [0, 1, 2, 3]
+    assert rounds.dtypes["round_time_s"] == "float64" and rounds.dtypes["clients"] == "int64"
+
+
+def test_writer_warm_up_writes_nothing(tmp_path, monkeypatch):
+    import sys
+
+    from fedelastic.results import warm_up
+
+    monkeypatch.chdir(tmp_path)
+    warm_up()
+    assert list(tmp_path.iterdir()) == []
+    assert "pyarrow.parquet" in sys.modules

@@ -266,26 +266,28 @@ _CLOCK_FIGURES = (
     "battery_fraction",
 )
 
-_ROUND_KEYS = (
-    "clients",
-    "clients_failed",
-    "clients_unavailable",
-    "clients_not_fitting",
-    "clients_no_steps",
-    "round_time_s",
-    "mean_train_loss",
-    "round_energy_j",
-    "max_peak_memory_bytes",
-    "policy",
-    "round_start_s",
-    "deadline_s",
-    "clients_counted",
-    "clients_late",
-    "clients_offline",
-    "clients_too_slow",
-    "mean_staleness",
-    "wasted_energy_j",
-)
+# a round's summary (PartialFedAvg._summary); round 0 (the initial model) has these values, typed
+# as every later round's (ints, floats), so the rounds table keeps one schema from its first row
+_ROUND_ZERO = {
+    "clients": 0,
+    "clients_failed": 0,
+    "clients_unavailable": 0,
+    "clients_not_fitting": 0,
+    "clients_no_steps": 0,
+    "round_time_s": 0.0,
+    "mean_train_loss": 0.0,
+    "round_energy_j": 0.0,
+    "max_peak_memory_bytes": 0.0,
+    "policy": "",
+    "round_start_s": 0.0,
+    "deadline_s": float("nan"),
+    "clients_counted": 0,
+    "clients_late": 0,
+    "clients_offline": 0,
+    "clients_too_slow": 0,
+    "mean_staleness": float("nan"),
+    "wasted_energy_j": 0.0,
+}
 
 
 class PartialFedAvg(FedAvg):
@@ -307,12 +309,7 @@ class PartialFedAvg(FedAvg):
         self.sim_time_s = 0.0
         self.total_energy_j = 0.0
         self._arrays: ArrayRecord | None = None
-        self._round: dict = {  # round 0: the initial model
-            **dict.fromkeys(_ROUND_KEYS, 0),
-            "policy": self.policy,
-            "deadline_s": float("nan"),
-            "mean_staleness": float("nan"),
-        }
+        self._round: dict = {**_ROUND_ZERO, "policy": self.policy}  # round 0: the initial model
         self._round_start = time.perf_counter()
         self._unavailable = 0
         self._warned_no_steps = False
@@ -382,9 +379,8 @@ class PartialFedAvg(FedAvg):
             messages.append(
                 Message(content=record, message_type=MessageType.TRAIN, dst_node_id=self.node_of_partition[p])
             )
-        # the previous round's rows and checkpoint: written while this round trains (handed over
-        # here, not at that round's end: a writer busy while this thread works makes it wait for the GIL)
-        self.recorder.hand_over()
+        # the previous round's rows and checkpoint are handed to the writer as these messages leave
+        # (GuardedGrid's on_sent), to be written while this round trains
         return messages
 
     def _trip(self, metrics: dict, dispatch_s: float, version: int) -> Trip:
@@ -534,19 +530,19 @@ class PartialFedAvg(FedAvg):
             "clients_unavailable": self._unavailable,
             "clients_not_fitting": status.count("not_fitting"),
             "clients_no_steps": len(idle),
-            "round_time_s": end_s - start_s,
+            "round_time_s": float(end_s - start_s),  # plain floats, as round 0's (one Parquet schema)
             "mean_train_loss": float(np.nanmean(losses)) if losses else float("nan"),
-            "round_energy_j": sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows),
-            "max_peak_memory_bytes": max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0),
+            "round_energy_j": float(sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)),
+            "max_peak_memory_bytes": float(max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0)),
             "policy": self.policy,
             "round_start_s": start_s,
-            "deadline_s": self._deadline if self._deadline is not None else float("nan"),
+            "deadline_s": float(self._deadline) if self._deadline is not None else float("nan"),
             "clients_counted": len(counted),
             "clients_late": status.count("late") + status.count("extra"),
             "clients_offline": status.count("offline"),
             "clients_too_slow": status.count("too_slow"),
             "mean_staleness": float(np.mean([r["staleness"] for r in counted])) if counted else float("nan"),
-            "wasted_energy_j": sum(r["wasted_energy_j"] for r in rows),
+            "wasted_energy_j": float(sum(r["wasted_energy_j"] for r in rows)),
         }
 
     def aggregate_train(
@@ -600,7 +596,7 @@ class PartialFedAvg(FedAvg):
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
     def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
         """FedBuff on the clock: up to ``concurrency`` clients in flight, an aggregation every ``buffer_size`` arrivals."""
-        sc, n, recorder = self.sc, self.sc.num_clients, self.recorder
+        sc, n = self.sc, self.sc.num_clients
         concurrency = sc.server.concurrency or sc.server.clients_per_round or n
         buffer_size = sc.server.buffer_size or max(1, concurrency // 2)
         rng = np.random.default_rng([sc.seed, 0xA5])
@@ -641,8 +637,7 @@ class PartialFedAvg(FedAvg):
                         dst_node_id=self.node_of_partition[p],
                     )
                 )
-            trips = []
-            recorder.hand_over()  # earlier aggregations' writes: made while these clients train
+            trips = []  # earlier aggregations' writes are handed over as these messages leave (on_sent)
             got = sorted(
                 grid.send_and_receive(messages, timeout=timeout),
                 key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
