@@ -207,6 +207,41 @@ def test_weight_sums_kept_as_one_float_give_the_per_element_means():
     assert only_head["bias"] is not global_state["bias"]  # a new array, as np.where made
 
 
+@pytest.mark.parametrize("stack_max", [1 << 20, 0])  # the stacked sums, and the per-update loop they replace
+def test_stacked_sums_add_in_the_loops_order(monkeypatch, stack_max):
+    """Sums that depend on the order of the additions (1e16 then many small values, which a
+    sequential sum rounds away one by one and a pairwise sum adds up first), -0.0 in every update
+    of one element, float32/float64/int64 updates, a 0-d tensor and 40 clients: bit for bit the
+    per-element sums in Python floats, in client order."""
+    import fedelastic.fl.aggregate as aggregate
+
+    monkeypatch.setattr(aggregate, "_STACKED_MAX", stack_max)
+    rng = np.random.default_rng(11)
+    global_state = {"w": np.zeros((3, 5), np.float64), "b": np.zeros(5, np.float32), "t": np.array(0.5, np.float64)}
+    updates = []
+    for i in range(40):
+        w = rng.standard_normal((3, 5)) * 10.0 ** rng.integers(-8, 17, size=(3, 5))
+        w[0, 0] = -0.0  # every client: from 0.0 the sum is +0.0; from the first client's value it would be -0.0
+        w[1, 1] = 1e16 if i == 0 else 1.0
+        arrays = {"w": w.astype(np.float32) if i % 2 else w, "t": np.array(1e16 if i == 0 else 1.0)}
+        if i % 5 == 0:
+            arrays["b"] = rng.integers(-(2**60), 2**60, size=5)  # int64: rounded to float64 on the way
+        updates.append(ClientUpdate(float(rng.integers(1, 50)), arrays))
+    new = aggregate.aggregate_partial(global_state, updates)
+    expected = _brute_force_mean(global_state, updates)
+    for k in global_state:
+        assert new[k].dtype == global_state[k].dtype and new[k].shape == global_state[k].shape
+        assert new[k].tobytes() == expected[k].tobytes(), k
+    assert not np.signbit(new["w"][0, 0])
+
+
+def test_stacked_sums_refuse_a_shape_as_the_loop_does():
+    from fedelastic.fl.aggregate import aggregate_partial
+
+    with pytest.raises(ValueError, match="tensor 'w': update shape"):
+        aggregate_partial({"w": np.zeros(3)}, [ClientUpdate(1, {"w": np.zeros(3)}), ClientUpdate(1, {"w": np.zeros(4)})])
+
+
 def test_reply_figures_are_the_cost_models_own(make_scenario):
     from fedelastic.fl.client import round_figures
     from fedelastic.fl.env import environment

@@ -39,22 +39,50 @@ def _value_and_weight(upd: ClientUpdate, name: str, current: np.ndarray) -> tupl
     return value, w * np.broadcast_to(mask, current.shape)
 
 
+_STACKED_MAX = 1 << 20  # elements of one tensor's stacked updates that :func:`_unmasked_sums` holds (8 MB)
+
+
+def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -> tuple[np.ndarray, float] | None:
+    """(sum of weight x value, sum of weights) of tensor ``name`` over ``having``, none of which masks it.
+
+    The per-update loop of :func:`aggregate_partial` in a few numpy calls (issue 10: ~3 calls per
+    update and tensor were a quarter of the server's work a round): the same float64 products,
+    added in the same order from 0.0 (``np.add.accumulate`` adds row after row, whatever the
+    memory layout; a reduction may pair them). None where the loop should run instead: a shape
+    that differs (the loop names it) or more than ``_STACKED_MAX`` elements (memory stays flat).
+    """
+    if len(having) * current.size > _STACKED_MAX or any(np.shape(u.arrays[name]) != current.shape for u in having):
+        return None
+    rows = np.empty((len(having) + 1, *current.shape))
+    rows[0] = 0.0
+    for i, upd in enumerate(having, 1):
+        rows[i] = upd.arrays[name]  # cast to float64 on the copy, as np.asarray(value, float64)
+    den = 0.0
+    for upd in having:
+        den += float(upd.weight)
+    rows[1:] *= np.array([float(u.weight) for u in having]).reshape((-1,) + (1,) * current.ndim)
+    return np.add.accumulate(rows, axis=0)[-1], den
+
+
 def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
     """New global state: per element, the weighted mean over the clients that trained it."""
     new_state = {}
     for name, current in global_state.items():
-        num = np.zeros(current.shape, dtype=np.float64)
-        # while no update of this tensor has a mask, every element's weight sum is the same: one float,
-        # the same float64 additions in the same order as the array's (filled when a mask comes)
-        den: np.ndarray | float = 0.0
-        for upd in updates:
-            if name not in upd.arrays:
-                continue
-            value, w = _value_and_weight(upd, name, current)
-            num += w * value
-            if isinstance(den, float) and not isinstance(w, float):
-                den = np.full(current.shape, den)
-            den += w
+        having = [u for u in updates if name in u.arrays]
+        sums = None if any(name in u.channel_masks for u in having) else _unmasked_sums(name, current, having)
+        den: np.ndarray | float
+        if sums is not None:
+            num, den = sums
+        else:
+            num, den = np.zeros(current.shape, dtype=np.float64), 0.0
+            # while no update of this tensor has a mask, every element's weight sum is the same: one float,
+            # the same float64 additions in the same order as the array's (filled when a mask comes)
+            for upd in having:
+                value, w = _value_and_weight(upd, name, current)
+                num += w * value
+                if isinstance(den, float) and not isinstance(w, float):
+                    den = np.full(current.shape, den)
+                den += w
         if isinstance(den, float):  # dividing by a float divides each element by it, as by an array of it
             merged = np.asarray(num / den) if den > 0 else np.array(current, dtype=np.float64)  # a 0-d array stays one
         else:
