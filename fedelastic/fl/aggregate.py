@@ -45,13 +45,17 @@ _STACKED_MAX = 1 << 20  # elements of one tensor's stacked updates that :func:`_
 def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -> tuple[np.ndarray, float] | None:
     """(sum of weight x value, sum of weights) of tensor ``name`` over ``having``, none of which masks it.
 
-    The per-update loop of :func:`aggregate_partial` in a few numpy calls (issue 10: ~3 calls per
-    update and tensor were a quarter of the server's work a round): the same float64 products,
-    added in the same order from 0.0 (``np.add.accumulate`` adds row after row, whatever the
-    memory layout; a reduction may pair them). None where the loop should run instead: a shape
-    that differs (the loop names it) or more than ``_STACKED_MAX`` elements (memory stays flat).
+    The per-update loop of :func:`aggregate_partial` in a few numpy calls (issue 10: three calls
+    per update and tensor): the same float64 products, added in the same order from a row of
+    0.0. A sum over the first axis of a C-ordered array is not along the fast axis in memory,
+    where numpy adds each row in turn (its documented rule for ``np.add.reduce``; pairwise
+    summation is only used along the fast axis, hence not for a tensor of one element).
+    tests/test_client_fast_paths.py checks it against per-element Python sums, with values whose
+    sum depends on the order. None where the loop should run instead: one element, a shape that
+    differs (the loop names it) or more than ``_STACKED_MAX`` elements (memory stays flat).
     """
-    if len(having) * current.size > _STACKED_MAX or any(np.shape(u.arrays[name]) != current.shape for u in having):
+    size = current.size * (len(having) + 1)
+    if current.size < 2 or size > _STACKED_MAX or any(np.shape(u.arrays[name]) != current.shape for u in having):
         return None
     rows = np.empty((len(having) + 1, *current.shape))
     rows[0] = 0.0
@@ -61,7 +65,7 @@ def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -
     for upd in having:
         den += float(upd.weight)
     rows[1:] *= np.array([float(u.weight) for u in having]).reshape((-1,) + (1,) * current.ndim)
-    return np.add.accumulate(rows, axis=0)[-1], den
+    return np.add.reduce(rows, axis=0), den
 
 
 def aggregate_partial(global_state: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
