@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ConfigRecord
+from flwr.app import Array, ConfigRecord, Message, MessageType
 
 from fedelastic.costmodel import CostModel
 from fedelastic.devices import get_profile
@@ -267,3 +267,51 @@ def test_a_0d_tensor_averaged_stays_a_0d_array():
     assert isinstance(new["t"], np.ndarray) and new["t"].shape == () and new["t"].dtype == np.float32
     assert float(new["t"]) == (2 * 5.0 + 6 * 1.0) / 8
     torch.from_numpy(new["t"])  # the server loads it into the model
+
+
+@pytest.mark.parametrize("checked_max", [1 << 22, 7])  # whole stacks, and chunks of one or two replies
+def test_grouped_finiteness_check_is_the_per_tensor_check(monkeypatch, checked_max):
+    import fedelastic.fl.server as server
+
+    monkeypatch.setattr(server, "_CHECKED_MAX", checked_max)
+    rng = np.random.default_rng(4)
+    replies = []
+    for i in range(30):
+        arrays = {
+            "conv": rng.standard_normal((2, 3, 3)).astype(np.float32 if i % 4 else np.float64),  # two dtypes
+            "bias": rng.standard_normal(2 + (i % 3 == 0)).astype(np.float32),  # two shapes
+            "steps": np.array(i, np.int64),  # not floating: never checked
+            "scale": np.array(rng.standard_normal(), np.float32),  # 0-d
+            "empty": np.zeros((0, 4), np.float32),
+        }
+        if i % 5 == 1:
+            arrays["conv"].flat[rng.integers(18)] = (np.nan, np.inf, -np.inf)[i % 3]
+        if i % 7 == 3:
+            arrays["scale"] = np.array(np.nan, np.float32)
+        if i == 9:
+            arrays = dict(reversed(list(arrays.items())))  # another order of the same tensors
+        replies.append(arrays)
+    expected = [{k for k, v in a.items() if v.dtype.kind == "f" and not np.isfinite(v).all()} for a in replies]
+    assert server.nonfinite_tensors(replies) == expected
+    assert any(expected) and not all(expected)
+    assert server.nonfinite_tensors([]) == []
+
+
+def test_a_rejected_update_names_its_first_nonfinite_tensor(monkeypatch):
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedelastic.fl.arrays import record_from_numpy
+    from fedelastic.fl.server import nonfinite_update
+
+    for key, value in (("_run_id", 0), ("_node_id", 1), ("_task_id", 0)):  # what a ServerApp process has
+        monkeypatch.setattr(TaskIdentity, key, value, raising=False)
+    arrays = {"a": np.zeros(2, np.float32), "b": np.array([np.inf], np.float32), "c": np.array([np.nan], np.float32)}
+    reply = Message(
+        content=RecordDict({"arrays": record_from_numpy(arrays), "metrics": MetricRecord({"train-loss": 0.5, "fits": 1, "steps": 1})}),
+        message_type=MessageType.TRAIN,
+        dst_node_id=1,
+    )
+    assert nonfinite_update(reply) == "non-finite update: tensor 'b' holds NaN/inf (train loss 0.5); update rejected"
+    assert nonfinite_update(reply, arrays, {"c"}) == "non-finite update: tensor 'c' holds NaN/inf (train loss 0.5); update rejected"
+    assert nonfinite_update(reply, {"a": arrays["a"]}, set()) == ""

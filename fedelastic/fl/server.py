@@ -94,16 +94,46 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     return mapping
 
 
-def nonfinite_update(reply: Message, arrays: dict[str, np.ndarray] | None = None) -> str:
+_CHECKED_MAX = 1 << 22  # elements of one tensor's stacked updates that nonfinite_tensors checks in one call (16 MB)
+
+
+def nonfinite_tensors(replies: list[dict[str, np.ndarray]]) -> list[set[str]]:
+    """For each reply's arrays, the names of its floating tensors that hold a NaN or an inf.
+
+    ``np.isfinite(value).all()`` per tensor per reply, with one numpy call per tensor for the
+    replies whose copies of it agree in shape and dtype (stacked, at most ``_CHECKED_MAX``
+    elements at once): ~8 calls a round instead of two per tensor and reply (issue 10).
+    """
+    groups: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
+    for i, arrays in enumerate(replies):
+        for name, value in arrays.items():
+            if value.dtype.kind == "f":  # kind "f": np.floating
+                groups.setdefault((name, value.shape, value.dtype.str), []).append(i)
+    bad: list[set[str]] = [set() for _ in replies]
+    for (name, shape, _), members in groups.items():
+        step = max(1, _CHECKED_MAX // max(1, math.prod(shape)))
+        for k in range(0, len(members), step):
+            chunk = members[k : k + step]
+            stacked = np.stack([replies[i][name] for i in chunk])
+            for i, finite in zip(chunk, np.isfinite(stacked).reshape(len(chunk), -1).all(axis=1)):
+                if not finite:
+                    bad[i].add(name)
+    return bad
+
+
+def nonfinite_update(reply: Message, arrays: dict[str, np.ndarray] | None = None, nonfinite: set[str] | None = None) -> str:
     """'' if a client's reply is finite, else why it is rejected (first NaN/inf tensor or figure).
 
-    ``arrays``: the reply's arrays, if already decoded.
+    ``arrays``: the reply's arrays, if already decoded; ``nonfinite``: the names of those that
+    hold a NaN/inf, if already known (:func:`nonfinite_tensors`).
     """
     loss = float(reply.content["metrics"]["train-loss"])
     if arrays is None:
         arrays = record_to_numpy(reply.content["arrays"], copy=False)
-    for name, value in arrays.items():
-        if value.dtype.kind == "f" and not np.isfinite(value).all():  # kind "f": np.floating
+    if nonfinite is None:
+        nonfinite = nonfinite_tensors([arrays])[0]
+    for name in arrays if nonfinite else ():  # the first in the reply's order, as the reply listed them
+        if name in nonfinite:
             return f"non-finite update: tensor {name!r} holds NaN/inf (train loss {loss:g}); update rejected"
     if reply.content["metrics"]["fits"] and int(reply.content["metrics"]["steps"]) and not np.isfinite(loss):
         return f"non-finite update: train loss is {loss:g}; update rejected"
@@ -482,11 +512,10 @@ class PartialFedAvg(FedAvg):
             self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
         }
         ok = []
-        for m in replies:
-            if m.has_error():
-                continue
-            arrays = record_to_numpy(m.content["arrays"], copy=False)  # decoded once: checked, then averaged
-            bad = nonfinite_update(m, arrays)  # a NaN/inf update is rejected and recorded with its client
+        answered = [m for m in replies if not m.has_error()]
+        decoded = [record_to_numpy(m.content["arrays"], copy=False) for m in answered]  # once: checked, then averaged
+        for m, arrays, nonfinite in zip(answered, decoded, nonfinite_tensors(decoded)):
+            bad = nonfinite_update(m, arrays, nonfinite)  # a NaN/inf update is rejected and recorded with its client
             if bad:
                 failures[int(m.content["metrics"]["partition-id"])] = bad
             else:
