@@ -135,7 +135,7 @@ class GuardedGrid(Grid):
     leaves, before the wait for replies: the runner hands the recorder's kept writes (the
     previous round's rows and checkpoint) to its writer there, so that they are made while the
     clients train, not while this thread still builds the round's messages (a writer holding
-    the GIL then made that ~2 ms slower, issue 10).
+    the GIL then made that 1-2 ms slower a round, issue 10).
     """
 
     def __init__(
