@@ -132,10 +132,10 @@ class GuardedGrid(Grid):
 
     Without it the ServerApp thread of a failed Flower runtime waits out ``timeout_s`` (an hour
     by default) and keeps the driver alive. ``on_sent()`` is called as each batch of messages
-    leaves, before the wait for replies: the runner hands the recorder's kept writes (the
-    previous round's rows and checkpoint) to its writer there, so that they are made while the
-    clients train, not while this thread still builds the round's messages (a writer holding
-    the GIL then made that 1-2 ms slower a round, issue 10).
+    (not an empty one) leaves, before the wait for replies: the runner hands the recorder's
+    kept writes (the previous round's rows and checkpoint) to its writer there, so that they
+    are made while the clients train, not while this thread still builds the round's messages
+    (a writer holding the GIL then made that 1-2 ms slower a round, issue 10).
     """
 
     def __init__(
@@ -172,13 +172,16 @@ class GuardedGrid(Grid):
         return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)  # on_sent: not at the empty send of Flower's evaluate step (the driver evaluates then)
         if isinstance(self.grid, InProcessGrid):
-            self.on_sent()
+            if messages:
+                self.on_sent()
             return self.grid.send_and_receive(messages, timeout=timeout)
         replies_may_wait()
         pending = {i for i in self.grid.push_messages(messages) if i}
         notify_pushed()
-        self.on_sent()
+        if messages:
+            self.on_sent()
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         while pending:

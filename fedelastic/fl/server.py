@@ -94,7 +94,7 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     return mapping
 
 
-_CHECKED_MAX = 1 << 22  # elements of one tensor's stacked updates that nonfinite_tensors checks in one call (16 MB)
+_CHECKED_MAX = 1 << 22  # elements of one tensor's stacked updates that nonfinite_tensors checks in one call (16 MB of float32)
 
 
 def nonfinite_tensors(replies: list[dict[str, np.ndarray]]) -> list[set[str]]:
