@@ -351,9 +351,8 @@ class _Applied:
         modules: dict[str, nn.Module] | None = None,
     ):
         self.params, self.selection = params, selection
-        for p, trains in zip(params, (np.asarray(selection.ratios) > 0).tolist()):
-            if p.requires_grad is not trains:  # a cohort's clients mostly select alike: set only what changes
-                p.requires_grad_(trains)
+        for p, r in zip(params, selection.ratios):
+            p.requires_grad_(bool(r > 0))
         modules = dict(model.named_modules()) if modules is None else modules
         for layer in info.layers:
             mod = modules[layer.name]
@@ -610,8 +609,7 @@ def train_local(
         )
     result.ratios = union
     for p in params:
-        if not p.requires_grad:
-            p.requires_grad_(True)
+        p.requires_grad_(True)
     state, modules = prepared.state, prepared.modules
     for k in np.flatnonzero(union > 0).tolist():
         name = info.tensor_names[k]
