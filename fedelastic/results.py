@@ -12,6 +12,7 @@ run the rows are written behind, while the next round trains (:class:`Recorder`)
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import platform
@@ -256,6 +257,7 @@ _MISSING = float("nan")  # a key a row lacks: what pd.DataFrame(rows, columns=..
 _PLAIN_DTYPES = {"int64": "int64", "float64": "double", "bool": "bool", "str": "large_string"}
 
 
+@functools.cache  # once per process: later runs in it find the writer set up
 def warm_up() -> None:
     """The Parquet writer's imports and first conversion, made now on a one-row table in memory.
 

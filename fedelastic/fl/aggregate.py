@@ -61,10 +61,11 @@ def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -
     rows[0] = 0.0
     for i, upd in enumerate(having, 1):
         rows[i] = upd.arrays[name]  # cast to float64 on the copy, as np.asarray(value, float64)
+    weights = [float(u.weight) for u in having]
     den = 0.0
-    for upd in having:
-        den += float(upd.weight)
-    rows[1:] *= np.array([float(u.weight) for u in having]).reshape((-1,) + (1,) * current.ndim)
+    for w in weights:  # added in order, as the loop does
+        den += w
+    rows[1:] *= np.array(weights).reshape((-1,) + (1,) * current.ndim)
     return np.add.reduce(rows, axis=0), den
 
 
