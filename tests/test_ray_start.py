@@ -142,3 +142,83 @@ def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_
     local = api.run(make_scenario(), run_id="local")
     for ray_frame, local_frame in zip(_frames(on_ray.run_dir), _frames(local.run_dir)):  # host timings left out
         pd.testing.assert_frame_equal(ray_frame, local_frame)
+
+
+def _flower_actor():
+    from flwr.simulation.ray_transport.ray_actor import ClientAppActor
+
+    return ClientAppActor.__ray_metadata__.modified_class
+
+
+def test_the_light_client_actor_compiles_to_flowers_own_methods():
+    flower, light = _flower_actor(), raypool.light_actor()
+    for method in raypool._ACTOR_METHODS:
+        assert raypool._same_code(getattr(light, method), getattr(flower, method))
+
+    def run(self, client_app_fn, message, cid, context):  # Flower's run, less its LoadClientAppError branch
+        try:
+            app = client_app_fn()
+            out_message = app(message=message, context=context)
+        except Exception as ex:
+            raise ValueError(str(ex)) from ex
+        return cid, out_message, context
+
+    assert not raypool._same_code(run, flower.run)
+    assert not raypool._same_code(flower.terminate, flower.run)
+
+
+def test_a_flower_whose_actor_differs_keeps_its_own_actor_class(monkeypatch):
+    from flwr.simulation.ray_transport.ray_actor import ClientAppActor
+
+    monkeypatch.setattr(raypool, "_ACTORS", [])
+    assert raypool.actor_class() is not ClientAppActor  # Flower 1.41's, as pinned: the light copy
+    monkeypatch.setattr(raypool, "_ACTORS", [])
+    monkeypatch.setattr(_flower_actor(), "run", lambda self, *a: None)  # a Flower whose run does something else
+    assert raypool.actor_class() is ClientAppActor
+
+
+@pytest.mark.parametrize("actor", ["light", "flower"])
+def test_the_light_client_actor_runs_an_app_as_flowers_does(actor):
+    """Each class, called as Ray's worker calls it: the same replies and errors (checked by hand)."""
+    from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+
+    cls = raypool.light_actor() if actor == "light" else _flower_actor()
+    inits: list[int] = []
+    node = cls(on_actor_init_fn=lambda: inits.append(1))
+    assert inits == [1]
+    assert node.run(lambda: lambda message, context: (message, context), "msg", "3", "ctx") == ("3", ("msg", "ctx"), "ctx")
+    with pytest.raises(ClientAppException, match="Message: division by zero") as caught:
+        node.run(lambda: lambda message, context: 1 / 0, "msg", "3", "ctx")
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+    def unloadable():
+        raise LoadClientAppError("no app")
+
+    with pytest.raises(LoadClientAppError, match="no app"):
+        node.run(unloadable, "msg", "3", "ctx")
+
+
+@pytest.mark.ray
+def test_a_light_actors_worker_never_imports_flowers_simulation_package():
+    """Ray ships the light class by value: its worker imports flwr.clientapp, not flwr.simulation
+    (whose package brings Flower's CLI, SQL state and web stack), and a failing app is Flower's
+    ClientAppException through Ray as with Flower's own actor."""
+    import ray
+    from flwr.clientapp.client_app import ClientAppException
+
+    def loaded(message, context):
+        import sys
+
+        return [m for m in ("flwr.simulation", "sqlalchemy", "fastapi", "flwr.clientapp") if m in sys.modules]
+
+    def failing(message, context):
+        raise ValueError("boom")
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        node = raypool.actor_class().options(num_cpus=1).remote()
+        assert ray.get(node.run.remote(lambda: loaded, "msg", "0", "ctx")) == ("0", ["flwr.clientapp"], "ctx")
+        with pytest.raises(ClientAppException, match="boom"):
+            ray.get(node.run.remote(lambda: failing, "msg", "0", "ctx"))
+    finally:
+        raypool.quick_shutdown()

@@ -85,15 +85,91 @@ def unpickled_app(root: str, key: str, payload: bytes):
 
 _EARLY: dict = {}  # actors created as soon as Ray was up ("actors"), with the resources they reserve ("resources")
 
+#: Flower 1.41's client actor (``flwr.simulation.ray_transport.ray_actor``: ``ClientAppActor`` and
+#: its base's ``run`` and ``terminate``), method for method, built outside any importable module
+#: (as ``runner._loader`` is) so that Ray ships the class by value. A worker unpickling Flower's
+#: own class imports its module, hence the package ``flwr.simulation``, whose ``__init__``
+#: imports Flower's CLI, SQL state and web stack (sqlalchemy, alembic, fastapi...): ~0.45 s and
+#: ~85,000 objects per worker that a client never uses (issue 10). Unpickling this copy imports
+#: ``flwr.clientapp`` only. :func:`actor_class` uses it only while its methods compile to the same
+#: code as Flower's.
+_ACTOR_SOURCE = """
+from logging import WARNING
+
+import ray
+from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+from flwr.supercore import log
+
+
+class VirtualClientEngineActor:
+    def terminate(self):
+        log(WARNING, "Manually terminating %s", self.__class__.__name__)
+        ray.actor.exit_actor()
+
+    def run(self, client_app_fn, message, cid, context):
+        try:
+            app = client_app_fn()
+            out_message = app(message=message, context=context)
+        except LoadClientAppError as load_ex:
+            raise load_ex
+        except Exception as ex:
+            raise ClientAppException(str(ex)) from ex
+        return cid, out_message, context
+
+
+class ClientAppActor(VirtualClientEngineActor):
+    def __init__(self, on_actor_init_fn=None):
+        super().__init__()
+        if on_actor_init_fn:
+            on_actor_init_fn()
+"""
+_ACTOR_METHODS = ("__init__", "run", "terminate")
+_ACTORS: list = []  # the Ray actor class actor_class() chose, once per process
+
+
+def _same_code(ours, theirs) -> bool:
+    """Whether two functions compile to the same instructions (constants by value: a docstring
+    shifts their indices), names and exception table."""
+    import dis
+    import inspect
+
+    a, b = inspect.unwrap(ours).__code__, inspect.unwrap(theirs).__code__  # through Ray's tracing wrappers
+    ops = [[(i.opname, i.argval) for i in dis.get_instructions(c)] for c in (a, b)]
+    keys = ("co_names", "co_varnames", "co_freevars", "co_exceptiontable")
+    return ops[0] == ops[1] and all(getattr(a, k, None) == getattr(b, k, None) for k in keys)
+
+
+def light_actor():
+    """The plain class of :data:`_ACTOR_SOURCE`'s ``ClientAppActor`` (not yet a Ray actor class)."""
+    namespace: dict = {"__name__": "fedelastic_ray_actor"}
+    exec(compile(_ACTOR_SOURCE, "<fedelastic ray actor>", "exec"), namespace)  # noqa: S102 (fixed source above)
+    return namespace["ClientAppActor"]
+
+
+def actor_class():
+    """The Ray actor class of Flower's client actors: :func:`light_actor` while its methods are
+    Flower's (compared compiled), else Flower's ``ClientAppActor`` itself."""
+    if not _ACTORS:
+        import ray
+        from flwr.simulation.ray_transport.ray_actor import ClientAppActor
+
+        flower = ClientAppActor.__ray_metadata__.modified_class if hasattr(ClientAppActor, "__ray_metadata__") else None
+        light = light_actor()
+        same = flower is not None and all(
+            hasattr(flower, m) and _same_code(getattr(light, m), getattr(flower, m)) for m in _ACTOR_METHODS
+        )
+        _ACTORS.append(ray.remote(light) if same else ClientAppActor)
+    return _ACTORS[0]
+
 
 def create_early_actors(resources: dict, init: Callable[[], None]) -> int:
     """Create as many of Flower's client actors as its Ray backend would (each reserving
     ``resources``), each running ``init`` as it starts; :func:`early_actors` hands them to the
     backend's pool. Returns how many."""
-    from flwr.simulation.ray_transport.ray_actor import ClientAppActor, pool_size_from_resources
+    from flwr.simulation.ray_transport.ray_actor import pool_size_from_resources
 
     count = pool_size_from_resources(resources)
-    actors = [ClientAppActor.options(**resources).remote(on_actor_init_fn=init) for _ in range(count)]
+    actors = [actor_class().options(**resources).remote(on_actor_init_fn=init) for _ in range(count)]
     _EARLY.update(actors=actors, resources=dict(resources))
     return count
 
@@ -132,18 +208,16 @@ def _same_build(build) -> bool:
     return code is not None and set(code.co_names) == _BUILD_NAMES
 
 
-def _build(original):
+def _build():
     def build(self, app_fn) -> None:
-        """Flower's ``RayBackend.build``, with the actors made early (:func:`create_early_actors`)
-        in its pool instead of new ones, when they were made for this pool's resources."""
+        """Flower's ``RayBackend.build`` with :func:`actor_class`'s actors, the actors made early
+        (:func:`create_early_actors`) in its pool instead of new ones when they were made for this
+        pool's resources."""
         actors = early_actors(self.client_resources)
-        if not actors:
-            original(self, app_fn)
-            return
-        from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
+        from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
         self.pool = BasicActorPool(
-            actor_type=ClientAppActor, client_resources=self.client_resources, actor_kwargs=self.actor_kwargs
+            actor_type=actor_class(), client_resources=self.client_resources, actor_kwargs=self.actor_kwargs
         )
         capacity = self.pool.actors_capacity
         _kill(actors[capacity:])
@@ -606,7 +680,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     RayBackend.process_message = _process_message
     RayBackend.terminate = _terminate(terminate)
     if _same_build(build):  # Flower's build as this module knows it: the early actors may join its pool
-        RayBackend.build = _build(build)
+        RayBackend.build = _build()
     else:  # another Flower: its build makes its own actors, which the early ones would keep from the CPUs
         _kill(_EARLY.pop("actors", []))
         _EARLY.clear()
