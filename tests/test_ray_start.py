@@ -166,6 +166,16 @@ def test_the_light_client_actor_compiles_to_flowers_own_methods():
     assert not raypool._same_code(run, flower.run)
     assert not raypool._same_code(flower.terminate, flower.run)
 
+    class Other:
+        def __init__(self, on_actor_init_fn=print):  # Flower's __init__ with another default
+            super().__init__()
+            if on_actor_init_fn:
+                on_actor_init_fn()
+
+    assert raypool._same_code(Other.__init__, raypool.light_actor().__init__) is False
+    Other.__init__.__defaults__ = (None,)
+    assert raypool._same_code(Other.__init__, flower.__init__)  # the default was all that differed
+
 
 def test_a_flower_whose_actor_differs_keeps_its_own_actor_class(monkeypatch):
     from flwr.simulation.ray_transport.ray_actor import ClientAppActor

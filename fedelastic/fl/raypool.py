@@ -25,7 +25,9 @@ without Ray's autoscaler monitor, which has nothing to scale on one machine (``r
 ``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
 interpreter teardown first), and :func:`quick_shutdown` kills a monitor if there is one (its
 SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown`` waits a full
-second on it), shuts Ray down and returns once every process of the cluster has exited.
+second on it), shuts Ray down and returns once every process of the cluster has exited. The
+client actors are :func:`actor_class`'s: a copy of Flower's that Ray ships by value, so that a
+worker does not import ``flwr.simulation``.
 """
 
 from __future__ import annotations
@@ -133,10 +135,12 @@ def _same_code(ours, theirs) -> bool:
     import dis
     import inspect
 
-    a, b = inspect.unwrap(ours).__code__, inspect.unwrap(theirs).__code__  # through Ray's tracing wrappers
+    ours, theirs = inspect.unwrap(ours), inspect.unwrap(theirs)  # through Ray's tracing wrappers
+    a, b = ours.__code__, theirs.__code__
     ops = [[(i.opname, i.argval) for i in dis.get_instructions(c)] for c in (a, b)]
-    keys = ("co_names", "co_varnames", "co_freevars", "co_exceptiontable")
-    return ops[0] == ops[1] and all(getattr(a, k, None) == getattr(b, k, None) for k in keys)
+    keys = ("co_names", "co_varnames", "co_argcount", "co_freevars", "co_exceptiontable")
+    same = all(getattr(a, k, None) == getattr(b, k, None) for k in keys)
+    return ops[0] == ops[1] and same and ours.__defaults__ == theirs.__defaults__
 
 
 def light_actor():
@@ -679,7 +683,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
     RayBackend.process_message = _process_message
     RayBackend.terminate = _terminate(terminate)
-    if _same_build(build):  # Flower's build as this module knows it: the early actors may join its pool
+    if _same_build(build):  # Flower's build as this module knows it: actor_class()'s actors, the early ones first
         RayBackend.build = _build()
     else:  # another Flower: its build makes its own actors, which the early ones would keep from the CPUs
         _kill(_EARLY.pop("actors", []))
