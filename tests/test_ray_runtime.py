@@ -18,7 +18,7 @@ from ray import cloudpickle
 import fedelastic
 from fedelastic.fl.client import make_client_app
 from fedelastic.fl.dispatch import StoppableQueue, fast_dispatch
-from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler
+from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler, no_dashboard
 from fedelastic.fl.runner import ShippedClientApp
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent
@@ -149,6 +149,55 @@ def test_no_autoscaler_leaves_a_ray_without_the_parameter_alone(monkeypatch):
     monkeypatch.setattr(parameter, "RayParams", OldRayParams)
     with no_autoscaler() as used:
         assert not used and parameter.RayParams is OldRayParams
+
+
+def test_no_dashboard_skips_only_an_unwanted_dashboard_and_restores_rays_method(monkeypatch):
+    from ray._private.node import Node
+
+    calls: list = []
+    monkeypatch.setattr(Node, "start_api_server", lambda self, *, include_dashboard, raise_on_failure: calls.append(include_dashboard))
+    ours = Node.start_api_server
+    with no_dashboard() as used:
+        assert used
+        for wanted in (False, True, None):  # None: Ray's default, which starts it
+            Node.start_api_server(object(), include_dashboard=wanted, raise_on_failure=False)
+    assert calls == [True, None]
+    assert Node.start_api_server is ours
+
+
+def test_no_dashboard_leaves_a_ray_with_another_signature_alone(monkeypatch):
+    from ray._private.node import Node
+
+    def start_api_server(self, include_dashboard, raise_on_failure, port=None):
+        return "started"
+
+    monkeypatch.setattr(Node, "start_api_server", start_api_server)
+    with no_dashboard() as used:
+        assert not used and Node.start_api_server is start_api_server
+
+
+@pytest.mark.ray
+def test_a_cluster_started_without_its_dashboard_runs_tasks():
+    import ray
+    import ray._private.worker as ray_worker
+    from ray._private import ray_constants
+
+    from fedelastic.fl import raypool
+
+    with no_dashboard():
+        ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        started = set(ray_worker._global_node.all_processes)
+        assert ray_constants.PROCESS_TYPE_DASHBOARD not in started
+        assert ray_constants.PROCESS_TYPE_RAYLET in started  # the rest of the cluster is there
+
+        @ray.remote
+        def double(x):
+            return 2 * x
+
+        assert ray.get(double.remote(21)) == 42
+    finally:
+        raypool.quick_shutdown()
 
 
 @pytest.mark.ray

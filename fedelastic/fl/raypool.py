@@ -21,7 +21,9 @@ client (its reply says so) has its worker replaced after it replies.
 Start and stop (issue 10): :func:`start_ray_beside` runs the driver's own start-up work on a
 thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a local cluster
 without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
---no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it). At the end the patched
+--no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it), and :func:`no_dashboard`
+without the dashboard's head process, which ``include_dashboard=False`` still starts and waits
+for. At the end the patched
 ``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
 interpreter teardown first), and :func:`quick_shutdown` kills a monitor if there is one (its
 SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown`` waits a full
@@ -417,7 +419,7 @@ def start_ray(scenario) -> None:
     if not ray.is_initialized():
         probe(sim.ray_address, src)
         try:
-            with no_autoscaler(), prompt_node_wait():  # used only when ray.init starts a local cluster
+            with no_autoscaler(), no_dashboard(), prompt_node_wait():  # used only when ray.init starts a local cluster
                 ray.init(**ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
             from ..results import one_line
@@ -586,6 +588,43 @@ def no_autoscaler() -> Iterator[bool]:
         yield True
     finally:
         parameter.RayParams = original
+
+
+@contextmanager
+def no_dashboard() -> Iterator[bool]:
+    """Inside this block ``ray.init(include_dashboard=False)`` starts a local cluster without the
+    dashboard's head process.
+
+    With ``include_dashboard=False`` Ray still starts that process, to run its usage-stats module
+    only, and waits for it to publish its address (looking every 0.1 s) before it starts the
+    raylet: ~0.5 s of every local start here (issue 10). The block makes ``Node.start_api_server``
+    return at once when the dashboard is not wanted; a wanted one (``True`` or Ray's default
+    ``None``) starts as before. Yields whether it could (a Ray whose ``start_api_server`` takes
+    other arguments is left as it is).
+    """
+    import inspect
+
+    try:
+        from ray._private.node import Node
+
+        original = Node.start_api_server
+        usable = list(inspect.signature(original).parameters) == ["self", "include_dashboard", "raise_on_failure"]
+    except Exception:  # noqa: BLE001 (another Ray)
+        usable = False
+    if not usable:
+        yield False
+        return
+
+    def start_api_server(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard is False:
+            return None
+        return original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
+    Node.start_api_server = start_api_server
+    try:
+        yield True
+    finally:
+        Node.start_api_server = original
 
 
 def quick_shutdown(wait_s: float = 3.0) -> None:
