@@ -157,11 +157,17 @@ def test_no_dashboard_skips_only_an_unwanted_dashboard_and_restores_rays_method(
     calls: list = []
     monkeypatch.setattr(Node, "start_api_server", lambda self, *, include_dashboard, raise_on_failure: calls.append(include_dashboard))
     ours = Node.start_api_server
+
+    class FakeNode:
+        _webui_url = None
+
+    node = FakeNode()
     with no_dashboard() as used:
         assert used
         for wanted in (False, True, None):  # None: Ray's default, which starts it
-            Node.start_api_server(object(), include_dashboard=wanted, raise_on_failure=False)
+            Node.start_api_server(node, include_dashboard=wanted, raise_on_failure=False)
     assert calls == [True, None]
+    assert node._webui_url == ""  # what Ray's dashboard process publishes when started without its modules
     assert Node.start_api_server is ours
 
 
@@ -189,6 +195,7 @@ def test_a_cluster_started_without_its_dashboard_runs_tasks():
     try:
         started = set(ray_worker._global_node.all_processes)
         assert ray_constants.PROCESS_TYPE_DASHBOARD not in started
+        assert ray_worker._global_node.webui_url == ""  # as with the process (ray.init's dashboard_url)
         assert ray_constants.PROCESS_TYPE_RAYLET in started  # the rest of the cluster is there
 
         @ray.remote

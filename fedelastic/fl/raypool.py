@@ -617,6 +617,7 @@ def no_dashboard() -> Iterator[bool]:
 
     def start_api_server(self, *, include_dashboard, raise_on_failure):
         if include_dashboard is False:
+            self._webui_url = ""  # the address that process publishes without its web modules (raylet and workers get it)
             return None
         return original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
 
