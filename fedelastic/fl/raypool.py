@@ -23,13 +23,12 @@ thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a 
 without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
 --no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it), and :func:`no_dashboard`
 without the dashboard's head process, which ``include_dashboard=False`` still starts and waits
-for. At the end the patched
-``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
-interpreter teardown first), and :func:`quick_shutdown` kills a monitor if there is one (its
-SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown`` waits a full
-second on it), shuts Ray down and returns once every process of the cluster has exited. The
-client actors are :func:`actor_class`'s: a copy of Flower's that Ray ships by value, so that a
-worker does not import ``flwr.simulation``.
+for. At the end the patched ``terminate`` kills the workers (``ray.kill``: Flower's
+``exit_actor()`` runs each worker's interpreter teardown first), and :func:`quick_shutdown`
+kills a monitor if there is one (its SIGTERM handler reports to the GCS Ray has already stopped,
+so ``ray.shutdown`` waits a full second on it), shuts Ray down and returns once every process of
+the cluster has exited. The client actors are :func:`actor_class`'s: a copy of Flower's that Ray
+ships by value, so that a worker does not import ``flwr.simulation``.
 """
 
 from __future__ import annotations
