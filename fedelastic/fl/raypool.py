@@ -213,26 +213,23 @@ def _same_build(build) -> bool:
     return code is not None and set(code.co_names) == _BUILD_NAMES
 
 
-def _build():
-    def build(self, app_fn) -> None:
-        """Flower's ``RayBackend.build`` with :func:`actor_class`'s actors, the actors made early
-        (:func:`create_early_actors`) in its pool instead of new ones when they were made for this
-        pool's resources."""
-        actors = early_actors(self.client_resources)
-        from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+def _build(self, app_fn) -> None:
+    """Flower's ``RayBackend.build`` with :func:`actor_class`'s actors, the actors made early
+    (:func:`create_early_actors`) in its pool instead of new ones when they were made for this
+    pool's resources."""
+    actors = early_actors(self.client_resources)
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
-        self.pool = BasicActorPool(
-            actor_type=actor_class(), client_resources=self.client_resources, actor_kwargs=self.actor_kwargs
-        )
-        capacity = self.pool.actors_capacity
-        _kill(actors[capacity:])
-        self.pool.pool.extend(actors[:capacity])
-        self.pool.num_actors += len(actors[:capacity])
-        if capacity > len(actors):
-            self.pool.add_actors_to_pool(capacity - len(actors))
-        self.app_fn = app_fn
-
-    return build
+    self.pool = BasicActorPool(
+        actor_type=actor_class(), client_resources=self.client_resources, actor_kwargs=self.actor_kwargs
+    )
+    capacity = self.pool.actors_capacity
+    _kill(actors[capacity:])
+    self.pool.pool.extend(actors[:capacity])
+    self.pool.num_actors += len(actors[:capacity])
+    if capacity > len(actors):
+        self.pool.add_actors_to_pool(capacity - len(actors))
+    self.app_fn = app_fn
 
 
 def _retire(pool, future, *, replace: bool) -> None:
@@ -723,7 +720,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     RayBackend.process_message = _process_message
     RayBackend.terminate = _terminate(terminate)
     if _same_build(build):  # Flower's build as this module knows it: actor_class()'s actors, the early ones first
-        RayBackend.build = _build()
+        RayBackend.build = _build
     else:  # another Flower: its build makes its own actors, which the early ones would keep from the CPUs
         _kill(_EARLY.pop("actors", []))
         _EARLY.clear()
