@@ -33,7 +33,7 @@ from ..results import warm_up as warm_up_writer
 from ..scenario import Scenario, is_plain_name, parse_scenario
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
-from .cohort import CohortGrid, cohort_count
+from .cohort import CohortGrid, cohort_count, when_under_way
 from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
@@ -551,9 +551,13 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             nodes = cohort_count(scenario, 1) if cohort else scenario.num_clients
             local = InProcessGrid(client_app, nodes)
             local.on_abandon = lambda: env.__dict__.pop("client_model", None)
-            guarded = GuardedGrid(local, stop, on_sent=recorder.hand_over)
             try:
-                server(CohortGrid(guarded, env, nodes) if cohort else guarded)
+                if cohort and not scenario.simulation.vectorize:  # writes handed over once a round's training is under way
+                    with when_under_way(recorder.hand_over):
+                        server(CohortGrid(GuardedGrid(local, stop), env, nodes))
+                else:
+                    guarded = GuardedGrid(local, stop, on_sent=recorder.hand_over)
+                    server(CohortGrid(guarded, env, nodes) if cohort else guarded)
             finally:
                 local.close()
         else:
