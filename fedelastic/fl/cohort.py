@@ -52,8 +52,9 @@ _MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
 
 
 _TRAINING: list[KeptThread] = []  # this process's training thread (threads.py), made at its first call
-# in-process runs: called on the training thread once a call's second client is done (when_under_way)
+# in-process runs: called on the training thread once a call's first UNDER_WAY_AFTER clients are done (when_under_way)
 _UNDER_WAY: list[Callable[[], None]] = []
+UNDER_WAY_AFTER = 2
 
 
 @contextmanager
@@ -63,10 +64,10 @@ def when_under_way(hook: Callable[[], None]) -> Iterator[None]:
     The in-process runner hands the previous round's writes to the results writer there (issue
     10). A round's first two clients run with cold caches (~2.5x and ~1.7x the CPU of a later
     one), and the writer's ~5 ms of Python, started as the round's messages left, slowed them
-    further. Started after two clients, steady rounds were 1.5 ms shorter (median of 10
-    alternating pairs of 60-round runs, 8 shorter; after the first client: no change, 5 of 10).
-    A call with fewer clients leaves the hand-over to the server's aggregation
-    (``Recorder.add_clients`` hands over everything kept first).
+    further. Started after two clients (``UNDER_WAY_AFTER``), steady rounds were 1.5 ms shorter
+    (median of 10 alternating pairs of 60-round runs, 8 shorter; after the first client: no change,
+    5 of 10; ``python benchmarks/handover.py``). A call with fewer clients leaves the hand-over to
+    the server's aggregation (``Recorder.add_clients`` hands over everything kept first).
     """
     _UNDER_WAY.append(hook)
     try:
@@ -138,7 +139,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             with lock:
                 finished.append(reply)
                 started[0] = time.monotonic()
-            if j == 1:
+            if j + 1 == UNDER_WAY_AFTER:
                 for hook in list(_UNDER_WAY):
                     with suppress(Exception):  # a failed hand-over is made again at the server's aggregation
                         hook()

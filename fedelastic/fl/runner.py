@@ -14,7 +14,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 from pathlib import Path
 
@@ -501,6 +501,13 @@ def run_scenario(
         return _run(scenario, run_dir, recorder, checkpoint, progress, grid)
 
 
+def hand_over_under_way(scenario: Scenario) -> bool:
+    """Whether an in-process run hands a round's writes over once its training is under way
+    (:func:`~.cohort.when_under_way`: cohorts trained client by client), not as its messages leave."""
+    sim = scenario.simulation
+    return sim.node_mode == "cohort" and not sim.vectorize
+
+
 @contextmanager
 def _flwr_quiet():
     """Flower's per-round INFO lines off for the duration of this run only.
@@ -551,12 +558,10 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             nodes = cohort_count(scenario, 1) if cohort else scenario.num_clients
             local = InProcessGrid(client_app, nodes)
             local.on_abandon = lambda: env.__dict__.pop("client_model", None)
+            under_way = hand_over_under_way(scenario)
+            guarded = GuardedGrid(local, stop, on_sent=(lambda: None) if under_way else recorder.hand_over)
             try:
-                if cohort and not scenario.simulation.vectorize:  # writes handed over once a round's training is under way
-                    with when_under_way(recorder.hand_over):
-                        server(CohortGrid(GuardedGrid(local, stop), env, nodes))
-                else:
-                    guarded = GuardedGrid(local, stop, on_sent=recorder.hand_over)
+                with when_under_way(recorder.hand_over) if under_way else nullcontext():
                     server(CohortGrid(guarded, env, nodes) if cohort else guarded)
             finally:
                 local.close()
