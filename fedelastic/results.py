@@ -366,8 +366,7 @@ class Recorder:
     Writes are made in the caller's thread, or, after :meth:`write_behind`, in order on one
     background thread, beside the next round's training: a round's writes are kept until
     :meth:`hand_over` (called as the next round is sent: with the writer busy while the driver
-    works, the driver's thread would wait for the GIL; in-process cohorts, once that round's
-    second client is done: ``cohort.when_under_way``), then written while that round trains. :meth:`add_clients`
+    works, the driver's thread would wait for the GIL), then written while that round trains. :meth:`add_clients`
     first waits for everything handed over before it (the previous round's rows and
     checkpoint), so at most one round waits to be written, and raises the error of a write that
     failed; :meth:`flush` writes and waits for all of it, and a final :meth:`status`,
@@ -396,7 +395,6 @@ class Recorder:
         self._stop = threading.Event()
         self._writer: _Writer | None = None
         self._kept: list[Callable[[], None]] = []  # writes not handed over yet (write_behind)
-        self._handing = threading.Lock()  # hand_over may be called from the training thread (cohort.when_under_way)
         if not resume:
             (self.folder / "config.toml").write_text(tomli_w.dumps(config))
             (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
@@ -459,16 +457,14 @@ class Recorder:
                 done.append(True)
                 job()
 
-        with self._handing:
-            self._kept.append(once)
+        self._kept.append(once)
 
     def hand_over(self) -> None:
         """Give the writes kept so far to the background writer, in order."""
-        with self._handing:
-            if self._writer is not None:
-                for job in self._kept:
-                    self._writer.submit(job)
-            self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each job runs once (write)
+        if self._writer is not None:
+            for job in self._kept:
+                self._writer.submit(job)
+        self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each job runs once (write)
 
     def flush(self) -> None:
         """Make every write kept or handed over; raise the error of one that failed."""

@@ -394,38 +394,3 @@ def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make
     failed = clients[clients.status == "failed"]
     assert failed.partition_id.tolist() == [culprit] and "died" in failed.error.iloc[0]
     assert clients[clients.status != "failed"].steps.eq(1).all()
-
-
-def test_the_under_way_hook_runs_on_the_training_thread_after_each_calls_second_client(make_scenario):
-    """cohort.when_under_way (the in-process runner hands the writes over there): once per cohort
-    call, after its second client and before its third, on the training thread; none outside the
-    context; a hook that raises fails no client (the writes are handed over at the aggregation)."""
-    import threading
-
-    import fedelastic.fl.client as client
-    import fedelastic.fl.cohort as cohort
-
-    events: list[str] = []
-    real_train = client.train_local
-
-    def train(*args, **kwargs):
-        events.append("train")
-        return real_train(*args, **kwargs)
-
-    def hook() -> None:
-        events.append(f"hook:{threading.current_thread().name}")
-
-    def boom() -> None:
-        raise OSError("no hand-over today")
-
-    sc = make_scenario(server={"rounds": 2})  # 4 clients a round, one cohort in-process
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(client, "train_local", train)
-        with cohort.when_under_way(hook), cohort.when_under_way(boom):
-            run_dir = run_scenario(sc, run_id="hooked")
-        run_scenario(sc, run_id="outside")
-    per_round = ["train", "train", "hook:cohort", "train", "train"]
-    assert events == per_round * 2 + ["train"] * 8, events
-    assert not cohort._UNDER_WAY
-    clients = pd.read_parquet(run_dir / "clients.parquet")
-    assert len(clients) == 8 and clients["status"].eq("counted").all()

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterable
 from functools import partial
 
 import numpy as np
@@ -52,28 +51,6 @@ _MEMBER_KEYS = ("arrays", "masks", "metrics", "strategy-state", "info")
 
 
 _TRAINING: list[KeptThread] = []  # this process's training thread (threads.py), made at its first call
-# in-process runs: called on the training thread once a call's first UNDER_WAY_AFTER clients are done (when_under_way)
-_UNDER_WAY: list[Callable[[], None]] = []
-UNDER_WAY_AFTER = 2
-
-
-@contextmanager
-def when_under_way(hook: Callable[[], None]) -> Iterator[None]:
-    """While in this context, call ``hook`` on the training thread once each cohort call's second client is done.
-
-    The in-process runner hands the previous round's writes to the results writer there (issue
-    10). A round's first two clients run with cold caches (~2.5x and ~1.7x the CPU of a later
-    one), and the writer's ~5 ms of Python, started as the round's messages left, slowed them
-    further. Started after two clients (``UNDER_WAY_AFTER``), steady rounds were 1.5 ms shorter
-    (median of 10 alternating pairs of 60-round runs, 8 shorter; after the first client: no change,
-    5 of 10; ``python benchmarks/handover.py``). A call with fewer clients leaves the hand-over to
-    the server's aggregation (``Recorder.add_clients`` hands over everything kept first).
-    """
-    _UNDER_WAY.append(hook)
-    try:
-        yield
-    finally:
-        _UNDER_WAY.remove(hook)
 
 
 def training_thread() -> KeptThread:
@@ -139,10 +116,6 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             with lock:
                 finished.append(reply)
                 started[0] = time.monotonic()
-            if j + 1 == UNDER_WAY_AFTER:
-                for hook in list(_UNDER_WAY):
-                    with suppress(Exception):  # a failed hand-over is made again at the server's aggregation
-                        hook()
             return not cancelled.is_set()
 
         crashed: list[BaseException] = []  # what stopped the training thread outside any one client

@@ -14,7 +14,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from ..results import warm_up as warm_up_writer
 from ..scenario import Scenario, is_plain_name, parse_scenario
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
-from .cohort import CohortGrid, cohort_count, when_under_way
+from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
@@ -501,13 +501,6 @@ def run_scenario(
         return _run(scenario, run_dir, recorder, checkpoint, progress, grid)
 
 
-def hand_over_under_way(scenario: Scenario) -> bool:
-    """Whether an in-process run hands a round's writes over once its training is under way
-    (:func:`~.cohort.when_under_way`: cohorts trained client by client), not as its messages leave."""
-    sim = scenario.simulation
-    return sim.node_mode == "cohort" and not sim.vectorize
-
-
 @contextmanager
 def _flwr_quiet():
     """Flower's per-round INFO lines off for the duration of this run only.
@@ -558,11 +551,9 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             nodes = cohort_count(scenario, 1) if cohort else scenario.num_clients
             local = InProcessGrid(client_app, nodes)
             local.on_abandon = lambda: env.__dict__.pop("client_model", None)
-            under_way = hand_over_under_way(scenario)
-            guarded = GuardedGrid(local, stop, on_sent=(lambda: None) if under_way else recorder.hand_over)
+            guarded = GuardedGrid(local, stop, on_sent=recorder.hand_over)
             try:
-                with when_under_way(recorder.hand_over) if under_way else nullcontext():
-                    server(CohortGrid(guarded, env, nodes) if cohort else guarded)
+                server(CohortGrid(guarded, env, nodes) if cohort else guarded)
             finally:
                 local.close()
         else:
