@@ -1,0 +1,168 @@
+"""Two versions of fedelastic on the in-process peers workload, alternated in fresh processes (issue 10).
+
+    python benchmarks/ab_inprocess.py --patch benchmarks/data/patches/replies_periodic.diff
+    python benchmarks/ab_inprocess.py --base d2d4f14 --pairs 10 --rounds 60 --out benchmarks/results/ab.json
+
+``base`` is a git revision of this repository (default ``HEAD``), checked out into a temporary
+worktree; ``candidate`` is this working tree as it is, or, with ``--patch``, the base with the
+patch applied (so that a change that was tried and not kept can be measured again by one
+command). Each pair runs base and candidate one after the other (the order alternating between
+pairs), each in a fresh process importing fedelastic from its own tree (``PYTHONPATH``), on
+benchmarks/peers.py's workload (200 Dirichlet clients on digits, 50 a round, its 6k-parameter
+CNN, batch 16, 1 epoch, SGD lr 0.05, strategy "full", in-process backend) for ``--rounds`` rounds.
+
+Per run, over rounds 3 to the last but one (medians): the round (progress row to progress row),
+the cohort's training call (``train_cohort``: wall and the training thread's CPU time) and the gap
+between two training calls (the driver's work between rounds). The report gives each side's
+median and the median of the paired differences (candidate - base) with how many pairs the
+candidate was shorter in: on this shared 2-core machine runs of the same code differ by up to
+10%, pairs and their medians by much less. Both sides must end on the same final model (SHA-256
+of the checkpoint's weights): a candidate that changes results is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+FIGURES = ("round_ms", "train_wall_ms", "train_cpu_ms", "gap_ms")
+
+
+def worker(rounds: int) -> dict:
+    """One in-process run in this process (fedelastic from PYTHONPATH); per-round medians."""
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE.parent))
+    import peers
+
+    import fedelastic
+    import fedelastic.fl.cohort as cohort
+    from fedelastic import api
+
+    calls: list[tuple[float, float, float]] = []  # (start, end, thread CPU) of each training call
+    train = cohort.train_cohort
+
+    def timed(*args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return train(*args, **kwargs)
+        finally:
+            calls.append((start, time.perf_counter(), time.thread_time() - cpu))
+
+    cohort.train_cohort = timed
+    stamps: list[float] = []
+    wl = peers.Workload(peers.CLIENTS, rounds, peers.PER_ROUND)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = api.run(wl.scenario("inprocess", tmp), progress=lambda row: stamps.append(time.perf_counter()))
+        state = torch.load(Path(result.run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+        status = result.status.get("status")
+    calls = calls[-rounds:]  # the start-up query trains nothing; one call a round
+    steady = slice(2, rounds - 1)
+    return {
+        "fedelastic": str(Path(fedelastic.__file__).parent),
+        "status": status,
+        "checksum": peers.checksum({k: np.asarray(v) for k, v in state.items()}),
+        "round_ms": statistics.median(np.diff(stamps)[1:][steady]) * 1e3,
+        "train_wall_ms": statistics.median(e - s for s, e, _ in calls[steady]) * 1e3,
+        "train_cpu_ms": statistics.median(c for _, _, c in calls[steady]) * 1e3,
+        "gap_ms": statistics.median(calls[i + 1][0] - calls[i][1] for i in range(rounds - 1)[steady]) * 1e3,
+    }
+
+
+def run_in(tree: Path, rounds: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as cwd:  # not this repository: its fedelastic must not shadow the tree's
+        out = subprocess.run(
+            [sys.executable, str(HERE), "--worker", "--rounds", str(rounds)],
+            cwd=cwd, env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"run in {tree} failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if Path(got["fedelastic"]).resolve() != (tree / "fedelastic").resolve():
+        raise SystemExit(f"the run imported fedelastic from {got['fedelastic']}, not from {tree}")
+    return got
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", default="HEAD", help="git revision of the base (default HEAD)")
+    p.add_argument("--patch", help="candidate: the base with this patch applied (default: this working tree)")
+    p.add_argument("--pairs", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--out", help="write the report (JSON) here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rounds < 5:
+        p.error("--rounds: at least 5 (rounds 3 to the last but one are measured)")
+    if args.worker:
+        print(json.dumps(worker(args.rounds)))
+        return
+    base_rev = git("rev-parse", "--short", args.base)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"base": Path(tmp) / "base", "candidate": REPO}
+        git("worktree", "add", "--detach", str(trees["base"]), base_rev)
+        try:
+            if args.patch:
+                trees["candidate"] = Path(tmp) / "candidate"
+                git("worktree", "add", "--detach", str(trees["candidate"]), base_rev)
+                subprocess.run(["git", "-C", str(trees["candidate"]), "apply", str(Path(args.patch).resolve())], check=True)
+            runs: dict[str, list[dict]] = {"base": [], "candidate": []}
+            for i in range(args.pairs):
+                for side in ("base", "candidate") if i % 2 == 0 else ("candidate", "base"):
+                    runs[side].append(run_in(trees[side], args.rounds))
+                print(f"pair {i + 1}: " + ", ".join(f"{s} {runs[s][-1]['round_ms']:.2f} ms" for s in runs), flush=True)
+        finally:
+            for side in ("base", "candidate"):
+                if trees[side] != REPO and trees[side].exists():
+                    git("worktree", "remove", "--force", str(trees[side]))
+    summary = {}
+    for f in FIGURES:
+        diffs = [c[f] - b[f] for b, c in zip(runs["base"], runs["candidate"])]
+        summary[f] = {
+            "base": statistics.median(r[f] for r in runs["base"]),
+            "candidate": statistics.median(r[f] for r in runs["candidate"]),
+            "paired_difference": statistics.median(diffs),
+            "candidate_shorter": sum(d < 0 for d in diffs),
+        }
+        s = summary[f]
+        print(f"{f:14s} base {s['base']:7.2f}  candidate {s['candidate']:7.2f}  paired difference "
+              f"{s['paired_difference']:+6.2f}  candidate shorter in {s['candidate_shorter']} of {args.pairs}")  # fmt: skip
+    sums = {r["checksum"] for side in runs.values() for r in side}
+    failed = [r["status"] for side in runs.values() for r in side if r["status"] != "completed"]
+    print("same final model in every run" if len(sums) == 1 else f"final models differ: {sorted(sums)}")
+    if failed:
+        print(f"runs not completed: {failed}")
+    report = {
+        "command": "python benchmarks/ab_inprocess.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "base": base_rev,
+        "candidate": args.patch or f"working tree on {git('rev-parse', '--short', 'HEAD')}",
+        "loadavg_end": os.getloadavg(),
+        "summary": summary,
+        "same_final_model": len(sums) == 1,
+        "runs": runs,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()
