@@ -1,7 +1,8 @@
 """Two versions of fedelastic on the in-process peers workload, alternated in fresh processes (issue 10).
 
-    python benchmarks/ab_inprocess.py --patch benchmarks/data/patches/replies_periodic.diff
-    python benchmarks/ab_inprocess.py --base d2d4f14 --pairs 10 --rounds 60 --out benchmarks/results/ab.json
+    python benchmarks/ab_inprocess.py                          # this working tree against HEAD, 8 pairs
+    python benchmarks/ab_inprocess.py --base d2d4f14 --patch benchmarks/data/patches/replies_periodic.diff \
+        --pairs 10 --rounds 60 --out benchmarks/results/ab.json
 
 ``base`` is a git revision of this repository (default ``HEAD``), checked out into a temporary
 worktree; ``candidate`` is this working tree as it is, or, with ``--patch``, the base with the
@@ -96,7 +97,10 @@ def run_in(tree: Path, rounds: int) -> dict:
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
 
 
 def main(argv=None) -> None:
@@ -121,7 +125,10 @@ def main(argv=None) -> None:
             if args.patch:
                 trees["candidate"] = Path(tmp) / "candidate"
                 git("worktree", "add", "--detach", str(trees["candidate"]), base_rev)
-                subprocess.run(["git", "-C", str(trees["candidate"]), "apply", str(Path(args.patch).resolve())], check=True)
+                patch = Path(args.patch).resolve()
+                applied = subprocess.run(["git", "-C", str(trees["candidate"]), "apply", str(patch)], capture_output=True, text=True)
+                if applied.returncode != 0:
+                    raise SystemExit(f"{args.patch}: does not apply to {base_rev} (--base): {applied.stderr.strip()}")
             runs: dict[str, list[dict]] = {"base": [], "candidate": []}
             for i in range(args.pairs):
                 for side in ("base", "candidate") if i % 2 == 0 else ("candidate", "base"):

@@ -109,7 +109,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         # The reply is built on the training thread, before the next member trains: building it on
         # this thread beside the training raced with the next member's selector, whose device time
         # is priced from the shared cost model's evaluation counter (which the reply's time band
-        # bumps once per cost model), and saved < 1 ms a round (benchmarks/RESULTS.md, session 24).
+        # bumps once per cost model), and did not shorten the rounds (benchmarks/RESULTS.md, session 24).
         def report(j: int, result) -> bool:  # on the training thread
             try:
                 if isinstance(result, Exception):
