@@ -43,6 +43,7 @@ Conventions (documented in the README):
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,7 +154,7 @@ class CostModel:
         self.info, self.device, self.batch_size = info, device, batch_size
         self.optimizer, self.bn_mode = optimizer, bn_mode
         self.optimizer_state = OPTIMIZER_STATE_PER_ELEMENT[optimizer]
-        self.evaluations = 0  # memory and time evaluations so far (the selectors' work is priced from it)
+        self._evaluations: dict[int, int] = {}  # thread id -> memory and time evaluations it made (see evaluations)
         self._other_batch: dict[int, CostModel] = {}
         b, e = float(batch_size), float(device.bytes_per_element)
         bw = device.mem_bandwidth_bytes_per_s.value
@@ -330,7 +331,7 @@ class CostModel:
     # ---- time -------------------------------------------------------------------------------
     def backward_time_s(self, ratios: np.ndarray) -> float:
         """Backward time (gradients and optimizer update) of one step."""
-        self.evaluations += 1
+        self._evaluated()
         ratios = np.asarray(ratios, float)
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:
@@ -430,7 +431,7 @@ class CostModel:
         backward gradient buffer. ``batch_size`` prices another batch size (activations and
         workspace scale linearly with it).
         """
-        self.evaluations += 1
+        self._evaluated()
         ratios = np.asarray(ratios, float)
         e = float(self.device.bytes_per_element)
         scale = 1.0 if batch_size is None else batch_size / self.batch_size
@@ -596,6 +597,20 @@ class CostModel:
         return pieces
 
     # ---- selection work ---------------------------------------------------------------------
+    @property
+    def evaluations(self) -> int:
+        """Memory and time evaluations the calling thread has made so far: a selector's work is
+        priced from the ones its ``select`` made (:func:`~fedelastic.training.select_and_charge`).
+
+        Counted per thread, so that pricing on another thread meanwhile (a reply's time band, an
+        abandoned in-process client still training) does not change what a selection is charged.
+        """
+        return self._evaluations.get(threading.get_ident(), 0)
+
+    def _evaluated(self) -> None:
+        ident = threading.get_ident()
+        self._evaluations[ident] = self._evaluations.get(ident, 0) + 1
+
     def selector_time_s(self, evaluations: int, ops: float) -> float:
         """Device time of a selection: its cost-model ``evaluations`` and other elementary ``ops``.
 
@@ -617,7 +632,7 @@ class CostModel:
 
     def step_macs(self, ratios: np.ndarray) -> float:
         """MACs of one step: forward, dX above the deepest trained tensor, and trained dW."""
-        self.evaluations += 1
+        self._evaluated()
         ratios = np.asarray(ratios, float)
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:

@@ -246,6 +246,40 @@ def test_selector_work_is_priced_on_the_device():
     assert cost.evaluations == before + 2
 
 
+def test_a_selection_is_charged_its_own_evaluations_only():
+    """Pricing on another thread while a selector runs (a reply's time band, an abandoned
+    in-process client) does not change what the selection is charged: evaluations are counted
+    per thread. The selector below makes 3 evaluations; another thread makes 5 meanwhile."""
+    import threading
+
+    from fedelastic.selection import Selection, SelectionContext
+    from fedelastic.training import LocalResult, select_and_charge
+
+    info = _mlp_info()
+    cost = CostModel(info, get_profile("stm32h743"), batch_size=2)
+    ones = np.ones(info.num_tensors)
+
+    class ThreeEvaluations:
+        offline, interrupt = False, False
+
+        def select(self, ctx):
+            ctx.cost.backward_time_s(ones)
+            if self.interrupt:
+                other = threading.Thread(target=lambda: [ctx.cost.peak_memory_bytes(ones) for _ in range(5)])
+                other.start()
+                other.join()
+            ctx.cost.backward_time_s(ones), ctx.cost.step_macs(ones)
+            return Selection(ones)
+
+    charged = []
+    for interrupt in (False, True):
+        strategy, result = ThreeEvaluations(), LocalResult(fits=True, num_examples=2)
+        strategy.interrupt = interrupt
+        select_and_charge(strategy, SelectionContext(info, cost, 0, np.random.default_rng(0)), cost, result)
+        charged.append(result.selector_time_s)
+    assert charged[0] == charged[1] == pytest.approx(cost.selector_time_s(3, 0.0))  # 3 evaluations, by hand
+
+
 def test_optimizer_state_follows_the_momentum(make_scenario):
     from fedelastic.fl.env import RunEnvironment
 

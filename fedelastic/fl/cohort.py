@@ -106,10 +106,10 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         started = [time.monotonic()]  # when the running job started
         cancelled = threading.Event()  # set when a job overran: the thread must not start another
 
-        # The reply is built on the training thread, before the next member trains: building it on
-        # this thread beside the training raced with the next member's selector, whose device time
-        # is priced from the shared cost model's evaluation counter (which the reply's time band
-        # bumps once per cost model), and did not shorten the rounds (benchmarks/RESULTS.md, session 24).
+        # The reply is built on the training thread, before the next member trains: built on this
+        # thread beside the training, it did not shorten the rounds (one GIL), and it raced with the
+        # next member's selector until cost-model evaluations were counted per thread
+        # (benchmarks/RESULTS.md, session 24).
         def report(j: int, result) -> bool:  # on the training thread
             try:
                 if isinstance(result, Exception):
