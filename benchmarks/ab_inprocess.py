@@ -69,12 +69,12 @@ def worker(rounds: int) -> dict:
         state = torch.load(Path(result.run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
         status = result.status.get("status")
     calls = calls[-rounds:]  # the start-up query trains nothing; one call a round
-    steady = slice(2, rounds - 1)
+    steady = slice(2, rounds - 1)  # rounds 3 .. R-1: index i is round i + 1 (round 0's row is the initial evaluation)
     return {
         "fedelastic": str(Path(fedelastic.__file__).parent),
         "status": status,
         "checksum": peers.checksum({k: np.asarray(v) for k, v in state.items()}),
-        "round_ms": statistics.median(np.diff(stamps)[1:][steady]) * 1e3,
+        "round_ms": statistics.median(np.diff(stamps)[steady]) * 1e3,
         "train_wall_ms": statistics.median(e - s for s, e, _ in calls[steady]) * 1e3,
         "train_cpu_ms": statistics.median(c for _, _, c in calls[steady]) * 1e3,
         "gap_ms": statistics.median(calls[i + 1][0] - calls[i][1] for i in range(rounds - 1)[steady]) * 1e3,
