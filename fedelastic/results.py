@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -356,6 +357,19 @@ class _Writer:
         self._thread.join()
 
 
+@dataclass(eq=False)
+class _Kept:
+    """A write kept for the background writer: rows for a table (merged with that table's other
+    kept rows when handed over) or a job."""
+
+    table: _Table | None = None
+    rows: list[dict] = field(default_factory=list)
+    after: Callable[[list[dict]], None] = lambda rows: None
+    job: Callable[[], None] | None = None
+    newest_only: bool = False
+    done: bool = False
+
+
 class Recorder:
     """Writes one run's results into ``folder`` as the run goes.
 
@@ -366,11 +380,15 @@ class Recorder:
     Writes are made in the caller's thread, or, after :meth:`write_behind`, in order on one
     background thread, beside the next round's training: a round's writes are kept until
     :meth:`hand_over` (called as the next round is sent: with the writer busy while the driver
-    works, the driver's thread would wait for the GIL), then written while that round trains. :meth:`add_clients`
-    first waits for everything handed over before it (the previous round's rows and
-    checkpoint), so at most one round waits to be written, and raises the error of a write that
-    failed; :meth:`flush` writes and waits for all of it, and a final :meth:`status`,
-    :meth:`finish` and :meth:`close` do too.
+    works, the driver's thread would wait for the GIL), then written while that round trains.
+    With ``write_behind(every_s)``, a hand-over less than ``every_s`` after the previous one keeps
+    the writes for a later one: the rows of the rounds kept meanwhile are appended as one part
+    per table, and only the newest of the kept checkpoints is written (after those rows: the
+    checkpoint on disk is never ahead of the rows). A killed run then loses at most the rounds
+    finished in the last ``every_s`` seconds, which resuming trains again. :meth:`add_clients`
+    first waits for everything handed over before it, so at most one hand-over waits to be
+    written, and raises the error of a write that failed; :meth:`flush` writes and waits for all
+    of it, and a final :meth:`status`, :meth:`finish` and :meth:`close` do too.
     """
 
     def __init__(self, folder: str | Path, config: dict, *, resume: bool = False, planned_rounds: int | None = None):
@@ -394,7 +412,9 @@ class Recorder:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._writer: _Writer | None = None
-        self._kept: list[Callable[[], None]] = []  # writes not handed over yet (write_behind)
+        self._kept: list[_Kept] = []  # writes not handed over yet (write_behind)
+        self._every_s = 0.0  # write_behind: the shortest time between two hand-overs
+        self._next_hand_over = 0.0  # time.monotonic() from which a hand-over gives the writer its writes
         if not resume:
             (self.folder / "config.toml").write_text(tomli_w.dumps(config))
             (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
@@ -440,31 +460,65 @@ class Recorder:
             }
             _write_atomic(self.folder / "status.json", json.dumps(doc, indent=2))
 
-    def write_behind(self) -> None:
-        """From now on, write on a background thread (see the class docstring)."""
+    def write_behind(self, every_s: float = 0.0) -> None:
+        """From now on, write on a background thread, handing writes over at most every ``every_s`` seconds (see the class docstring)."""
         if self._writer is None:
             self._writer = _Writer()
+        self._every_s = every_s
 
-    def write(self, job: Callable[[], None]) -> None:
-        """Run ``job`` (a write) now, or keep it for :meth:`hand_over` (:meth:`write_behind`)."""
+    def write(self, job: Callable[[], None], *, newest_only: bool = False) -> None:
+        """Run ``job`` (a write) now, or keep it for :meth:`hand_over` (:meth:`write_behind`).
+
+        ``newest_only``: a job that makes an earlier kept ``newest_only`` job pointless (the
+        checkpoint, which replaces the file): of those handed over together, the last one runs.
+        """
         if self._writer is None:
             job()
+        else:
+            self._kept.append(_Kept(job=job, newest_only=newest_only))
+
+    def _append(self, table: _Table, rows: list[dict], after: Callable[[list[dict]], None] = lambda rows: None) -> None:
+        """Append ``rows`` to ``table`` now, or keep them for :meth:`hand_over`; ``after(rows)`` once they are written."""
+        if self._writer is None:
+            table.append(rows)
+            after(rows)
+        else:
+            self._kept.append(_Kept(table=table, rows=rows, after=after))
+
+    def hand_over(self, *, force: bool = False) -> None:
+        """Give the writes kept so far to the background writer, as one batch; unless ``force``,
+        not before ``every_s`` (:meth:`write_behind`) has passed since the previous hand-over."""
+        if self._writer is None or not self._kept:
             return
-        done: list[bool] = []
+        now = time.monotonic()
+        if not force and now < self._next_hand_over:
+            return
+        kept = self._kept
+        self._writer.submit(lambda: self._write_batch(kept))
+        self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each write runs once (_Kept.done)
+        self._next_hand_over = now + self._every_s
 
-        def once() -> None:
-            if not done:
-                done.append(True)
-                job()
-
-        self._kept.append(once)
-
-    def hand_over(self) -> None:
-        """Give the writes kept so far to the background writer, in order."""
-        if self._writer is not None:
-            for job in self._kept:
-                self._writer.submit(job)
-        self._kept = []  # after: a hand-over cut short by Ctrl-C is given again, and each job runs once (write)
+    def _write_batch(self, kept: list[_Kept]) -> None:
+        """On the writer: each table's kept rows as one append, then the jobs (of the ``newest_only``
+        ones only the last), each kept write once."""
+        kept = [k for k in kept if not k.done]
+        for k in kept:
+            k.done = True
+        tables: dict[_Table, list[_Kept]] = {}
+        for k in kept:
+            if k.table is not None:
+                tables.setdefault(k.table, []).append(k)
+        for table, chunks in tables.items():
+            table.append([row for k in chunks for row in k.rows])
+            for k in chunks:
+                k.after(k.rows)
+        if self.rounds in tables:
+            self.status("running")
+        jobs = [k for k in kept if k.job is not None]
+        last_newest = max((i for i, k in enumerate(jobs) if k.newest_only), default=-1)
+        for i, k in enumerate(jobs):
+            if not k.newest_only or i == last_newest:
+                k.job()
 
     def flush(self) -> None:
         """Make every write kept or handed over; raise the error of one that failed."""
@@ -479,7 +533,7 @@ class Recorder:
         own error), so that neither is lost.
         """
         if self._writer is not None:
-            self.hand_over()
+            self.hand_over(force=True)
             self._writer.wait()
             error = self._writer.error
             if failing is not None and error is not None and error is not failing:
@@ -516,18 +570,18 @@ class Recorder:
                 row["error"] = one_line(row["error"])
         rows = [dict(row) for row in rows]  # the caller may go on using its rows
 
-        def write() -> None:
-            self.clients.append(rows)
+        def count(rows: list[dict]) -> None:
             for row in rows:
                 if row.get("error"):
                     self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
 
-        if self._writer is not None:  # the previous round's writes are done, or their error is raised
-            self.hand_over()  # async: several aggregations may come without a launch between them
+        if self._writer is not None:  # the writes handed over are done, or their error is raised
+            if not self._every_s:  # async: several aggregations may come without a launch between them
+                self.hand_over()
             self._writer.wait()
             if self._writer.error is not None:
                 raise self._writer.error
-        self.write(write)
+        self._append(self.clients, rows, count)
 
     def reload(self, keep) -> None:
         """Resume: keep an earlier run's client and round rows where ``keep(row)``."""
@@ -539,22 +593,20 @@ class Recorder:
         self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
     def add_tasks(self, rows: list[dict]) -> None:
-        rows = [dict(row) for row in rows]
-        self.write(lambda: self.tasks.append(rows))
+        self._append(self.tasks, [dict(row) for row in rows])
 
     def add_round(self, row: dict) -> None:
-        row = dict(row)  # a progress callback may change the caller's row
+        def note_empty(rows: list[dict]) -> None:
+            for row in rows:
+                trained = (
+                    row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
+                )
+                if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
+                    self.empty_rounds.append(int(row["round"]))
+            if self._writer is None:
+                self.status("running")  # written behind: once for the batch (_write_batch)
 
-        def write() -> None:
-            self.rounds.append([row])
-            trained = (
-                row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
-            )
-            if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
-                self.empty_rounds.append(int(row["round"]))
-            self.status("running")
-
-        self.write(write)
+        self._append(self.rounds, [dict(row)], note_empty)  # a copy: a progress callback may change the caller's row
 
     def close(self) -> None:
         self.flush_quietly()

@@ -297,10 +297,16 @@ class SimulationConfig:
         help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
         "equal to the per-client path to float32 rounding, not byte for byte",
     )
+    write_every_s: float = field(
+        1.0,
+        help="results reach disk at least this often (wall seconds): the rows of faster rounds are "
+        "written together, with the newest checkpoint (0: after every round)",
+    )
 
     def __post_init__(self):
         check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
         check(self.timeout_s > 0, "timeout_s", "a positive number of seconds")
+        check(0 <= self.write_every_s <= 3600, "write_every_s", "seconds in [0, 3600] (0: after every round)")
         check(1 <= self.torch_threads <= 1024, "torch_threads", "an integer in [1, 1024]")
         check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
         check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")

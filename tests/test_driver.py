@@ -224,8 +224,10 @@ def test_appends_write_the_pandas_writers_bytes(tmp_path):
         _same_files(tmp_path / "new", tmp_path / "old", name)
 
 
-def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scenario, tmp_path, monkeypatch):
-    """Every append of a real run (failed clients, late ones, NaN columns) also goes to the old writer."""
+@pytest.mark.parametrize("write_every_s", [0, 3600])
+def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scenario, tmp_path, monkeypatch, write_every_s):
+    """Every append of a real run (failed clients, late ones, NaN columns) also goes to the old writer,
+    whether each round is appended on its own (0) or the rounds are appended together (3600)."""
     import fedelastic.fl.client as client
     import fedelastic.results as results
 
@@ -255,13 +257,18 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
     sc = make_scenario(
         server={"rounds": 5, "policy": "deadline_drop", "deadline_quantile": 0.6, "evaluate_every": 2},
         network={"model": "lognormal"},
+        simulation={"write_every_s": write_every_s},
     )
     run_dir = run_scenario(sc, run_id="new")
     clients = pd.read_parquet(run_dir / "clients.parquet")
     assert set(clients.status) >= {"counted", "failed", "late"}  # the rows cover those kinds
     for name in ("clients", "rounds"):
         _same_files(run_dir, old_dir, name)
-    assert direct["clients"] >= 1 and direct["rounds"] >= 2, direct  # the rows took the fast path too
+    if write_every_s == 0:  # the rows took the fast path too
+        assert direct["clients"] >= 1 and direct["rounds"] >= 2, direct
+    else:  # round 0's row at once (the first hand-over), every later row at the end: one append each
+        assert len(list((run_dir / "rounds.parquet").iterdir())) == 2
+        assert len(list((run_dir / "clients.parquet").iterdir())) == 1
 
 
 # -- aggregation: bit for bit the arithmetic of before ---------------------------------------------
@@ -375,10 +382,10 @@ def test_rows_and_checkpoint_are_written_behind_in_order(make_scenario, monkeypa
 
     monkeypatch.setattr(results._Table, "append", slow_append)
     monkeypatch.setattr(client, "train_local", train)
-    sc = make_scenario(server={"rounds": 3})
+    sc = make_scenario(server={"rounds": 3}, simulation={"write_every_s": 0})  # each round handed over
     behind = run_scenario(sc, run_id="behind")
     assert seen == {"csv_rounds": {1}, "checkpoint": 1}
-    monkeypatch.setattr(results.Recorder, "write_behind", lambda self: None)  # every write at once
+    monkeypatch.setattr(results.Recorder, "write_behind", lambda self, every_s=0.0: None)  # every write at once
     at_once = run_scenario(sc, run_id="at_once")
     for name in ("clients", "rounds"):
         pd.testing.assert_frame_equal(
@@ -403,7 +410,7 @@ def test_a_failed_write_behind_fails_the_run_and_keeps_earlier_rounds(make_scena
         real_append(self, rows)
 
     monkeypatch.setattr(results._Table, "append", full_disk)
-    sc = make_scenario(server={"rounds": 4})
+    sc = make_scenario(server={"rounds": 4}, simulation={"write_every_s": 0})  # each round handed over
     with pytest.raises(OSError, match="No space left"):
         run_scenario(sc, run_id="full")
     run = Path(sc.output_dir) / "tiny" / "full"
@@ -466,7 +473,7 @@ def test_a_failed_write_is_raised_at_the_next_round_and_stops_training(make_scen
 
     monkeypatch.setattr(results._Table, "append", full_disk)
     monkeypatch.setattr(server.PartialFedAvg, "configure_train", spy)
-    sc = make_scenario(server={"rounds": 6})
+    sc = make_scenario(server={"rounds": 6}, simulation={"write_every_s": 0})
     with pytest.raises(OSError, match="No space left"):
         run_scenario(sc, run_id="full")
     assert sent == [1, 2, 3]  # round 3's client rows wait for round 2's write, which failed
@@ -490,7 +497,7 @@ def test_a_failed_write_in_the_round_a_callback_stops_fails_the_run(make_scenari
             raise StopRun("enough")
 
     monkeypatch.setattr(results._Table, "append", full_disk)
-    sc = make_scenario(server={"rounds": 4})
+    sc = make_scenario(server={"rounds": 4}, simulation={"write_every_s": 0})
     with pytest.raises(OSError, match="No space left"):
         run_scenario(sc, run_id="stop", progress=stop_at_2)
     status = results.read_status(Path(sc.output_dir) / "tiny" / "stop")
@@ -509,7 +516,9 @@ def test_async_aggregations_are_handed_to_the_writer_before_the_next_one(make_sc
 
     monkeypatch.setattr(results.Recorder, "add_clients", spy)
     sc = make_scenario(
-        server={"rounds": 8, "policy": "async", "concurrency": 4, "buffer_size": 1}, fleet={"raspberry_pi_4": 4}
+        server={"rounds": 8, "policy": "async", "concurrency": 4, "buffer_size": 1},
+        fleet={"raspberry_pi_4": 4},
+        simulation={"write_every_s": 0},
     )
     run_scenario(sc, run_id="async")
     assert waiting and max(waiting) == 1
@@ -528,15 +537,15 @@ def test_a_hand_over_interrupted_by_ctrl_c_writes_each_job_once(tmp_path):
     def submit(job):
         calls.append(job)
         real(job)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # Ctrl-C lands inside the hand-over, after two jobs were queued
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C lands inside the hand-over, after the batch was queued
 
     rec._writer.submit = submit
     with pytest.raises(KeyboardInterrupt):
         rec.hand_over()
-    rec.flush_quietly()
+    rec.flush_quietly()  # hands the same writes over again
     rec.close()
-    assert ran == [0, 1, 2]
+    assert ran == [0, 1, 2] and len(calls) == 2
 
 
 @pytest.mark.parametrize(("policy", "node_mode"), [("wait_all", "cohort"), ("deadline_drop", "cohort"), ("wait_all", "per_client")])
@@ -566,7 +575,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
     logged(results.Recorder, "hand_over", "hand_over")
     logged(runner.InProcessGrid, "_call", "call")
     deadline = {} if policy == "wait_all" else {"deadline_quantile": 0.6}
-    sim = {"node_mode": node_mode}
+    sim = {"node_mode": node_mode, "write_every_s": 0}  # each round handed over
     run_scenario(make_scenario(server={"rounds": 4, "policy": policy, **deadline}, simulation=sim))
     handed = [i for i, e in enumerate(events) if e.startswith("hand_over:") and e != "hand_over:0"]
     assert len(handed) >= 3, events  # every round after the first has writes waiting

@@ -429,7 +429,8 @@ def _table_text(run_dir: Path, name: str) -> str:
 
 def test_kill_9_after_round_2_then_resume_gives_identical_tables(tmp_path):
     raw = small_scenario_dict(tmp_path, server={"rounds": 6}, train={"strategy": "static_elastic", "max_steps": 3},
-                              fleet={"raspberry_pi_4": 2, "jetson_nano": 1, "stm32h743": 1})  # fmt: skip
+                              fleet={"raspberry_pi_4": 2, "jetson_nano": 1, "stm32h743": 1},
+                              simulation={"write_every_s": 0})  # fmt: skip
     raw["model"]["name"] = "small_cnn"
     path = write_toml(tmp_path / "six.toml", raw)
     cli = [sys.executable, "-m", "fedelastic.cli", "run", str(path)]
@@ -444,6 +445,36 @@ def test_kill_9_after_round_2_then_resume_gives_identical_tables(tmp_path):
     proc.wait()
     status = read_status(killed)
     assert status["status"] == "dead" and 2 <= status["rounds_done"] < 6, status
+    _resume_and_compare(path, killed, tmp_path)
+
+
+def test_kill_9_with_rounds_kept_for_a_later_write_then_resume_gives_identical_tables(tmp_path):
+    """With ``write_every_s`` the rounds kept for a later write die with the process: the files and
+    checkpoint on disk stop at the last write (here the first: round 0), and resuming trains the
+    lost rounds again, to the same tables as an uninterrupted run."""
+    raw = small_scenario_dict(tmp_path, server={"rounds": 12}, train={"strategy": "static_elastic", "max_steps": 3},
+                              fleet={"raspberry_pi_4": 2, "jetson_nano": 1, "stm32h743": 1},
+                              simulation={"write_every_s": 3600})  # fmt: skip
+    raw["model"]["name"] = "small_cnn"
+    path = write_toml(tmp_path / "twelve.toml", raw)
+    cli = [sys.executable, "-m", "fedelastic.cli", "run", str(path), "--run-id", "killed"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each round's progress line as it is printed
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.split()[:2] == ["round", "3"]:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = tmp_path / "runs" / "tiny" / "killed"
+    status = read_status(killed)
+    assert status["status"] == "dead" and status["rounds_done"] == 0, status
+    assert pd.read_csv(killed / "rounds.csv")["round"].tolist() == [0] and not (killed / "clients.csv").exists()
+    assert torch.load(killed / "checkpoint.pt", weights_only=True)["round"] == 0
+    _resume_and_compare(path, killed, tmp_path)
+
+
+def _resume_and_compare(path: Path, killed: Path, tmp_path: Path) -> None:
     assert main(["run", "--resume", str(killed)]) == 0
     assert main(["run", str(path), "--run-id", "whole"]) == 0  # the same run, uninterrupted
     whole = tmp_path / "runs" / "tiny" / "whole"
@@ -526,7 +557,7 @@ def test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree(tmp_path,
         return real(self, rows)
 
     monkeypatch.setattr(results._Table, "append", append)
-    code, out = run_cli(["run", scenario_file(tmp_path)], capsys)
+    code, out = run_cli(["run", scenario_file(tmp_path, simulation={"write_every_s": 0})], capsys)
     run_dir = only_run_dir(tmp_path)
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert code == 1 and len(errors) == 1 and "No space left" in errors[0] and "Traceback" not in out

@@ -99,7 +99,7 @@ def test_a_runs_rounds_table_is_never_merged(make_scenario):
     """Round 0's row (the initial model) carries the types of every later round's: one part per round."""
     from fedelastic.fl.runner import run_scenario
 
-    run_dir = run_scenario(make_scenario(server={"rounds": 3}))
+    run_dir = run_scenario(make_scenario(server={"rounds": 3}, simulation={"write_every_s": 0}))
     parts = sorted(p.name for p in (run_dir / "rounds.parquet").iterdir())
     assert parts == [f"part-{i:06d}.parquet" for i in range(1, 5)]  # rounds 0..3, each its own part
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
@@ -116,3 +116,55 @@ def test_writer_warm_up_writes_nothing(tmp_path, monkeypatch):
     warm_up()
     assert list(tmp_path.iterdir()) == []
     assert "pyarrow.parquet" in sys.modules
+
+
+def _record(rec: Recorder, r: int, log: list) -> None:
+    """What a round gives its recorder: client rows, the round row, the checkpoint (a logged job)."""
+    rec.add_clients(_rows(r))
+    rec.add_round({"round": r, "clients": 3, "loss": 0.5 + r})
+    rec.write(lambda: log.append(f"checkpoint {r}"), newest_only=True)
+
+
+def test_rounds_handed_over_within_every_s_are_written_together(tmp_path, monkeypatch):
+    """``write_behind(every_s)``: the rounds kept between two hand-overs are one append per table
+    and only the newest checkpoint, written after their rows; the files are byte for byte those of
+    a recorder that writes every round at once."""
+    import fedelastic.results as results
+
+    clock = [100.0]
+    monkeypatch.setattr(results.time, "monotonic", lambda: clock[0])
+    log: list[str] = []
+    real_append = _Table.append
+
+    def logged(self, rows):
+        if self.csv.parent.name == "behind":
+            log.append(f"{self.csv.stem} {sorted({row['round'] for row in rows})}")
+        real_append(self, rows)
+
+    monkeypatch.setattr(_Table, "append", logged)
+    at_once = Recorder(tmp_path / "at_once", {"x": 1})
+    behind = Recorder(tmp_path / "behind", {"x": 1})
+    behind.write_behind(every_s=10.0)
+    for r in range(1, 8):
+        _record(at_once, r, [])
+        _record(behind, r, log)
+        behind.hand_over()  # as round r + 1's messages leave
+        clock[0] += 3.0  # rounds of 3 s: a hand-over every 4th round
+        behind._writer.wait()
+        if r == 1:
+            assert log == ["clients [1]", "rounds [1]", "checkpoint 1"]  # the first hand-over at once
+    assert log[3:] == ["clients [2, 3, 4, 5]", "rounds [2, 3, 4, 5]", "checkpoint 5"]  # at 112 s
+    assert read_rounds(tmp_path / "behind") == [1, 2, 3, 4, 5]  # rounds 6 and 7 still kept
+    behind.close()  # the final flush hands over the rest
+    at_once.close()
+    assert log[6:] == ["clients [6, 7]", "rounds [6, 7]", "checkpoint 7"]
+    for name in ("clients", "rounds"):
+        assert (tmp_path / "behind" / f"{name}.csv").read_bytes() == (tmp_path / "at_once" / f"{name}.csv").read_bytes()
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(tmp_path / "behind" / f"{name}.parquet"), pd.read_parquet(tmp_path / "at_once" / f"{name}.parquet")
+        )
+    assert behind.counts()["errors"] == at_once.counts()["errors"] == {"boom": 1}
+
+
+def read_rounds(run_dir) -> list[int]:
+    return pd.read_csv(run_dir / "rounds.csv")["round"].tolist()

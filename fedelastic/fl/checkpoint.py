@@ -1,10 +1,11 @@
 """Per-round checkpoints, and resuming a killed run from its last finished round.
 
-After every round (and after the initial evaluation) the run folder's ``checkpoint.pt`` is
-replaced atomically with: the round number, the global model, the server's clock and energy
-totals, every node's strategy state (e.g. static_elastic's fixed selection) and the process's
-RNG states. It holds only tensors, numbers and strings, and is read with
-``torch.load(weights_only=True)``.
+After every round (and after the initial evaluation) a checkpoint is taken: the round number,
+the global model, the server's clock and energy totals, every node's strategy state (e.g.
+static_elastic's fixed selection) and the process's RNG states. It replaces the run folder's
+``checkpoint.pt`` atomically, after that round's rows are written (of the rounds written together,
+``simulation.write_every_s``, the newest). It holds only tensors, numbers and strings, and is
+read with ``torch.load(weights_only=True)``.
 
 Every client is seeded by (seed, round, partition) and sampling by (seed, round), so a resumed
 run from the checkpoint of round k reproduces rounds k+1.. exactly.
@@ -87,6 +88,7 @@ class Resumable(PartialFedAvg):
     def __init__(self, env, node_of_partition, recorder, progress, *, checkpoint: dict | None = None):
         super().__init__(env, node_of_partition, recorder, progress)
         self.offset = 0
+        self.resumed = checkpoint is not None
         self.client_states: dict[int, dict[str, np.ndarray]] = {}
         self._hand_back = False
         if checkpoint is not None:
@@ -125,8 +127,8 @@ class Resumable(PartialFedAvg):
         return super().aggregate_train(server_round + self.offset, replies)
 
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round == 0 and self.offset:
-            return None  # the initial row is already on disk
+        if server_round == 0 and self.resumed:
+            return None  # the initial row is already on disk (also when the checkpoint is round 0's)
         return super().evaluate(server_round + self.offset, arrays)
 
     def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -137,4 +139,4 @@ class Resumable(PartialFedAvg):
             "client_states": {p: _tensors(st) for p, st in self.client_states.items()},
             "rng": _rng_state(),
         }
-        self.recorder.write(lambda: save_checkpoint(self.recorder.folder, doc))
+        self.recorder.write(lambda: save_checkpoint(self.recorder.folder, doc), newest_only=True)

@@ -791,15 +791,16 @@ def server_main(
     """The ServerApp's body: register nodes, map partitions, run the rounds (``start_round`` + 1 on).
 
     The results are written behind (:meth:`~fedelastic.results.Recorder.write_behind`): a round's
-    rows and checkpoint are written while the next round trains; all of them are written when
-    this returns or raises.
+    rows and checkpoint are written while a later round trains (the rounds of the last
+    ``simulation.write_every_s`` seconds together); all of them are written when this returns or
+    raises.
     """
     env = environment(scenario)
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
-    recorder.write_behind()
+    recorder.write_behind(scenario.simulation.write_every_s)
     try:
         if scenario.server.policy == "async":
             if start_round:
