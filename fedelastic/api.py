@@ -130,7 +130,7 @@ def run(
     """Run a scenario (object, TOML path or dict) and return its results.
 
     ``progress(row)`` is called with each round's row as the round ends (its rows reach disk while
-    the next round trains, and all of them before ``run`` returns). Each of ``callbacks``
+    a later round trains, within ``simulation.write_every_s``, and all of them before ``run`` returns). Each of ``callbacks``
     is called the same way (log to TensorBoard, W&B, ...); one that returns a true value stops
     the run after that round (early stopping, e.g. :func:`stop_at_accuracy`): the round is kept,
     the run ends normally and its status records ``stopped_after_round``.

@@ -3,10 +3,11 @@
 A run folder holds ``config.toml`` (the resolved scenario), ``versions.json``, ``clients.csv``
 and ``clients.parquet`` (one row per client per round), ``rounds.csv`` and ``rounds.parquet``
 (one row per round), ``status.json``, and at the end a figure and a summary. CSV rows are
-appended and flushed every round; each ``.parquet`` is a folder that gains one part file per
-round (written atomically; ``pd.read_parquet`` reads the folder as one table), so a killed run
-leaves every finished round readable and a round's write does not grow with the run. During a
-run the rows are written behind, while the next round trains (:class:`Recorder`).
+appended and flushed as they are written; each ``.parquet`` is a folder that gains one part file
+per write (written atomically; ``pd.read_parquet`` reads the folder as one table), so a killed
+run leaves every written round readable and a write does not grow with the run. During a run
+the rows are written behind, while a later round trains, the rounds of each
+``simulation.write_every_s`` together (:class:`Recorder`).
 """
 
 from __future__ import annotations

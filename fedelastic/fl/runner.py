@@ -478,7 +478,7 @@ def run_scenario(
 ) -> Path:
     """Run ``scenario`` to completion, or continue the killed run in folder ``resume``; returns the run folder.
 
-    Results reach disk every round, with a checkpoint. The final ``status.json`` says
+    Results reach disk as the run goes (``simulation.write_every_s``), with a checkpoint. The final ``status.json`` says
     ``completed``, ``completed_with_errors`` (with counts and messages) or ``failed``.
     With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
     nodes and ``simulation.backend`` is not used.
