@@ -582,3 +582,23 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
     for i in handed[:-1]:  # the last: the run's final flush
         assert events[i + 1] == "call", events[max(0, i - 3) : i + 3]
         assert events[i - 1] == "pack" or node_mode == "per_client", events[max(0, i - 3) : i + 3]
+
+
+def test_the_start_ups_objects_are_frozen_during_the_rounds_only(make_scenario):
+    """A full collection walks only what the rounds make (gc.freeze after the set-up); the run
+    hands every object back to the collector when it ends, also when it fails."""
+    import gc
+
+    from fedelastic.errors import StopRun
+
+    frozen: list[int] = []
+
+    def progress(row):
+        frozen.append(gc.get_freeze_count())
+        if row["round"] == 1:
+            raise StopRun("enough")
+
+    assert gc.get_freeze_count() == 0
+    run_scenario(make_scenario(server={"rounds": 3}), progress=progress)
+    assert len(frozen) == 2 and min(frozen) > 10_000  # round 0's row and round 1's
+    assert gc.get_freeze_count() == 0

@@ -40,7 +40,7 @@ from ..fleet import local_steps
 from ..scenario import Scenario
 from .arrays import record_dict, record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
-from .env import RunEnvironment, environment
+from .env import RunEnvironment, environment, freeze_heap
 from .env import warm_up as env_warm_up
 from .raypool import timeout_reason
 from .threads import KeptThread
@@ -167,8 +167,10 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
 
 def warm_up(scenario: Scenario) -> None:
-    """A cohort node's start-up query: :func:`env.warm_up` (data, model, its description)."""
+    """A cohort node's start-up query: :func:`env.warm_up` (data, model, its description), then
+    :func:`env.freeze_heap` (a Ray worker's process is the run's; in-process, the driver unfreezes)."""
     env_warm_up(scenario)
+    freeze_heap()
 
 
 class CohortGrid(Grid):

@@ -8,6 +8,7 @@ the cost models. Nothing large travels with the messages but the model arrays.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from functools import cached_property
 
@@ -210,6 +211,19 @@ def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelIn
     selection.adopt(strategies)
     models.adopt(names)
     warm_up(scenario, info)
+
+
+def freeze_heap() -> None:
+    """``gc.freeze()``: what the process holds once a run is set up (modules, data, model; ~230k
+    objects in an in-process run) leaves the collector's generations.
+
+    CPython's full collection walks every tracked object; it starts after enough new objects have
+    survived (every few dozen rounds of the peers workload), and walking the start-up's objects
+    made it a 130 ms pause in one round (issue 10, benchmarks/RESULTS.md session 25). Frozen
+    objects are never collected, so what the start-up left as garbage stays until
+    :func:`gc.unfreeze` (the driver calls it when the run ends; a worker process ends with its run).
+    """
+    gc.freeze()
 
 
 def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:

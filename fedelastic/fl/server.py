@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -50,7 +51,7 @@ from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fedn
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
 from .clock import COUNTED, EXTRA, LATE, Arrival, Trip, run_async, staleness_weight, sync_round
-from .env import RunEnvironment, environment
+from .env import RunEnvironment, environment, freeze_heap
 from .raypool import timeout_reason
 
 
@@ -801,6 +802,7 @@ def server_main(
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
     strategy = (strategy_cls or PartialFedAvg)(env, mapping, recorder, progress)
     recorder.write_behind(scenario.simulation.write_every_s)
+    freeze_heap()  # the run is set up: full collections walk only what the rounds make
     try:
         if scenario.server.policy == "async":
             if start_round:
@@ -820,6 +822,8 @@ def server_main(
     except BaseException as exc:
         recorder.flush_quietly(exc)  # the finished rounds reach disk; the run's error is this one
         raise
+    finally:
+        gc.unfreeze()
     recorder.flush()
     if scenario.stream is not None:
         continual_report(recorder.folder, scenario.stream.recover_share)
