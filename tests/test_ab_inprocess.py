@@ -42,7 +42,7 @@ def test_the_working_tree_against_head_ends_on_one_model(tmp_path):
         pytest.skip("fedelastic/ has uncommitted changes: they may change results")
     report = _ab(tmp_path)
     assert not _changed(report)
-    assert {"round_ms", "train_wall_ms", "train_cpu_ms", "gap_ms"} <= set(report["summary"])
+    assert {"round_ms", "round_mean_ms", "train_wall_ms", "train_cpu_ms", "gap_ms"} <= set(report["summary"])
     assert all(r["round_ms"] > 0 and r["train_cpu_ms"] > 0 for side in report["runs"].values() for r in side)
 
 
