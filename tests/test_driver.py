@@ -586,7 +586,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
 
 def test_the_start_ups_objects_are_frozen_during_the_rounds_only(make_scenario):
     """A full collection walks only what the rounds make (gc.freeze after the set-up); the run
-    hands every object back to the collector when it ends, also when it fails."""
+    hands every object back to the collector when it ends (here stopped by a callback)."""
     import gc
 
     from fedelastic.errors import StopRun
