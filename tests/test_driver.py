@@ -586,7 +586,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
 
 def test_the_start_ups_objects_are_frozen_during_the_rounds_only(make_scenario):
     """A full collection walks only what the rounds make (gc.freeze after the set-up); the run
-    hands every object back to the collector when it ends (here stopped by a callback)."""
+    hands every object back to the collector when it ends: stopped by a callback, or failed."""
     import gc
 
     from fedelastic.errors import StopRun
@@ -599,6 +599,13 @@ def test_the_start_ups_objects_are_frozen_during_the_rounds_only(make_scenario):
             raise StopRun("enough")
 
     assert gc.get_freeze_count() == 0
-    run_scenario(make_scenario(server={"rounds": 3}), progress=progress)
+    run_scenario(make_scenario(server={"rounds": 3}), progress=progress, run_id="stopped")
     assert len(frozen) == 2 and min(frozen) > 10_000  # round 0's row and round 1's
+    assert gc.get_freeze_count() == 0
+
+    def fail(row):
+        raise RuntimeError("a callback that fails")
+
+    with pytest.raises(RuntimeError, match="a callback that fails"):
+        run_scenario(make_scenario(server={"rounds": 3}), progress=fail, run_id="failed")
     assert gc.get_freeze_count() == 0
