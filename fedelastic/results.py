@@ -479,10 +479,13 @@ class Recorder:
             self._kept.append(_Kept(job=job, newest_only=newest_only))
 
     def _append(self, table: _Table, rows: list[dict], after: Callable[[list[dict]], None] = lambda rows: None) -> None:
-        """Append ``rows`` to ``table`` now, or keep them for :meth:`hand_over`; ``after(rows)`` once they are written."""
+        """Append ``rows`` to ``table`` now, or keep them for :meth:`hand_over`; ``after(rows)`` once they
+        are written (and the status file, for round rows: it tells how far the run got)."""
         if self._writer is None:
             table.append(rows)
             after(rows)
+            if table is self.rounds:
+                self.status("running")
         else:
             self._kept.append(_Kept(table=table, rows=rows, after=after))
 
@@ -514,7 +517,7 @@ class Recorder:
             for k in chunks:
                 k.after(k.rows)
         if self.rounds in tables:
-            self.status("running")
+            self.status("running")  # once for the batch
         jobs = [k for k in kept if k.job is not None]
         last_newest = max((i for i, k in enumerate(jobs) if k.newest_only), default=-1)
         for i, k in enumerate(jobs):
@@ -604,8 +607,6 @@ class Recorder:
                 )
                 if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
                     self.empty_rounds.append(int(row["round"]))
-            if self._writer is None:
-                self.status("running")  # written behind: once for the batch (_write_batch)
 
         self._append(self.rounds, [dict(row)], note_empty)  # a copy: a progress callback may change the caller's row
 
