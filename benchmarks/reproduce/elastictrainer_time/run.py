@@ -101,10 +101,8 @@ class TraceReading:
     def __init__(self, trace: Path, layer_names: list[str]):
         ops, self.steps = _ops(trace)
         scopes = [name.split(".") for name in layer_names]
-        first = min(ts for ts, *_ in ops)
-        step_one = [o for o in ops if o[0] < first + 1e12]
-        position: dict[tuple[str, ...], float] = {}  # scope prefix -> first forward timestamp
-        for ts, backward, parts, _, _ in sorted(step_one):
+        position: dict[tuple[str, ...], float] = {}  # scope prefix -> its first forward timestamp
+        for ts, backward, parts, _, _ in sorted(ops, key=lambda o: o[0]):
             if backward:
                 continue
             for n in range(1, len(parts)):
@@ -223,6 +221,10 @@ def run_model(name: str, trace_file: str, seeds: int) -> dict:
     return out
 
 
+def _cell(g: dict, k: str, f: str = "{:.2f}") -> str:
+    return f"{f.format(g[k + '_mean'])} [{f.format(g[k + '_min'])}, {f.format(g[k + '_max'])}]"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5, help="importance draws per (model, rho)")
@@ -239,10 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         for rho, g in r["rhos"].items():
-            cell = lambda k, f="{:.2f}": f"{f.format(g[k + '_mean'])} [{f.format(g[k + '_min'])}, {f.format(g[k + '_max'])}]"  # noqa: E731
             print(f"| {r['model']} | {r['full_step_ms']:.0f} / {r['trace_full_step_ms']:.0f} | {rho} | "
-                  f"{cell('step_speedup_model')} | {cell('step_speedup_trace')} | {cell('interval_speedup')} | "
-                  f"{cell('energy_ratio')} | {cell('probe_share', '{:.4f}')} |")  # fmt: skip
+                  f"{_cell(g, 'step_speedup_model')} | {_cell(g, 'step_speedup_trace')} | {_cell(g, 'interval_speedup')} | "
+                  f"{_cell(g, 'energy_ratio')} | {_cell(g, 'probe_share', '{:.4f}')} |")  # fmt: skip
     print(f"paper (ResNet-50, TX2): {paper}; wrote {args.out} in {doc['wall_s']:.0f} s")
 
 
