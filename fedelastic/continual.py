@@ -47,6 +47,8 @@ COLLAPSE_SHARE = 0.9
 #: ... on test data of at least this many classes.
 COLLAPSE_MIN_CLASSES = 3
 
+_warned: set[str] = set()  # the collapse warnings given in this process
+
 
 def task_ends(starts: list[int], last_round: int) -> list[int]:
     return [s - 1 for s in starts[1:]] + [last_round]
@@ -335,14 +337,16 @@ def load(run_dir: Path, recover_share: float | None = None) -> tuple[Any, dict]:
 def report(run_dir: str | Path, recover_share: float | None = None) -> dict:
     """Write ``continual.json`` and ``tasks_vs_time.png`` from ``tasks.parquet`` (finished or partial run).
 
-    A collapse (see :func:`collapse`) is warned about (a ``UserWarning``, shown once per process).
+    A collapse (see :func:`collapse`) is warned about once per process (a ``UserWarning``).
     """
     run_dir = Path(run_dir)
     tasks, summary = load(run_dir, recover_share)
     (run_dir / "continual.json").write_text(json.dumps(_clean(summary), indent=2))
     plot_tasks(tasks, [t["start_round"] for t in summary["per_task"]], run_dir / "tasks_vs_time.png")
-    if summary["collapse"] is not None:
-        warnings.warn(f"{run_dir}: {collapse_message(summary['collapse'])}", UserWarning, stacklevel=2)
+    message = f"{run_dir}: {collapse_message(summary['collapse'])}" if summary["collapse"] is not None else ""
+    if message and message not in _warned:  # the run's end and the command's report both call this
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
     return summary
 
 
