@@ -75,13 +75,18 @@ def forward_transfer_per_task(
             out.append(
                 (
                     float("nan"),
-                    f"n/a: class-incremental, classes {','.join(map(str, new))} were in no earlier task, so the "
-                    "head was never trained to predict them before the task arrived",
+                    f"n/a: class-incremental, {_plural(new, 'class', 'classes')} {','.join(map(str, new))} "
+                    f"{_plural(new, 'was', 'were')} in no earlier task, so the head was never trained to predict "
+                    f"{_plural(new, 'it', 'them')} before the task arrived",
                 )
             )
         else:
             out.append((float(R[starts[j] - 1, j] - R[0, j]), ""))
     return out
+
+
+def _plural(items: list, one: str, many: str) -> str:
+    return one if len(items) == 1 else many
 
 
 def recovery(R: np.ndarray, starts: list[int], sim_time_s: np.ndarray, j: int, share: float) -> dict:

@@ -210,13 +210,12 @@ def accuracy_matrix_figure(R: np.ndarray, starts: list[int], labels: list[str]) 
         _png(fig),
         "accuracy matrix heatmap",
         "The accuracy matrix R[t, j]: test accuracy on task j (column) after round t (row; 0: the initial model). "
-        "Red: the first round that trains on the task.",
+        "Red line: the task arrives (the rows below it were trained on its data).",
     )
 
 
 def continual_tables(summary: dict) -> str:
     """The run's forgetting and transfer, then the per-task breakdown, with each n/a's reason."""
-    notes = [summary.get("forward_transfer_note", "")]
     overall = pd.DataFrame(
         {
             "final accuracy": [_rate(summary["final_accuracy"])],
@@ -241,12 +240,12 @@ def continual_tables(summary: dict) -> str:
             for t in summary["per_task"]
         ]
     ).to_html(index=False, border=0)
-    notes += [
+    notes = [
         f"task {t['task']}: {t['forward_transfer_note']}"
         for t in summary["per_task"][1:]
         if "forward_transfer_note" in t
     ]
-    listed = "".join(f"<li>{html.escape(n)}</li>" for n in notes if n)
+    listed = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
     return (
         overall
         + "<p>Forgetting: the best accuracy a task had at the end of a task since it was learned, minus its final "
