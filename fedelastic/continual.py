@@ -107,9 +107,8 @@ def recovery(R: np.ndarray, starts: list[int], sim_time_s: np.ndarray, j: int, s
         "time_to_recover_s": float("nan"),
     }
     if not pre > 0:  # 0 or NaN: no target that a recovery could mean anything against
-        entry["recovery"] = (
-            f"n/a: the accuracy on task {j - 1} before the shift (round {before}) is {pre:.3g}, "
-            "so the target would be met by any accuracy"
+        entry["recovery"] = f"n/a: the accuracy on task {j - 1} before the shift (round {before}) " + (
+            "is unknown, so there is no target" if math.isnan(pre) else "is 0, so any accuracy would meet the target"
         )
         return entry
     hit = [t for t in range(shift, T + 1) if R[t, j] >= target]
