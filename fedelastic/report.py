@@ -170,6 +170,119 @@ def device_table(clients: pd.DataFrame) -> str:
     return t.reset_index().to_html(index=False, border=0)
 
 
+def _rate(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3f}"
+
+
+def accuracy_matrix_table(R: np.ndarray, summary: dict, labels: list[str]) -> str:
+    """The textbook matrix: accuracy on every task (columns) initially and at the end of each task (rows)."""
+    rows = [("initial model", 0)] + [
+        (f"after task {t['task']}", t["end_round"]) for t in summary["per_task"] if t["end_round"] < len(R)
+    ]
+    table = pd.DataFrame(
+        [[f"{name} (round {r})", *(_rate(float(v)) for v in R[r, : len(labels)])] for name, r in rows],
+        columns=["", *(f"task {j}: {html.escape(label)}" for j, label in enumerate(labels))],
+    )
+    return table.to_html(index=False, border=0, escape=False)
+
+
+def accuracy_matrix_figure(R: np.ndarray, starts: list[int], labels: list[str]) -> str:
+    """Heatmap of R[t, j] over every round (cells annotated up to 40 rounds); the rounds at which tasks arrive marked."""
+    plt = _plt()
+    rounds, tasks = R.shape
+    fig, ax = plt.subplots(figsize=(min(2.5 + 1.1 * tasks, 12), min(0.9 + 0.3 * rounds, 14)))
+    image = ax.imshow(R, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    if rounds <= 40:  # each cell annotated while the text still fits
+        for t, j in zip(*np.nonzero(np.isfinite(R))):
+            ax.text(j, t, f"{R[t, j]:.2f}", ha="center", va="center", fontsize=7,
+                    color="black" if R[t, j] > 0.6 else "white")  # fmt: skip
+    for j, s in enumerate(starts):
+        if 0 < s < rounds:
+            ax.plot([j - 0.5, j + 0.5], [s - 0.5, s - 0.5], color="red", lw=2)
+    ax.set_xticks(
+        range(tasks), [f"{j}: {label}" for j, label in enumerate(labels)], fontsize=7, rotation=30, ha="right"
+    )
+    shown = range(0, rounds, max(1, rounds // 40))
+    ax.set_yticks(shown, [str(t) for t in shown], fontsize=7)
+    ax.set(ylabel="after round", xlabel="evaluation task")
+    fig.colorbar(image, ax=ax, label="test accuracy")
+    return _figure(
+        _png(fig),
+        "accuracy matrix heatmap",
+        "The accuracy matrix R[t, j]: test accuracy on task j (column) after round t (row; 0: the initial model). "
+        "Red line: the task arrives (the rows below it were trained on its data).",
+    )
+
+
+def continual_tables(summary: dict) -> str:
+    """The run's forgetting and transfer, then the per-task breakdown, with each n/a's reason."""
+    overall = pd.DataFrame(
+        {
+            "final accuracy": [_rate(summary["final_accuracy"])],
+            "average accuracy": [_rate(summary["average_accuracy"])],
+            "forgetting": [_rate(summary["forgetting"])],
+            "backward transfer": [_rate(summary["backward_transfer"])],
+            "forward transfer": [_rate(summary["forward_transfer"])],
+        }
+    ).to_html(index=False, border=0)
+    per_task = pd.DataFrame(
+        [
+            {
+                "task": f"{t['task']}: {t.get('label', '')}",
+                "rounds": f"{t['start_round']}–{t['end_round']}",
+                "accuracy at its end": _rate(t["accuracy_at_end"]),
+                "final accuracy": _rate(t["final_accuracy"]),
+                "forgetting": _rate(t["forgetting"]),
+                "forward transfer": _rate(t["forward_transfer"]),
+                "recovery after its shift": t["recovery"]
+                + ("" if np.isnan(t["time_to_recover_s"]) else f" ({t['time_to_recover_s']:.3g} s)"),
+            }
+            for t in summary["per_task"]
+        ]
+    ).to_html(index=False, border=0)
+    notes = [
+        f"task {t['task']}: {t['forward_transfer_note']}"
+        for t in summary["per_task"][1:]
+        if "forward_transfer_note" in t
+    ]
+    listed = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return (
+        overall
+        + "<p>Forgetting: the best accuracy a task had at the end of a task since it was learned, minus its final "
+        "accuracy (Chaudhry et al. 2018; none for the last task). Forward transfer: the accuracy on a task just "
+        "before it arrives minus the initial model's (Lopez-Paz &amp; Ranzato 2017; Avalanche's "
+        f"ExperienceForwardTransfer). Recovery: back to {summary['recover_share']:.0%} of the accuracy before "
+        "the shift, searched from the shift's round on.</p>" + per_task + (f"<ul>{listed}</ul>" if listed else "")
+    )
+
+
+def continual_sections(run_dir: Path) -> list[str]:
+    """The sections of a continual run (one with ``tasks.parquet``): collapse, matrix, summaries, per-task figure."""
+    from .continual import collapse_message, load, matrix, plot_tasks
+
+    tasks, summary = load(run_dir)
+    R, starts, _ = matrix(tasks)
+    J = summary["tasks"]
+    labels = tasks.groupby("task").task_label.first().sort_index().tolist()[:J]
+    out = []
+    if summary["collapse"] is not None:
+        out.append(f'<p class="bad"><b>Warning:</b> {html.escape(collapse_message(summary["collapse"]))}.</p>')
+    out.append(
+        "<h2>Accuracy matrix</h2>"
+        + accuracy_matrix_table(R, summary, labels)
+        + accuracy_matrix_figure(R[:, :J], starts[:J], labels)
+    )
+    out.append("<h2>Forgetting and transfer</h2>" + continual_tables(summary))
+    buf = io.BytesIO()
+    plot_tasks(tasks, starts[:J], buf)
+    png = base64.b64encode(buf.getvalue()).decode("ascii")
+    out.append(
+        "<h2>Accuracy per task over simulated time</h2>"
+        + _figure(png, "accuracy per task", "Test accuracy on every task over simulated time; dashed: a task arrives.")
+    )
+    return out
+
+
 def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
     clients = pd.read_parquet(run_dir / "clients.parquet")
@@ -187,6 +300,7 @@ def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     )
     sections = [
         "<h2>Accuracy against simulated time</h2>" + accuracy_figure(rounds),
+        *(continual_sections(run_dir) if (run_dir / "tasks.parquet").exists() else []),
         "<h2>Energy per device class</h2>" + energy_figure(clients),
         "<h2>Memory against each device's budget</h2>" + memory_figure(clients),
         "<h2>What was trained, per client and round</h2>" + selection_heatmap(clients),
