@@ -527,8 +527,14 @@ def test_a_probe_that_cannot_fit_never_runs():
     cost = CostModel(info, tiny, BATCH)
     before = copy.deepcopy(model.state_dict())
     result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
-    assert not result.fits and result.steps == 0 and "fisher probe" in result.reason
-    assert result.probe_peak_memory_bytes == pytest.approx(need) and result.train_time_s == 0
+    # below the probe's need, not even the forward pass fits: nothing can train, so the probe is not
+    # even planned, and the reason gives the forward pass's need against the memory
+    forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+    assert forward > need
+    assert not result.fits and result.steps == 0 and result.probes == 0
+    assert f"the forward pass alone needs {forward:.0f} bytes" in result.reason and f"{need - 1:.0f}" in result.reason
+    assert result.probe_peak_memory_bytes == 0 and result.probe_time_s == 0
+    assert result.train_time_s == result.selector_time_s  # no probe charged: only the selector's budget checks
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
