@@ -272,9 +272,9 @@ class BudgetedStrategy(SelectionStrategy):
         left = budget - fixed
         if left <= 0 or cheapest > left * (1 + _TIME_RTOL):
             return (
-                f"rho {cfg.rho:g} leaves a backward budget of {_time(budget)} on device {device!r} "
-                f"({_time(fixed)} of it paid by any training step), below the cheapest trainable {what}'s "
-                f"{_time(cheapest)}"
+                f"rho {cfg.rho:g} leaves a backward budget of {_time(budget)} on device {device!r}, below the "
+                f"{_time(cheapest + fixed)} the cheapest trainable {what} needs ({_time(cheapest)}, plus "
+                f"{_time(fixed)} any training step pays)"
             )
         if lowest >= num_units:
             memory = ctx.memory_budget_bytes

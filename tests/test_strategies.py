@@ -639,3 +639,99 @@ def test_elastic_layer_objective_at_most_elastic_tensor():
         imp = np.maximum(ctx.importance, 0)
         # layers are a restricted form of tensor units on the same budget and costs
         assert float(imp @ layer.mask) <= float(imp @ tensor.mask) + 1e-12
+
+
+def _rounds(strategy_name, options, rounds, steps, *, device="jetson_nano", carry_state=True):
+    """``rounds`` local trainings of ``steps`` steps each, the strategy's state handed from one
+    round's instance to the next (as the client keeps it); the results, in order."""
+    model, info, cost = build(small_cnn, 16, device)
+    state: dict = {}
+    results = []
+    for r in range(rounds):
+        strategy = make_strategy(strategy_name, options)
+        if carry_state:
+            strategy.load_state(state)
+        results.append(
+            train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=steps, seed=r)
+        )
+        state = {k: np.array(v) for k, v in strategy.state().items()}
+    return results
+
+
+def test_the_reselection_interval_runs_across_rounds():
+    # every 4 steps, 2 steps a round: a probe in rounds 1, 3, 5 (at 0, 4, 8 steps), none in 2, 4, 6
+    options = {"rho": 0.8, "interval": 4, "interval_unit": "steps"}
+    results = _rounds("elastic_tensor", options, 6, 2)
+    assert [r.probes for r in results] == [1, 0, 1, 0, 1, 0]
+    assert [r.selections for r in results] == [1, 0, 1, 0, 1, 0]
+    assert all(r.steps == 2 for r in results)
+    for r in results[1::2]:  # a carried selection costs no probe and no selector work, and still trains
+        assert r.overhead_time_s == r.probe_time_s == 0 and r.train_time_s > 0
+    for r in results[::2]:
+        assert r.probe_time_s > 0 and r.overhead_time_s == pytest.approx(r.probe_time_s + r.selector_time_s)
+    # the carried selection is the one trained: round 2 trains what round 1 selected
+    assert np.array_equal(results[1].ratios, results[0].ratios)
+    # without the state handed on, every round starts with a probe
+    assert [r.probes for r in _rounds("elastic_tensor", options, 3, 2, carry_state=False)] == [1, 1, 1]
+
+
+def test_a_carried_selection_is_dropped_under_another_config():
+    options = {"rho": 0.8, "interval": 4, "interval_unit": "steps"}
+    first = make_strategy("elastic_tensor", options)
+    model, info, cost = build(small_cnn, 16, "jetson_nano")
+    train_local(model, info, first, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=2)
+    state = first.state()
+    assert int(state["carried.since"][0]) == 2
+    same, other = make_strategy("elastic_tensor", options), make_strategy("elastic_tensor", {**options, "rho": 0.7})
+    same.load_state(state)
+    other.load_state(state)  # a deadline's own rho: the selection was made for another budget
+    assert same.carried is not None and same.since == 2 and other.carried is None
+    # tinytrain's default (interval 0) selects at the start of each local training
+    assert [r.probes for r in _rounds("tinytrain", {}, 2, 2)] == [1, 1]
+
+
+def test_no_probe_when_the_budget_is_below_the_cheapest_tensor():
+    # small_cnn width 16, batch 8, TX2, rho 0.4: a positive backward budget, below what any tensor costs
+    model, info, cost = build(small_cnn, 16, "jetson_tx2", batch_size=8)
+    budget = cost.backward_budget_s(0.4)
+    dw, dx = cost.t_dw + cost.t_opt, cost.t_dx
+    alone = [dw[k] + dx[k + 1 :].sum() for k in range(info.num_tensors)]  # a tensor trained alone, its chain above
+    cheapest = min(alone) + cost.t_bwd_fixed
+    assert 0 < budget < cheapest
+    strategy = make_strategy("elastic_tensor", {"rho": 0.4})
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=8, lr=0.05, max_steps=4)
+    assert result.fits and result.steps == 0 and result.probes == 0 and result.probe_time_s == 0
+    assert result.overhead_time_s == result.selector_time_s  # only the budget check, no probe
+    assert f"backward budget of {budget * 1e6:.3g} us" in result.reason
+    assert f"below the {cheapest * 1e6:.3g} us the cheapest trainable tensor needs" in result.reason
+    assert "no room beyond the forward pass" not in result.reason
+    assert strategy.carried is None  # nothing is carried: the next round checks (and says why) again
+
+
+def test_the_forward_share_reason_appears_only_when_true():
+    model, info, cost = build(small_cnn, 8, "jetson_tx2", batch_size=8)
+    assert cost.backward_budget_s(0.4) <= 0
+    result = train_local(
+        model, info, make_strategy("elastic_tensor", {"rho": 0.4}), cost, digits(), epochs=1, batch_size=8, lr=0.05,
+        max_steps=4,
+    )  # fmt: skip
+    share = cost.forward_time_s / cost.full_step_time_s()
+    assert result.steps == 0 and result.probes == 0
+    assert f"forward share {share:.3f}" in result.reason and "no room beyond the forward pass" in result.reason
+
+
+def test_no_fisher_probe_when_no_layer_fits_memory():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+    least = np.inf
+    for layer in info.layers:  # one output channel of each conv/linear layer, by itself
+        if layer.kind in ("conv", "linear"):
+            r = np.zeros(info.num_tensors)
+            r[list(layer.tensors)] = 1 / info.tensor_channels[layer.tensors[0]]
+            least = min(least, cost.peak_memory_bytes(r))
+    assert forward < least
+    tight = dataclasses.replace(cost.device, memory_train_bytes=Quantity((forward + least) / 2, "test"))
+    cost = CostModel(info, tight, BATCH)
+    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
+    assert result.probes == 0 and result.probe_time_s == 0 and result.steps == 0
+    assert f"the least needs {least:.0f} bytes" in result.reason
