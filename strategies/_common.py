@@ -129,11 +129,14 @@ def solve(
     solver: str,
     resolution: int,
     floor: int = -1,
+    ops: list[float] | None = None,
 ) -> np.ndarray:
     """Run ``solver`` on the units above ``floor`` (indices ``> floor``); bool mask over all units.
 
     The sub-problem above a floor has the same costs as the full problem restricted to it (the
-    chain of a unit only counts units above it), so slicing is exact for every solver.
+    chain of a unit only counts units above it), so slicing is exact for every solver. ``ops``,
+    if given, gets the solve's element operations appended (:func:`solver_ops`; the exact
+    solver's are counted as it runs).
     """
     n = len(importance)
     mask = np.zeros(n, dtype=bool)
@@ -142,7 +145,8 @@ def solve(
         return mask
     args = (importance[lo:], t_dw[lo:], t_dx[lo:], budget)
     if solver == "exact":
-        sub = select_exact(*args, resolution=resolution)
+        sub = select_exact(*args, resolution=resolution, ops=ops)
+        ops = None  # counted
     elif solver == "grid":
         sub = select_grid(*args, resolution=resolution)
     elif solver == "artifact_dp":
@@ -152,13 +156,20 @@ def solve(
     else:
         raise ValueError(f"unknown solver {solver!r}")
     mask[lo:] = sub
+    if ops is not None:
+        ops.append(solver_ops(n - lo, solver, resolution))
     return mask
 
 
 def solver_ops(n: int, solver: str, resolution: int) -> float:
-    """Elementary operations of one solve over ``n`` units (priced on the device as selector work)."""
-    if solver in ("exact", "grid"):  # one vectorised knapsack update (add, compare, select, record) per unit
-        return 4.0 * n * (resolution + 1)  # for 'exact' an estimate: its Pareto lists are usually shorter
+    """Elementary operations of one solve over ``n`` units (priced on the device as selector work).
+
+    'exact' is not priced here: :func:`~fedelastic.selector.select_exact` counts what it performs.
+    """
+    if solver == "exact":
+        raise ValueError("the exact solver's operations are counted as it runs (select_exact's ops)")
+    if solver == "grid":  # one vectorised knapsack update (add, compare, select, record) per unit and cell
+        return 4.0 * n * (resolution + 1)
     if solver == "artifact_dp":  # every (row, predecessor) pair updates a capacity vector
         return 3.0 * n * (n + 1) / 2 * (resolution + 1)
     return 6.0 * n * n  # greedy: one pass over the units per pick
@@ -333,8 +344,10 @@ class BudgetedStrategy(SelectionStrategy):
         unit_budget = budget - float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
 
         def pick(floor: int) -> np.ndarray:
-            ctx.ops += solver_ops(max(num_units - floor - 1, 0), cfg.solver, cfg.resolution) if unit_budget > 0 else 0
-            return solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor)
+            done: list[float] = []
+            mask = solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor, done)
+            ctx.ops += sum(done)
+            return mask
 
         def fits(unit_mask: np.ndarray) -> bool:
             ratios = to_tensors(unit_mask)
