@@ -10,7 +10,6 @@ can refit the profile to them. Models are built with :func:`fedelastic.models.bu
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
 from collections.abc import Callable
 from pathlib import Path

@@ -735,3 +735,31 @@ def test_no_fisher_probe_when_no_layer_fits_memory():
     result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
     assert result.probes == 0 and result.probe_time_s == 0 and result.steps == 0
     assert f"the least needs {least:.0f} bytes" in result.reason
+
+
+def test_the_contribution_analysis_says_what_data_it_ran_on(tmp_path):
+    import json
+
+    from fedelastic.contribution import analyse
+
+    model, info, cost = build(small_cnn, 4, "jetson_tx2")
+    data = digits()
+    source = data.subset(np.flatnonzero(data.y < 5))  # a source task: digits 0-4
+    proxy = tmp_path / "proxy.json"
+    out = analyse(model, info, cost, source.subset(np.arange(40)), source.subset(np.arange(40, 80)), bias_last_k=1,
+                  channel_ratios=(1.0,), epochs=1, batch_size=BATCH, lr=0.01, path=proxy, data="digits 0-4")  # fmt: skip
+    written = json.loads(proxy.read_text())
+    assert written == json.loads(json.dumps(out))
+    assert written["kind"] == "offline proxy" and written["data"] == "digits 0-4" and written["device"] == "jetson_tx2"
+    assert written["training"]["lr"] == 0.01
+    make_strategy("sparse_update", {"contributions": str(proxy)})  # a proxy analysis needs no opt-in
+    # on the pooled target data: a centralised oracle, used only when asked for
+    oracle = tmp_path / "oracle.json"
+    analyse(model, info, cost, data.subset(np.arange(40)), data.subset(np.arange(40, 80)), bias_last_k=1,
+            channel_ratios=(1.0,), epochs=1, batch_size=BATCH, path=oracle, data="pooled target", oracle=True)  # fmt: skip
+    assert json.loads(oracle.read_text())["kind"] == "centralised oracle"
+    with pytest.raises(ConfigError, match=r"train\.options\.contributions.*centralised oracle.*oracle = true"):
+        make_strategy("sparse_update", {"contributions": str(oracle)})
+    assert make_strategy("sparse_update", {"contributions": str(oracle), "oracle": True}).config.oracle
+    with pytest.raises(ValueError, match="describe the data"):
+        analyse(model, info, cost, source, source, bias_last_k=1, channel_ratios=(1.0,), data=" ")
