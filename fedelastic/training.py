@@ -19,6 +19,10 @@
   charged to the emulated time.
 * A selection that does not fit the device's training memory is never trained: the result says
   ``fits=False``; the emulated time already spent in the round is kept, the weights roll back.
+* A strategy that :meth:`~SelectionStrategy.carries_selection` (a re-selection interval) starts
+  from the selection its last local training left, with the steps run since it: no probe and no
+  selector work until the interval is due, whatever the round. A strategy whose probe scope is
+  empty (nothing can train: ``ctx.note`` says why) runs no probe and is charged none.
 """
 
 from __future__ import annotations
