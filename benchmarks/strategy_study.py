@@ -17,8 +17,10 @@ with its defaults except:
   a probe and a selection and re-selects no more within the round;
 * ``sparse_update`` gets ``contributions``: its offline contribution analysis
   (:func:`fedelastic.contribution.analyse`), measured once by this script from the pretrained
-  model on the **source task** (the pretraining classes of the training split, what the server
-  has before deployment; half to fine-tune, half to score), 2 epochs per choice, with the
+  model on a **proxy task** made from the source task (the pretraining classes of the training
+  split, what the server has before deployment, rotated 90 degrees: ``--contributions-proxy``;
+  the source task itself gives every gain 0, the model already fits it; half to fine-tune, half
+  to score), 2 epochs per choice, with the
   scenario's ``[train]`` settings, on the TX2's cost model (the gains are accuracies; each client's
   own memory decides which schemes it may run). ``--oracle-contributions`` adds the variant
   ``sparse_update (centralised oracle)``, whose analysis runs on the pooled target-task training
@@ -95,13 +97,16 @@ def strategy_entries(contributions: str = "", oracle_contributions: str = "") ->
     return entries
 
 
-def measure_contributions(base: Path, path: Path, oracle: bool = False) -> dict:
+def measure_contributions(base: Path, path: Path, oracle: bool = False, proxy: str = "rotate90") -> dict:
     """Sparse Update's contribution analysis on the study's pretrained model (see the module doc):
-    on the source task, or with ``oracle`` on the pooled target-task training data."""
+    on a proxy task made from the source task's data (the pretraining classes of the training split
+    under the domain shift ``proxy``: ``none`` keeps the source task itself, which the pretrained
+    model already fits, so every gain is 0), or with ``oracle`` on the pooled target-task data."""
     import torch
 
     from fedelastic.compare import expand
     from fedelastic.contribution import analyse
+    from fedelastic.data import transform
     from fedelastic.fl.env import RunEnvironment
     from fedelastic.pretrain import initial_state
 
@@ -120,6 +125,9 @@ def measure_contributions(base: Path, path: Path, oracle: bool = False) -> dict:
     else:
         train = env.view(env.split[0], pre.classes, pre.transform)  # what pretraining trained on
         data = f"the source task: classes {list(pre.classes)} of the training split (the pretraining data)"
+        if proxy != "none":
+            train = transform(train, proxy, env.scenario.seed)
+            data = f"a proxy task: {data}, under the shift {proxy!r}"
     order = np.random.default_rng(0).permutation(len(train))
     half = len(order) // 2
     t = env.scenario.train
@@ -372,6 +380,12 @@ def main(argv=None) -> None:
         "--train", action="append", default=[], metavar="KEY=VALUE", help="override a [train] key (TOML value)"
     )
     ap.add_argument(
+        "--contributions-proxy",
+        default="rotate90",
+        choices=("rotate90", "noise", "invert", "none"),
+        help="the shift that makes Sparse Update's proxy task from the source task ('none': the source task)",
+    )
+    ap.add_argument(
         "--oracle-contributions",
         action="store_true",
         help=f"also run {ORACLE_LABEL!r}: Sparse Update's analysis on the pooled target-task data",
@@ -391,7 +405,7 @@ def main(argv=None) -> None:
                 name = "strategy_study_contributions_oracle.json" if oracle else "strategy_study_contributions.json"
                 gains_path = args.out_dir / name
                 t1 = time.perf_counter()
-                gains = measure_contributions(args.scenario.resolve(), gains_path, oracle)
+                gains = measure_contributions(args.scenario.resolve(), gains_path, oracle, args.contributions_proxy)
                 print(f"contribution analysis ({time.perf_counter() - t1:.0f} s): {json.dumps(gains)}", flush=True)
                 if oracle:
                     oracle_contributions = str(gains_path.resolve().relative_to(ROOT))

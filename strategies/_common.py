@@ -274,11 +274,20 @@ class BudgetedStrategy(SelectionStrategy):
                 "its budget leaves no room beyond the forward pass"
             )
         num_units = int(unit.max()) + 1 if unit.size else 0
+        if not num_units:
+            return "the model has no trainable tensor"
+        if lowest >= num_units:  # no unit fits memory, even alone
+            memory = ctx.memory_budget_bytes
+            forward = cost.peak_memory_bytes(np.zeros(ctx.info.num_tensors))
+            if forward > memory:
+                return f"the forward pass alone needs {forward:.0f} bytes on device {device!r}; it has {memory:.0f}"
+            need = min(cost.peak_memory_bytes((unit == u).astype(float)) for u in range(num_units))
+            return f"training the smallest {what} alone needs {need:.0f} bytes on device {device!r}; it has {memory:.0f}"
         dw, dx = tensor_times(cost)
         unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
         unit_dx = np.bincount(unit, weights=dx, minlength=num_units)
         chain_above = np.concatenate([np.cumsum(unit_dx[::-1])[::-1][1:], [0.0]])
-        cheapest = float((unit_dw + chain_above).min()) if num_units else 0.0
+        cheapest = float((unit_dw + chain_above)[lowest:].min())  # of the units that fit memory
         fixed = float(getattr(cost, "t_bwd_fixed", 0.0))
         left = budget - fixed
         if left <= 0 or cheapest > left * (1 + _TIME_RTOL):
@@ -287,13 +296,6 @@ class BudgetedStrategy(SelectionStrategy):
                 f"{_time(cheapest + fixed)} the cheapest trainable {what} needs ({_time(cheapest)}, plus "
                 f"{_time(fixed)} any training step pays)"
             )
-        if lowest >= num_units:
-            memory = ctx.memory_budget_bytes
-            forward = cost.peak_memory_bytes(np.zeros(ctx.info.num_tensors))
-            if forward > memory:
-                return f"the forward pass alone needs {forward:.0f} bytes on device {device!r}; it has {memory:.0f}"
-            need = min(cost.peak_memory_bytes((unit == u).astype(float)) for u in range(num_units))
-            return f"training the smallest {what} alone needs {need:.0f} bytes on device {device!r}; it has {memory:.0f}"
         return ""
 
     @staticmethod
