@@ -17,8 +17,14 @@ with its defaults except:
   a probe and a selection and re-selects no more within the round;
 * ``sparse_update`` gets ``contributions``: its offline contribution analysis
   (:func:`fedelastic.contribution.analyse`), measured once by this script from the pretrained
-  model on the target task's training split (half to fine-tune, half to score; never the
-  server's test set), 2 epochs per choice, on the TX2's cost model (memory plays no part in it).
+  model on a **proxy task** made from the source task (the pretraining classes of the training
+  split, what the server has before deployment, rotated 90 degrees: ``--contributions-proxy``;
+  the source task itself gives every gain 0, the model already fits it; half to fine-tune, half
+  to score), 2 epochs per choice, with the
+  scenario's ``[train]`` settings, on the TX2's cost model (the gains are accuracies; each client's
+  own memory decides which schemes it may run). ``--oracle-contributions`` adds the variant
+  ``sparse_update (centralised oracle)``, whose analysis runs on the pooled target-task training
+  data of every client (no other strategy sees it offline); the plain variant is always run.
 
 It writes the resolved comparison file, then runs it with :func:`fedelastic.compare.run_comparison`
 on the in-process backend (the comparison folder, with every run, goes under ``runs/``). From the
@@ -70,8 +76,12 @@ PREFERRED = (
 )  # fmt: skip
 
 
-def strategy_entries(contributions: str = "") -> list[dict]:
-    """Every registered strategy, with rho = 0.4 where it has that option, and sparse_update's gains."""
+ORACLE_LABEL = "sparse_update (centralised oracle)"
+
+
+def strategy_entries(contributions: str = "", oracle_contributions: str = "") -> list[dict]:
+    """Every registered strategy, with rho = 0.4 where it has that option, and sparse_update's gains
+    (with ``oracle_contributions``, also its centralised-oracle variant)."""
     entries = []
     for name in strategy_order():
         fields = {f.name for f in dataclasses.fields(REGISTRY[name].config_cls)}
@@ -81,15 +91,22 @@ def strategy_entries(contributions: str = "") -> list[dict]:
         if "contributions" in fields and contributions:
             options["contributions"] = contributions
         entries.append({"strategy": name, "label": name, "options": options})
+        if name == "sparse_update" and oracle_contributions:
+            oracle = {**options, "contributions": oracle_contributions, "oracle": True}
+            entries.append({"strategy": name, "label": ORACLE_LABEL, "options": oracle})
     return entries
 
 
-def measure_contributions(base: Path, path: Path) -> dict:
-    """Sparse Update's contribution analysis on the study's pretrained model (see the module doc)."""
+def measure_contributions(base: Path, path: Path, oracle: bool = False, proxy: str = "rotate90") -> dict:
+    """Sparse Update's contribution analysis on the study's pretrained model (see the module doc):
+    on a proxy task made from the source task's data (the pretraining classes of the training split
+    under the domain shift ``proxy``: ``none`` keeps the source task itself, which the pretrained
+    model already fits, so every gain is 0), or with ``oracle`` on the pooled target-task data."""
     import torch
 
     from fedelastic.compare import expand
     from fedelastic.contribution import analyse
+    from fedelastic.data import transform
     from fedelastic.fl.env import RunEnvironment
     from fedelastic.pretrain import initial_state
 
@@ -101,13 +118,24 @@ def measure_contributions(base: Path, path: Path) -> dict:
     torch.set_num_threads(1)
     model = env.new_model()
     model.load_state_dict(initial_state(env))
-    train = env.data.train
+    pre = env.scenario.model.pretrain
+    if oracle:
+        train = env.data.train
+        data = "the target task's pooled training split (every client's data)"
+    else:
+        train = env.view(env.split[0], pre.classes, pre.transform)  # what pretraining trained on
+        data = f"the source task: classes {list(pre.classes)} of the training split (the pretraining data)"
+        if proxy != "none":
+            train = transform(train, proxy, env.scenario.seed)
+            data = f"a proxy task: {data}, under the shift {proxy!r}"
     order = np.random.default_rng(0).permutation(len(train))
     half = len(order) // 2
     t = env.scenario.train
     gains = analyse(
         model, env.info, env.cost("jetson_tx2"), train.subset(order[:half]), train.subset(order[half:]),
-        epochs=2, batch_size=t.batch_size, lr=t.lr, path=path,
+        epochs=2, batch_size=t.batch_size, lr=t.lr, path=path, oracle=oracle,
+        data=f"{data}: {half} samples to fine-tune, {len(order) - half} to score",
+        momentum=t.momentum, weight_decay=t.weight_decay, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
     )  # fmt: skip
     return gains
 
@@ -119,11 +147,12 @@ def resolved_toml(
     strategies: list[str] | None = None,
     fleets: list[str] | None = None,
     train: dict | None = None,
+    oracle_contributions: str = "",
 ) -> str:
     import tomli_w
 
     raw = tomllib.loads(base.read_text())
-    entries = strategy_entries(contributions)
+    entries = strategy_entries(contributions, oracle_contributions)
     raw["compare"]["strategies"] = [e for e in entries if not strategies or e["strategy"] in strategies]
     if fleets:
         raw["compare"]["fleets"] = {k: v for k, v in raw["compare"]["fleets"].items() if k in fleets}
@@ -195,7 +224,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     agg = agg.reset_index()
     agg["reached"] = runs.groupby(["fleet", "strategy"]).reached.sum().to_numpy().astype(int)
     agg = agg.drop(columns=["reached_mean", "reached_std"])
-    agg["_o"] = agg.strategy.map(order)
+    agg["_o"] = agg.strategy.map(lambda name: order.get(name, len(order)))  # variants (the oracle) last
     return agg.sort_values(["fleet", "_o"]).drop(columns="_o").reset_index(drop=True)
 
 
@@ -207,6 +236,7 @@ def plot(runs: pd.DataFrame, rounds: pd.DataFrame, path: Path) -> None:
     import seaborn as sns
 
     strategies = [s for s in strategy_order() if s in set(runs.strategy)]
+    strategies += sorted(set(runs.strategy) - set(strategies))  # variants (the oracle)
     palette = dict(zip(strategies, sns.color_palette("tab10", len(strategies))))
     fleets = list(dict.fromkeys(runs.fleet))
     sns.set_theme(style="whitegrid", font_scale=0.8)
@@ -349,6 +379,17 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--train", action="append", default=[], metavar="KEY=VALUE", help="override a [train] key (TOML value)"
     )
+    ap.add_argument(
+        "--contributions-proxy",
+        default="rotate90",
+        choices=("rotate90", "noise", "invert", "none"),
+        help="the shift that makes Sparse Update's proxy task from the source task ('none': the source task)",
+    )
+    ap.add_argument(
+        "--oracle-contributions",
+        action="store_true",
+        help=f"also run {ORACLE_LABEL!r}: Sparse Update's analysis on the pooled target-task data",
+    )
     args = ap.parse_args(argv)
     strategies = [x for x in args.strategies.split(",") if x]
     fleets = [x for x in args.fleets.split(",") if x]
@@ -358,14 +399,21 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     if args.analyse is None:
-        contributions = ""
+        contributions = oracle_contributions = ""
         if not strategies or "sparse_update" in strategies:
-            gains_path = args.out_dir / "strategy_study_contributions.json"
-            t1 = time.perf_counter()
-            gains = measure_contributions(args.scenario.resolve(), gains_path)
-            print(f"contribution analysis ({time.perf_counter() - t1:.0f} s): {json.dumps(gains)}", flush=True)
-            contributions = str(gains_path.resolve().relative_to(ROOT))
-        text = resolved_toml(args.scenario.resolve(), args.rounds, contributions, strategies, fleets, train)
+            for oracle in (False, True) if args.oracle_contributions else (False,):
+                name = "strategy_study_contributions_oracle.json" if oracle else "strategy_study_contributions.json"
+                gains_path = args.out_dir / name
+                t1 = time.perf_counter()
+                gains = measure_contributions(args.scenario.resolve(), gains_path, oracle, args.contributions_proxy)
+                print(f"contribution analysis ({time.perf_counter() - t1:.0f} s): {json.dumps(gains)}", flush=True)
+                if oracle:
+                    oracle_contributions = str(gains_path.resolve().relative_to(ROOT))
+                else:
+                    contributions = str(gains_path.resolve().relative_to(ROOT))
+        text = resolved_toml(
+            args.scenario.resolve(), args.rounds, contributions, strategies, fleets, train, oracle_contributions
+        )
         resolved = args.out_dir / "strategy_study_resolved.toml"
         resolved.write_text(text)
         raw = tomllib.loads(text)

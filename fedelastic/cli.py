@@ -598,9 +598,12 @@ def profile_import_trace(
     profile: Annotated[Path | None, typer.Option(help="profile to write the table into (else print it)")] = None,
     fit: Annotated[bool, typer.Option("--fit", help="also refit the profile's roofline to its measured tables")] = False,
     input_size: Annotated[
-        int | None, typer.Option(help="input size of --model for the fit (default: the factory's)")
+        int | None,
+        typer.Option(help="input size --model was traced at, recorded with the table and used by the fit (default: the factory's)"),
     ] = None,
-    num_classes: Annotated[int | None, typer.Option(help="classes of --model for the fit (default: the factory's)")] = None,
+    num_classes: Annotated[
+        int | None, typer.Option(help="classes --model was traced with, recorded and used as --input-size (default: the factory's)")
+    ] = None,
     source: Annotated[str | None, typer.Option(help="source text of the table (default: the file name)")] = None,
 ) -> int:
     r"""turn a Chrome trace into a \[measured.<model>] table (FILE: a .json or .json.gz Chrome trace)"""

@@ -9,6 +9,16 @@ Run once per (model, task), before deployment: from the pretrained weights, fine
 
 each for the same number of local steps from the same weights, on ``train`` data, and evaluate on
 ``val`` data. The result (JSON) is what ``sparse_update``'s ``contributions`` option reads.
+
+What data it runs on decides what it is. The paper measures the gains offline, before deployment,
+on data the server has: source or proxy data (``kind = "offline proxy"``, the default). Measured
+on the pooled target-task data of the clients it is a **centralised oracle** (``oracle=True``,
+``kind = "centralised oracle"``): no other strategy sees the target data before training, and
+``sparse_update`` uses such a file only when its ``oracle`` option says so. The JSON records the
+kind, a description of the data (``data``), the device whose cost model and memory priced the
+fine-tunings, and the training settings. The gains are accuracies, the same on any device; a
+scheme the analysis device cannot hold trains nothing and gains nothing, and each client's own
+memory decides, when it selects, which schemes it may run.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from .data import ArrayDataset
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
 from .training import train_local
+
+PROXY, ORACLE = "offline proxy", "centralised oracle"  # what an analysis is, by the data it ran on
 
 
 class _Fixed(SelectionStrategy):
@@ -60,8 +72,19 @@ def analyse(
     lr: float = 0.05,
     seed: int = 0,
     path: str | Path | None = None,
+    data: str,
+    oracle: bool = False,
+    **train_options,
 ) -> dict:
-    """Measure the gains (see module doc); write them to ``path`` as JSON when given."""
+    """Measure the gains (see module doc); write them to ``path`` as JSON when given.
+
+    ``data`` describes where ``train`` and ``val`` come from (recorded); ``oracle``: they are the
+    clients' pooled target-task data (labelled "centralised oracle"). ``train_options``
+    (``momentum``, ``weight_decay``, ``optimizer``, ``lr_schedule``) go to the local trainer, as
+    the run's ``[train]`` sets them.
+    """
+    if not data.strip():
+        raise ValueError("data: describe the data the analysis runs on (source, proxy or the pooled target data)")
     from fedelastic.strategies.sparse_update import BIAS_ROLES, bias_layers, weights_in_range
 
     n = info.num_tensors
@@ -71,7 +94,7 @@ def analyse(
         model.load_state_dict(start)
         train_local(
             model, info, _Fixed(Selection(ratios, input_sparse=input_sparse)), cost, train,
-            epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, bn_mode=cost.bn_mode,
+            epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, bn_mode=cost.bn_mode, **train_options,
         )  # fmt: skip
         return accuracy(model, val)
 
@@ -96,7 +119,17 @@ def analyse(
             ratios[k] = r
             weight[name][str(r)] = gain_of(ratios, sparse) - top
     model.load_state_dict(start)
-    out = {"model": info.model_name, "base_accuracy": base, "bias": bias, "weight": weight}
+    out = {
+        "model": info.model_name,
+        "kind": ORACLE if oracle else PROXY,
+        "data": data,
+        "device": cost.device.name,
+        "device_memory_bytes": cost.device.memory_train_bytes.value,
+        "training": {"epochs": epochs, "batch_size": batch_size, "lr": lr, "seed": seed, **train_options},
+        "base_accuracy": base,
+        "bias": bias,
+        "weight": weight,
+    }
     if path is not None:
         Path(path).write_text(json.dumps(out, indent=1))
     return out

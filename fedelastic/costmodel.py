@@ -35,8 +35,9 @@ Conventions (documented in the README):
   bandwidth, the launch overhead. Kernel-aware profiles (``[kernels]``) also price the functional
   ops ModelInfo records (residual adds and their backward gradient sums, attention matmuls and
   softmax) and a separate bias-add pass per biased conv/linear forward.
-  A profile's measured per-layer table, when it has one for this model, replaces the roofline of
-  the layers it lists (scaled linearly in batch size). A measured ``fwd`` includes the forward of
+  A profile's measured per-layer table, when it has one for this model measured at this model's
+  shape (:func:`measured_table`: per-sample input, classes, parameters and MACs, where the table
+  records them), replaces the roofline of the layers it lists (scaled linearly in batch size). A measured ``fwd`` includes the forward of
   the weightless ops just below the layer, as ``fedelastic profile import-trace`` and
   ``fedelastic profile measure`` write it (its ``dx`` includes their backward, as above).
 """
@@ -44,12 +45,13 @@ Conventions (documented in the README):
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from .devices import KERNEL_CLASSES, DeviceProfile
-from .modelinfo import FunctionalOp, ModelInfo
+from .devices import KERNEL_CLASSES, DeviceProfile, MeasuredTable
+from .modelinfo import SHAPE_FIGURES, FunctionalOp, ModelInfo
 
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
 BN_MODES = ("frozen", "train")
@@ -121,6 +123,56 @@ class Emulated:
     macs: float
 
 
+_WARNED: set[tuple[str, str, str]] = set()  # (device, model, figure) already warned of
+_WARNED_LOCK = threading.Lock()
+
+
+def shape_mismatch(table: MeasuredTable, info: ModelInfo) -> str:
+    """The first per-sample figure (:data:`SHAPE_FIGURES`) where ``info`` differs from the model
+    ``table`` was measured on, as text ("" when they match or the table records no shape)."""
+    shape = info.shape()
+    for figure in SHAPE_FIGURES:
+        if figure in table.shape and table.shape[figure] != shape.get(figure):
+            return f"{_FIGURE_TEXT[figure]} {shape.get(figure)}, the table's model {table.shape[figure]}"
+    return ""
+
+
+_FIGURE_TEXT = {
+    "input": "input elements per sample (first layer)",
+    "classes": "classes",
+    "params": "parameters",
+    "macs": "forward MACs per sample",
+}
+
+
+def measured_table(device: DeviceProfile, info: ModelInfo) -> MeasuredTable | None:
+    """``device``'s measured table of ``info.model_name``, if it was measured on a model of this shape.
+
+    A table that records its model's shape (per-sample input, classes, parameters, MACs) is used
+    only when ``info`` matches it; on a mismatch a warning (once per device, model and figure)
+    names the figure, and the kernel/roofline model prices the layers. The batch size is not
+    matched: a table's times scale linearly with it. A table that records no shape is used as is.
+    """
+    table = device.measured.get(info.model_name)
+    if table is None:
+        return None
+    differs = shape_mismatch(table, info)
+    if not differs:
+        return table
+    key = (device.name, info.model_name, differs.split(" ", 1)[0])  # one warning per figure's kind
+    with _WARNED_LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    if first:
+        warnings.warn(
+            f"device profile {device.name!r}: its measured table of {info.model_name!r} is not used: {differs} "
+            "(measured at another shape); the kernel/roofline model prices its layers",
+            UserWarning,
+            stacklevel=3,
+        )
+    return None
+
+
 class CostModel:
     """Prices selections of ``info`` on ``device`` at ``batch_size``.
 
@@ -129,7 +181,8 @@ class CostModel:
     info : ModelInfo
         The model's layers and tensors.
     device : DeviceProfile
-        The device; its measured table for ``info.model_name`` is used when present.
+        The device; its measured table for ``info.model_name`` is used when present and measured
+        on a model of ``info``'s shape (:func:`measured_table`).
     batch_size : int
         Samples per training step.
     optimizer : str
@@ -234,7 +287,7 @@ class CostModel:
         self.t_bwd_fixed = (
             device.launch_overhead_s.value
         )  # paid once by every step that trains anything (+ the loss, if measured)
-        self.measured = device.measured.get(info.model_name)
+        self.measured = measured_table(device, info)
         if self.measured is not None:
             self._apply_measured(layer_fwd)
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)

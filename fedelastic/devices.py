@@ -91,6 +91,8 @@ class MeasuredTable:
     other_s: float = 0.0
     n_steps: int = 0
     layout_transposes: bool = False  # imported from a trace with layout transposes (TensorFlow's layout optimizer)
+    #: the measured model's per-sample figures (:meth:`fedelastic.modelinfo.ModelInfo.shape`); empty: not recorded
+    shape: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,9 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
         where = f"measured.{model}"
         if not isinstance(table, dict):
             raise ConfigError(src, where, "a table with batch_size, source and layers", table)
-        _check_unknown(src, where, table, {"batch_size", "source", "layers", "unattributed_fwd", "unattributed_bwd"})
+        _check_unknown(
+            src, where, table, {"batch_size", "source", "layers", "unattributed_fwd", "unattributed_bwd", "shape"}
+        )
         for key in ("batch_size", "source", "layers"):
             if key not in table:
                 raise ConfigError(src, f"{where}.{key}", "this key to be present")
@@ -267,8 +271,22 @@ def _measured(src: str, raw: Any) -> dict[str, MeasuredTable]:
             float(extras["unattributed_fwd"]),
             float(extras["unattributed_bwd"]),
             model=str(model),
+            shape=_shape(src, f"{where}.shape", table.get("shape", {})),
         )
     return tables
+
+
+def _shape(src: str, where: str, raw: Any) -> dict[str, int]:
+    """A measured table's ``shape``: per-sample figures of the measured model, each a positive integer."""
+    from .modelinfo import SHAPE_FIGURES
+
+    expected = f"a table of {list(SHAPE_FIGURES)}, each a positive integer"
+    if not isinstance(raw, dict):
+        raise ConfigError(src, where, expected, raw)
+    for key, value in raw.items():
+        if key not in SHAPE_FIGURES or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(src, f"{where}.{key}", expected, value)
+    return {k: int(raw[k]) for k in SHAPE_FIGURES if k in raw}
 
 
 def _kernels(src: str, raw: Any) -> dict[str, KernelClass]:

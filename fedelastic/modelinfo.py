@@ -79,6 +79,10 @@ class FunctionalOp:
     above: int
 
 
+#: the figures of :meth:`ModelInfo.shape`, in the order a mismatch is reported
+SHAPE_FIGURES = ("input", "classes", "params", "macs")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Tensors and layers of a model, in forward order (index 0 is nearest the input)."""
@@ -114,6 +118,19 @@ class ModelInfo:
 
     def layer_first_tensor(self) -> np.ndarray:
         return np.array([layer.tensors[0] for layer in self.layers], dtype=np.int64)
+
+    def shape(self) -> dict[str, int]:
+        """Per-sample figures a measured per-layer table must match (:data:`SHAPE_FIGURES`): the
+        elements of the first layer's input (the input resolution), the last layer's output
+        channels (the classes), the parameters and the layers' forward MACs (widths, resolution)."""
+        if not self.layers:
+            return {}
+        return {
+            "input": int(self.layers[0].in_numel),
+            "classes": int(self.layers[-1].out_channels),
+            "params": self.num_params,
+            "macs": int(sum(layer.macs for layer in self.layers)),
+        }
 
     @property
     def hooked_macs(self) -> int:

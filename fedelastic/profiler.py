@@ -9,6 +9,7 @@ can refit the profile to them. Models are built with :func:`fedelastic.models.bu
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,7 @@ def measure_profile(
     table = measure_layers(
         model, sample, model_name=model_name, repeats=repeats, warmup=warmup, source=by, clock=clock, progress=say
     )
+    table = dataclasses.replace(table, shape=info.shape())  # the cost model uses it only on a model of this shape
     say("peak FP32 throughput")
     peak = measure_peak_flops(repeats=repeats, warmup=warmup, clock=clock)
     memory = host_memory_available()
@@ -150,6 +152,11 @@ def import_trace_into(
     day = datetime.date.today().isoformat()
     src = source or f"{Path(path).name}, imported by fedelastic profile import-trace on {day}"
     table = import_trace(path, model=model, batch_size=batch_size, source=src)
+    if model in BUILTIN:  # the shape it was measured at: the cost model uses it only on a model of this shape
+        say(f"describing {model}")
+        table = dataclasses.replace(
+            table, shape=describe_model(model, input_size=input_size, num_classes=num_classes).shape()
+        )
     say(
         f"{model}: {len(table.layers)} layers, step {table.step_s * 1e3:.1f} ms (forward {table.forward_s * 1e3:.1f}, "
         f"backward {table.backward_s * 1e3:.1f}, other {table.other_s * 1e3:.1f}) over {table.n_steps} steps"

@@ -28,6 +28,9 @@ def measured_table_toml(table: Any) -> dict[str, Any]:
         value = float(getattr(table, f"{key}_s", 0.0))
         if value > 0:
             out[key] = _sig(value)
+    shape = getattr(table, "shape", None)
+    if shape:
+        out["shape"] = {k: int(v) for k, v in shape.items()}
     out["layers"] = {
         name: {"fwd": _sig(t.fwd_s), "dx": _sig(t.dx_s), "dw": _sig(t.dw_s)} for name, t in table.layers.items()
     }
@@ -205,7 +208,11 @@ def dumps_profile(raw: dict[str, Any]) -> str:
         lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
     for model, table in raw.get("measured", {}).items():
         lines += ["", f"[measured.{_toml_key(model)}]"]
-        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if k != "layers"]
+        lines += [
+            f"{_toml_key(k)} = {_inline(v) if isinstance(v, dict) else _toml_value(v)}"
+            for k, v in table.items()
+            if k != "layers"
+        ]
         lines.append(f"[measured.{_toml_key(model)}.layers]")
         lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.get("layers", {}).items()]
     text = "\n".join(lines) + "\n"

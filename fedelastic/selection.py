@@ -78,6 +78,7 @@ class SelectionContext:
     importance: np.ndarray | None = None  # per tensor, from the 'importance' probe
     fisher: dict[int, np.ndarray] | None = None  # per layer index, per output channel, from 'fisher'
     ops: float = 0.0  # elementary operations the selection did besides cost-model calls (priced on the device)
+    note: str = ""  # why nothing can be trained on this device, with the figures (set by the strategy)
 
     @property
     def memory_budget_bytes(self) -> float:
@@ -96,6 +97,10 @@ class SelectionStrategy:
     config_cls: ClassVar[type] = StrategyConfig
     probe: ClassVar[str | None] = None  # which probe the trainer runs before select()
     offline: ClassVar[bool] = False  # the selection is computed offline (not on the device): its work is not charged
+    #: the last selection and the steps run since it was made, kept across local trainings while
+    #: :meth:`carries_selection` (set by the trainer, saved by :meth:`state`)
+    carried: Selection | None = None
+    since: int = 0
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -104,9 +109,22 @@ class SelectionStrategy:
         raise NotImplementedError
 
     def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
-        """Whether to probe and select again before ``step`` (step 0 always selects).
+        """Whether to probe and select again after ``step`` steps since the last selection.
 
-        ``steps_per_epoch`` is the local trainer's, for intervals counted in epochs.
+        The trainer counts ``step`` from the last selection; a strategy that
+        :meth:`carries_selection` counts it across local trainings (rounds), one that does not
+        selects afresh at the start of each. ``steps_per_epoch`` is the local trainer's, for
+        intervals counted in epochs.
+        """
+        return False
+
+    def carries_selection(self) -> bool:
+        """Whether the last selection, and the steps since it, carry over to the next local training.
+
+        True for strategies that re-select on an interval (ElasticTrainer's every 4 epochs): the
+        interval then runs across federated rounds, as the artifact's runs across epochs, instead
+        of restarting (and re-probing) at every round. False (default): each local training starts
+        with a selection.
         """
         return False
 
@@ -115,11 +133,45 @@ class SelectionStrategy:
         return None
 
     def state(self) -> dict[str, np.ndarray]:
-        """What the strategy remembers between local trainings; the client keeps it across rounds."""
-        return {}
+        """What the strategy remembers between local trainings; the client keeps it across rounds.
+
+        Here: the carried selection (:attr:`carried`, :attr:`since`) with the config it was made
+        under; a subclass adds its own keys to ``super().state()``.
+        """
+        sel = self.carried
+        if sel is None or not self.carries_selection():
+            return {}
+        out = {
+            "carried.ratios": np.asarray(sel.ratios, float),
+            "carried.since": np.array([self.since], np.int64),
+            "carried.config": np.frombuffer(repr(self.config).encode(), np.uint8),
+        }
+        if sel.input_sparse is not None:
+            out["carried.input_sparse"] = np.asarray(sel.input_sparse, bool)
+        for k, idx in sel.channels.items():
+            out[f"carried.channels.{k}"] = np.asarray(idx, np.int64)
+        return out
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what :meth:`state` returned in an earlier round."""
+        """Restore what :meth:`state` returned in an earlier round.
+
+        A carried selection made under another config (a deadline's own rho) is dropped: the next
+        local training selects afresh.
+        """
+        if "carried.ratios" not in state or not self.carries_selection():
+            return
+        if bytes(np.asarray(state["carried.config"], np.uint8)) != repr(self.config).encode():
+            return
+        sparse = state.get("carried.input_sparse")
+        channels = {
+            int(key.rsplit(".", 1)[1]): np.asarray(v, np.int64)
+            for key, v in state.items()
+            if key.startswith("carried.channels.")
+        }
+        self.carried = Selection(
+            np.asarray(state["carried.ratios"], float), channels, None if sparse is None else np.asarray(sparse, bool)
+        )
+        self.since = int(np.asarray(state["carried.since"]).reshape(-1)[0])
 
 
 REGISTRY: dict[str, type[SelectionStrategy]] = {}

@@ -31,9 +31,13 @@ resolution``) and rounds costs **up** (:func:`to_grid`), so its mask never excee
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
+    "EXACT_OPS_PER_STATE",
+    "EXACT_OPS_PER_UNIT",
     "backward_cost",
     "select_artifact_dp",
     "select_exact",
@@ -153,6 +157,14 @@ def to_grid(costs: np.ndarray, budget: float, resolution: int) -> np.ndarray:
 
 # Pareto lists longer than this are trimmed (states within budget / (resolution * N) merged)
 _TRIM_ABOVE = 4096
+#: element operations :func:`select_exact` performs per state of a merge (the old list plus the new
+#: states): counted from its code, one per element of each vector pass (the shift, the masks, the
+#: index scatters and gathers of cost, value, parent and took, the budget, Pareto and equal-cost
+#: filters with their compressions); each new state's insertion point is one binary search more
+EXACT_OPS_PER_STATE = 32
+#: element operations per unit outside the merges: the inputs' checks, the chain and fixed costs,
+#: the running minimum, the candidate test and the backtrack
+EXACT_OPS_PER_UNIT = 12
 
 
 def _prepare(
@@ -188,6 +200,7 @@ def select_exact(
     *,
     resolution: int = 1000,
     eligible: np.ndarray | None = None,
+    ops: list[float] | None = None,
 ) -> np.ndarray:
     """Select tensors maximising total importance within a backward-time budget, on real costs.
 
@@ -216,6 +229,11 @@ def select_exact(
     eligible : np.ndarray, optional
         Bool mask of tensors that may be selected. Ineligible tensors are never selected but
         are still charged ``t_dx`` when the chain passes them.
+    ops : list of float, optional
+        If given, the element operations this call performed are appended (what the device is
+        charged): :data:`EXACT_OPS_PER_UNIT` per unit, :data:`EXACT_OPS_PER_STATE` per state of
+        each merge plus a binary search (``ceil(log2(size + 1))``) per new state and per candidate.
+        They follow the Pareto lists' real lengths, not a grid's ``resolution + 1``.
 
     Returns
     -------
@@ -223,9 +241,13 @@ def select_exact(
         Bool mask, forward order.
     """
     imp, dw, dx, candidate, settled = _prepare(importance, t_dw, t_dx, budget, resolution, eligible)
-    if settled is not None:
-        return settled
     n = imp.shape[0]
+    count = 4.0 * n  # the inputs' checks and the candidate test (all a settled call does)
+    if settled is not None:
+        if ops is not None:
+            ops.append(count)
+        return settled
+    count += (EXACT_OPS_PER_UNIT - 4.0) * n
     empty = np.zeros(n, dtype=bool)
 
     limit = budget * (1 + _SNAP_RTOL)
@@ -244,6 +266,7 @@ def select_exact(
             size = len(cost)
             shifted = cost + dw[i]
             fit = int(np.searchsorted(shifted, room, side="right"))
+            count += EXACT_OPS_PER_STATE * (size + fit) + (fit + 1) * math.ceil(math.log2(size + 1))
             # merge the two sorted lists (without and with item i): O(size), no sort
             where = np.searchsorted(cost, shifted[:fit], side="left") + np.arange(fit)
             took = np.zeros(size + fit, bool)
@@ -272,10 +295,13 @@ def select_exact(
             cost, value = all_cost, all_value
             steps[i] = (parent, took)
         if candidate[j] and fixed[j] <= limit:
+            count += math.ceil(math.log2(len(cost) + 1))
             state = int(np.searchsorted(cost, limit - fixed[j], side="right")) - 1
             total = imp[j] + value[state]
             if total > best_value:
                 best_value, best_j, best_state = total, j, state
+    if ops is not None:
+        ops.append(count)
     if best_j < 0:
         return empty
 

@@ -19,6 +19,10 @@
   charged to the emulated time.
 * A selection that does not fit the device's training memory is never trained: the result says
   ``fits=False``; the emulated time already spent in the round is kept, the weights roll back.
+* A strategy that :meth:`~SelectionStrategy.carries_selection` (a re-selection interval) starts
+  from the selection its last local training left, with the steps run since it: no probe and no
+  selector work until the interval is due, whatever the round. A strategy whose probe scope is
+  empty (nothing can train: ``ctx.note`` says why) runs no probe and is charged none.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class LocalResult:
     train_time_s: float = 0.0
     overhead_time_s: float = 0.0  # probes and selector work, included in train_time_s
     selector_time_s: float = 0.0  # the selector's work priced on the device, included in overhead_time_s
+    probe_time_s: float = 0.0  # the probes' time, included in overhead_time_s
+    probes: int = 0  # probes run (a selection carried from an earlier round, or one with nothing to train, runs none)
     macs: float = 0.0
     peak_memory_bytes: float = 0.0  # max of training and probes
     probe_peak_memory_bytes: float = 0.0  # largest probe run (or needed, when it did not fit)
@@ -484,6 +490,34 @@ def select_and_charge(strategy, ctx, cost, result, prepared: Prepared | None = N
     return selection, peak
 
 
+def carried_selection(strategy: SelectionStrategy, info: ModelInfo) -> tuple[Selection | None, int]:
+    """(the selection an earlier local training left, the steps run since it was made), or (None, 0).
+
+    Only a strategy that :meth:`~SelectionStrategy.carries_selection` keeps one; a selection of
+    another model's tensors is dropped.
+    """
+    kept = strategy.carried if strategy.carries_selection() else None
+    if kept is None or len(kept.ratios) != info.num_tensors:
+        return None, 0
+    return kept, int(strategy.since)
+
+
+def carry_selection(strategy: SelectionStrategy, selection: Selection | None, since: int) -> None:
+    """Keep the last ``selection`` and the steps ``since`` it in ``strategy`` for its next local training.
+
+    None keeps nothing: a selection with nothing to train is made afresh (no probe runs for it)
+    so that its reason, with the figures, is given again.
+    """
+    if strategy.carries_selection():
+        strategy.carried, strategy.since = selection, since if selection is not None else 0
+
+
+def no_step_reason(strategy: SelectionStrategy, note: str) -> str:
+    """Why a client that fits ran no step: the strategy's ``note`` (figures included) when it gave one."""
+    what = f"strategy {type(strategy).__name__} selected no tensor to train on this device"
+    return f"{what}: {note}" if note else what
+
+
 @with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
@@ -548,13 +582,19 @@ def train_local(
         result.host_wall_s = time.perf_counter() - start
         return result
 
+    kept, since = carried_selection(strategy, info)  # a selection made in an earlier round, and the steps since
+    note = ""
     for step, idx in enumerate(plan):
         # the batch gathered by numpy (a few rows: cheaper than torch's index op), the same values
         x, y = torch.from_numpy(data.x[idx]).to(dev), torch.from_numpy(data.y[idx]).to(dev)
         if lr_schedule == "cosine":
             for group in opt.param_groups:
                 group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / len(plan)))
-        if applied is None or strategy.should_reselect(step, steps_per_epoch):
+        due = strategy.should_reselect(since, steps_per_epoch)
+        if applied is None and kept is not None and not due:  # no probe, no selector work: it was paid for
+            selection, peak = kept, prepared.prices(cost, kept)[0]
+            result.peak_memory_bytes = max(result.peak_memory_bytes, peak)
+        elif applied is None or due:
             ctx = SelectionContext(info, cost, step, rng)
             if strategy.probe is not None:
                 scope = strategy.probe_scope(ctx)
@@ -579,15 +619,26 @@ def train_local(
                             ctx.importance += importance_probe(model, info, opt, x, y, micro, piece)
                         else:
                             ctx.fisher.update(fisher_probe(model, info, x, y, micro, piece))
-                        result.overhead_time_s += cost.probe_time_s(strategy.probe, micro, piece)
+                        probe_s = cost.probe_time_s(strategy.probe, micro, piece)
+                        result.overhead_time_s += probe_s
+                        result.probe_time_s += probe_s
+                    result.probes += 1
             selection, peak = select_and_charge(strategy, ctx, cost, result, prepared)
+            note = ctx.note
             if peak > ctx.memory_budget_bytes:
-                return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}")
-            applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
+                why = f" ({note})" if note else ""
+                return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}{why}")
             result.selections += 1
+            since = 0
+        else:
+            selection = None
+        if selection is not None:
+            kept = selection
+            applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
             _add_to_union(selection, applied, union, whole, channel_union)
             _, step_time, step_macs = prepared.prices(cost, selection)
             trains = bool(selection.mask.any())
+        since += 1
         if not trains:
             continue  # nothing to train: no step runs
         if before is None and step + 1 < len(plan):  # a later step may reselect, and that selection not fit
@@ -602,11 +653,9 @@ def train_local(
         result.steps += 1
     result.train_time_s += result.overhead_time_s
     result.train_loss = _mean(losses)
+    carry_selection(strategy, None if note else kept, since)
     if not result.steps and plan:  # it fits, yet no step ran: say why (the server counts it apart)
-        result.reason = (
-            f"strategy {type(strategy).__name__} selected no tensor to train on this device "
-            "(its budget leaves no room beyond the forward pass, e.g. rho at or below the forward share)"
-        )
+        result.reason = no_step_reason(strategy, note)
     result.ratios = union
     for p in params:
         p.requires_grad_(True)

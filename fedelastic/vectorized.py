@@ -52,6 +52,9 @@ from .training import (
     LocalResult,
     _set_norm_modes,
     batches,
+    carried_selection,
+    carry_selection,
+    no_step_reason,
     select_and_charge,
     step_cap,
 )
@@ -98,16 +101,28 @@ class _Client:
         self.steps_per_epoch = -(-n // batch_size)
         self.memory = cost.device.memory_train_bytes.value
         self.lr, self.lr_schedule = lr, lr_schedule
+        self.kept, self.offset = carried_selection(strategy, info)  # from an earlier round
+        self.last: int | None = None  # the step of the last selection made here
+        self.note = ""
+
+    def since(self, step: int) -> int:
+        """Steps run since the last selection, before ``step`` (across rounds for a carried one)."""
+        return self.offset + step if self.last is None else step - self.last
 
     def lr_at(self, step: int) -> float:
         return self.lr * 0.5 * (1 + np.cos(np.pi * step / len(self.order))) if self.lr_schedule == "cosine" else self.lr
 
     def begin(self, step: int) -> list[np.ndarray] | None:
         """Before ``step``: None if the selection stands, else the probe scopes to run (maybe none)."""
-        if self.selection is not None and not self.strategy.should_reselect(step, self.steps_per_epoch):
+        due = self.strategy.should_reselect(self.since(step), self.steps_per_epoch)
+        if self.selection is not None and not due:
+            return None
+        if self.kept is not None and not due:  # carried from an earlier round: no probe, no selector work
+            self._apply(self.kept, self.cost.peak_memory_bytes(self.kept.ratios, self.kept.input_sparse))
             return None
         info, cost, result, probe = self.info, self.cost, self.result, self.strategy.probe
         self.ctx = ctx = SelectionContext(info, cost, step, self.rng)
+        self.last = step
         if probe is None:
             return []
         ctx.importance, ctx.fisher = np.zeros(info.num_tensors), {}
@@ -129,8 +144,11 @@ class _Client:
             probe_peak = cost.probe_memory(probe, micro, piece).total_bytes
             result.probe_peak_memory_bytes = max(result.probe_peak_memory_bytes, probe_peak)
             result.peak_memory_bytes = max(result.peak_memory_bytes, probe_peak)
-            result.overhead_time_s += cost.probe_time_s(probe, micro, piece)
+            probe_s = cost.probe_time_s(probe, micro, piece)
+            result.overhead_time_s += probe_s
+            result.probe_time_s += probe_s
             scopes.append(np.ones(info.num_tensors, bool) if piece is None else np.asarray(piece, bool))
+        result.probes += 1
         return scopes
 
     def finish(self, importance: np.ndarray | None) -> None:
@@ -140,15 +158,22 @@ class _Client:
         if importance is not None:
             ctx.importance = importance
         selection, peak = select_and_charge(strategy, ctx, cost, result)
+        self.note = ctx.note
         if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
             raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
         if peak > ctx.memory_budget_bytes:
-            self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}"
+            why = f" ({self.note})" if self.note else ""
+            self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}{why}"
             return
-        self.selection = selection
         result.selections += 1
+        self._apply(selection, peak)
+
+    def _apply(self, selection: Selection, peak: float) -> None:
+        """Train ``selection`` from now on (its peak memory already checked)."""
+        self.selection = self.kept = selection
+        self.result.peak_memory_bytes = max(self.result.peak_memory_bytes, peak)
         self.union = np.maximum(self.union, selection.ratios)
-        self.step_time, self.step_macs = cost.step_time_s(selection.ratios), cost.step_macs(selection.ratios)
+        self.step_time, self.step_macs = self.cost.step_time_s(selection.ratios), self.cost.step_macs(selection.ratios)
 
     def trains(self) -> bool:
         return not self.failed and self.selection is not None and bool(self.selection.mask.any())
@@ -352,11 +377,9 @@ def train_cohort_vmap(
             r.trained = {
                 names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(c.union > 0)
             }
+            carry_selection(c.strategy, None if c.note else c.kept, c.since(len(c.order)))
             if not r.steps and c.order:
-                r.reason = (
-                    f"strategy {type(c.strategy).__name__} selected no tensor to train on this device "
-                    "(its budget leaves no room beyond the forward pass, e.g. rho at or below the forward share)"
-                )
+                r.reason = no_step_reason(c.strategy, c.note)
         results.append(r)
     return results
 

@@ -129,11 +129,14 @@ def solve(
     solver: str,
     resolution: int,
     floor: int = -1,
+    ops: list[float] | None = None,
 ) -> np.ndarray:
     """Run ``solver`` on the units above ``floor`` (indices ``> floor``); bool mask over all units.
 
     The sub-problem above a floor has the same costs as the full problem restricted to it (the
-    chain of a unit only counts units above it), so slicing is exact for every solver.
+    chain of a unit only counts units above it), so slicing is exact for every solver. ``ops``,
+    if given, gets the solve's element operations appended (:func:`solver_ops`; the exact
+    solver's are counted as it runs).
     """
     n = len(importance)
     mask = np.zeros(n, dtype=bool)
@@ -142,7 +145,8 @@ def solve(
         return mask
     args = (importance[lo:], t_dw[lo:], t_dx[lo:], budget)
     if solver == "exact":
-        sub = select_exact(*args, resolution=resolution)
+        sub = select_exact(*args, resolution=resolution, ops=ops)
+        ops = None  # counted
     elif solver == "grid":
         sub = select_grid(*args, resolution=resolution)
     elif solver == "artifact_dp":
@@ -152,13 +156,20 @@ def solve(
     else:
         raise ValueError(f"unknown solver {solver!r}")
     mask[lo:] = sub
+    if ops is not None:
+        ops.append(solver_ops(n - lo, solver, resolution))
     return mask
 
 
 def solver_ops(n: int, solver: str, resolution: int) -> float:
-    """Elementary operations of one solve over ``n`` units (priced on the device as selector work)."""
-    if solver in ("exact", "grid"):  # one vectorised knapsack update (add, compare, select, record) per unit
-        return 4.0 * n * (resolution + 1)  # for 'exact' an estimate: its Pareto lists are usually shorter
+    """Elementary operations of one solve over ``n`` units (priced on the device as selector work).
+
+    'exact' is not priced here: :func:`~fedelastic.selector.select_exact` counts what it performs.
+    """
+    if solver == "exact":
+        raise ValueError("the exact solver's operations are counted as it runs (select_exact's ops)")
+    if solver == "grid":  # one vectorised knapsack update (add, compare, select, record) per unit and cell
+        return 4.0 * n * (resolution + 1)
     if solver == "artifact_dp":  # every (row, predecessor) pair updates a capacity vector
         return 3.0 * n * (n + 1) / 2 * (resolution + 1)
     return 6.0 * n * n  # greedy: one pass over the units per pick
@@ -228,15 +239,64 @@ class BudgetedStrategy(SelectionStrategy):
             interval *= steps_per_epoch
         return bool(interval) and step > 0 and step % interval == 0
 
+    def carries_selection(self) -> bool:
+        """An interval carries over between local trainings (rounds), as the artifact's over epochs."""
+        return getattr(self.config, "interval", 0) > 0
+
     def probe_scope(self, ctx: SelectionContext) -> np.ndarray:
-        """The tensors that can be selected at all: none without a backward budget, else those of
-        the units at or above the deepest unit whose training fits memory alone (memory grows as
-        units are added, so a unit that does not fit alone is never selected)."""
+        """The tensors that can be selected at all: none when no unit can be trained (then
+        ``ctx.note`` says why, with the figures), else those of the units at or above the deepest
+        unit whose training fits memory alone (memory grows as units are added, so a unit that
+        does not fit alone is never selected)."""
         n = ctx.info.num_tensors
-        if backward_budget(ctx.cost, self.config, self.name) <= 0:
-            return np.zeros(n, dtype=bool)
+        budget = backward_budget(ctx.cost, self.config, self.name)
         unit = self.units(ctx)
-        return unit >= self._lowest_fitting_unit(ctx, unit)
+        lowest = self._lowest_fitting_unit(ctx, unit) if budget > 0 else 0
+        ctx.note = self._nothing_trains(ctx, budget, unit, lowest)
+        if ctx.note:
+            return np.zeros(n, dtype=bool)
+        return unit >= lowest
+
+    def _nothing_trains(self, ctx: SelectionContext, budget: float, unit: np.ndarray, lowest: int) -> str:
+        """Why no unit can be trained on this device, with the figures; "" when one can.
+
+        ``budget``: the backward budget; ``lowest``: :meth:`_lowest_fitting_unit`. A unit trained
+        alone costs its ``t_dw + t_opt`` plus the ``t_dx`` of every unit above it (the solvers'
+        cost); a budget below the cheapest such unit (after the backward time no tensor owns)
+        selects nothing, whatever the scores.
+        """
+        cost, cfg, device = ctx.cost, self.config, ctx.cost.device.name
+        what = "tensor" if np.array_equal(unit, np.arange(ctx.info.num_tensors)) else "unit"
+        if budget <= 0:
+            share = cost.forward_time_s / cost.full_step_time_s()
+            return (
+                f"rho {cfg.rho:g} is at or below the forward share {share:.3f} of a step on device {device!r}: "
+                "its budget leaves no room beyond the forward pass"
+            )
+        num_units = int(unit.max()) + 1 if unit.size else 0
+        if not num_units:
+            return "the model has no trainable tensor"
+        if lowest >= num_units:  # no unit fits memory, even alone
+            memory = ctx.memory_budget_bytes
+            forward = cost.peak_memory_bytes(np.zeros(ctx.info.num_tensors))
+            if forward > memory:
+                return f"the forward pass alone needs {forward:.0f} bytes on device {device!r}; it has {memory:.0f}"
+            need = min(cost.peak_memory_bytes((unit == u).astype(float)) for u in range(num_units))
+            return f"training the smallest {what} alone needs {need:.0f} bytes on device {device!r}; it has {memory:.0f}"
+        dw, dx = tensor_times(cost)
+        unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
+        unit_dx = np.bincount(unit, weights=dx, minlength=num_units)
+        chain_above = np.concatenate([np.cumsum(unit_dx[::-1])[::-1][1:], [0.0]])
+        cheapest = float((unit_dw + chain_above)[lowest:].min())  # of the units that fit memory
+        fixed = float(getattr(cost, "t_bwd_fixed", 0.0))
+        left = budget - fixed
+        if left <= 0 or cheapest > left * (1 + _TIME_RTOL):
+            return (
+                f"rho {cfg.rho:g} leaves a backward budget of {_time(budget)} on device {device!r}, below the "
+                f"{_time(cheapest + fixed)} the cheapest trainable {what} needs ({_time(cheapest)}, plus "
+                f"{_time(fixed)} any training step pays)"
+            )
+        return ""
 
     @staticmethod
     def _lowest_fitting_unit(ctx: SelectionContext, unit: np.ndarray) -> int:
@@ -266,6 +326,12 @@ class BudgetedStrategy(SelectionStrategy):
         budget = backward_budget(ctx.cost, cfg, self.name)
         unit = self.units(ctx)
         num_units = int(unit.max()) + 1 if n else 0
+        # Memory only grows as units are added, so a unit that does not fit alone never fits: start
+        # the floor just below the deepest unit that fits alone (one solve instead of one per floor).
+        lowest = self._lowest_fitting_unit(ctx, unit) if budget > 0 else 0
+        ctx.note = self._nothing_trains(ctx, budget, unit, lowest)
+        if ctx.note:  # nothing can be trained: no solve runs
+            return Selection.from_mask(np.zeros(n))
         dw, dx = tensor_times(ctx.cost)
         unit_score = np.bincount(unit, weights=score, minlength=num_units)
         unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
@@ -280,8 +346,10 @@ class BudgetedStrategy(SelectionStrategy):
         unit_budget = budget - float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
 
         def pick(floor: int) -> np.ndarray:
-            ctx.ops += solver_ops(max(num_units - floor - 1, 0), cfg.solver, cfg.resolution) if unit_budget > 0 else 0
-            return solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor)
+            done: list[float] = []
+            mask = solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor, done)
+            ctx.ops += sum(done)
+            return mask
 
         def fits(unit_mask: np.ndarray) -> bool:
             ratios = to_tensors(unit_mask)
@@ -289,10 +357,14 @@ class BudgetedStrategy(SelectionStrategy):
             in_time = ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
             return in_time and ctx.cost.peak_memory_bytes(ratios) <= memory_budget
 
-        # Memory only grows as units are added, so a unit that does not fit alone never fits: start
-        # the floor just below the deepest unit that fits alone (one solve instead of one per floor).
-        start = self._lowest_fitting_unit(ctx, unit) - 1
-        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits, start)))
+        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits, lowest - 1)))
+
+
+def _time(seconds: float) -> str:
+    """``seconds`` in us, ms or s, three significant figures."""
+    if abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms" if abs(seconds) < 1 else f"{seconds:.3g} s"
 
 
 def require_importance(ctx: SelectionContext, name: str) -> np.ndarray:

@@ -13,7 +13,9 @@ The scheme is fixed before training, from the model, the device's memory budget 
    only the kept channels' input activations are saved. Only layers whose bias is updated may
    update their weight (a conv counts when the norm just above it has its beta updated: folded).
 3. **Search.** ``search = "contribution"`` (default, the paper's): ``contributions`` is a JSON
-   file of accuracy gains measured once offline (:func:`fedelastic.contribution.analyse`):
+   file of accuracy gains measured once offline (:func:`fedelastic.contribution.analyse`, on
+   source or proxy data; a file measured on the pooled target-task data, a centralised oracle, is
+   used only with ``oracle = true``):
    ``"bias"``, the gain of updating the last k biases (k = 1, 2, ...), and ``"weight"``,
    per layer name and ratio, the further gain of that layer's weight at that ratio. The scheme
    maximises the summed gain of the chosen weights (the paper's additivity assumption) under the
@@ -70,6 +72,11 @@ class SparseUpdateConfig:
         help="JSON file of measured gains (fedelastic.contribution.analyse); empty: a depth heuristic "
         "stands in for the measurement (gain r * depth)",
     )
+    oracle: bool = field(
+        False,
+        help="allow a contributions file measured on the pooled target-task data (a 'centralised oracle': "
+        "no other strategy sees that data offline); label such a variant as one",
+    )
 
     def __post_init__(self) -> None:
         check(isinstance(self.bias_last_k, int) and self.bias_last_k >= 0, "bias_last_k", "an integer >= 0")
@@ -86,21 +93,32 @@ class SparseUpdateConfig:
         check(0 < self.memory_fraction <= 1, "memory_fraction", "a number in (0, 1]")
         check(self.search in ("contribution", "greedy"), "search", "one of ['contribution', 'greedy']")
         if self.contributions:
-            load_contributions(self.contributions)  # a bad file fails at configuration time
+            kind = load_contributions(self.contributions)["kind"]  # a bad file fails at configuration time
+            check(
+                kind != "centralised oracle" or self.oracle,
+                "contributions",
+                f"gains measured offline on source or proxy data; {self.contributions} is a centralised oracle "
+                "(measured on the pooled target-task data): set oracle = true to use it, and label the variant so",
+            )
 
 
 @cache
 def load_contributions(path: str) -> dict:
-    """The measured gains in ``path``: ``{"bias": [...], "weight": {layer: {ratio: gain}}}``."""
+    """The measured gains in ``path``: ``{"bias": [...], "weight": {layer: {ratio: gain}}, "kind": ...}``.
+
+    ``kind`` is the analysis's (:mod:`fedelastic.contribution`): "offline proxy" or "centralised
+    oracle"; a file that does not say is "unlabelled".
+    """
     try:
         raw = json.loads(Path(path).read_text())
         bias = [float(v) for v in raw["bias"]]
         weight = {str(name): {float(r): float(g) for r, g in gains.items()} for name, gains in raw["weight"].items()}
+        kind = str(raw.get("kind", "unlabelled"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
             path, "contributions", 'JSON {"bias": [gains], "weight": {layer: {ratio: gain}}}', str(exc)
         ) from None
-    return {"bias": bias, "weight": weight}
+    return {"bias": bias, "weight": weight, "kind": kind}
 
 
 def bias_layers(info: ModelInfo) -> list[int]:

@@ -109,12 +109,19 @@ class TinyTrain(SelectionStrategy):
         interval = self.config.interval
         return interval > 0 and step > 0 and step % interval == 0
 
-    def select(self, ctx: SelectionContext) -> Selection:
-        if ctx.fisher is None:
-            raise ValueError(f"strategy {self.name!r} needs ctx.fisher from the 'fisher' probe")
+    def carries_selection(self) -> bool:
+        """With an interval, it runs across local trainings; ``interval = 0`` selects at the start of each."""
+        return self.config.interval > 0
+
+    def probe_scope(self, ctx: SelectionContext) -> np.ndarray | None:
+        """None (every layer) unless not even the smallest channel share of any layer fits the
+        budgets: then no probe runs, and ``ctx.note`` says why, with the figures."""
+        ctx.note = self._nothing_fits(ctx)
+        return np.zeros(ctx.info.num_tensors, dtype=bool) if ctx.note else None
+
+    def _budgets(self, ctx: SelectionContext):
+        """(memory budget in bytes, backward work of a selection, compute budget in that work's unit)."""
         cfg, info, cost = self.config, ctx.info, ctx.cost
-        memory_budget = cfg.memory_fraction * ctx.memory_budget_bytes
-        full = np.ones(info.num_tensors)
         if cfg.compute_metric == "macs":
             fwd_macs = cost.step_macs(np.zeros(info.num_tensors))
 
@@ -125,11 +132,47 @@ class TinyTrain(SelectionStrategy):
             def work(r: np.ndarray) -> float:
                 return cost.backward_time_s(r)
 
-        compute_budget = cfg.compute_fraction * work(full)
+        return cfg.memory_fraction * ctx.memory_budget_bytes, work, cfg.compute_fraction * work(np.ones(info.num_tensors))
+
+    def _nothing_fits(self, ctx: SelectionContext) -> str:
+        """Why no layer can train even its smallest channel share within both budgets; "" if one can."""
+        info, cost, device = ctx.info, ctx.cost, ctx.cost.device.name
+        memory_budget, work, compute_budget = self._budgets(ctx)
+        forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+        if forward > memory_budget:
+            return f"the forward pass alone needs {forward:.0f} bytes on device {device!r}; the budget is {memory_budget:.0f}"
+        need_memory = need_work = np.inf
+        for layer in reversed(info.layers):  # from the output: the layers that need least
+            tensors = [k for k in layer.tensors if info.tensor_roles[k] in ("weight", "bias")]
+            if layer.kind not in ("conv", "linear") or not tensors:
+                continue
+            num = int(info.tensor_channels[tensors[0]])
+            smallest = min((max(1, math.ceil(r * num)) for r in self.config.channel_ratios), default=1)
+            r = _with_channels(np.zeros(info.num_tensors), tensors, min(smallest, num) / num)
+            memory, done = cost.peak_memory_bytes(r), work(r)
+            if memory <= memory_budget and done <= compute_budget:
+                return ""
+            need_memory, need_work = min(need_memory, memory), min(need_work, done)
+        if need_memory > memory_budget:
+            return (
+                f"no layer's smallest channel share fits memory on device {device!r}: the least needs "
+                f"{need_memory:.0f} bytes, the budget is {memory_budget:.0f}"
+            )
+        return (
+            f"no layer's smallest channel share fits the compute budget on device {device!r}: the least needs "
+            f"{need_work:.4g}, the budget is {compute_budget:.4g} ({self.config.compute_metric})"
+        )
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        if ctx.fisher is None:
+            raise ValueError(f"strategy {self.name!r} needs ctx.fisher from the 'fisher' probe")
+        info, cost = ctx.info, ctx.cost
+        memory_budget, work, compute_budget = self._budgets(ctx)
 
         def feasible(r: np.ndarray) -> bool:
             return cost.peak_memory_bytes(r) <= memory_budget and work(r) <= compute_budget
 
+        cfg = self.config
         scores = layer_scores(ctx, ctx.fisher)
         # by score descending; ties: nearer the output first
         order = sorted(scores, key=lambda li: (-scores[li], -li))

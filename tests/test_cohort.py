@@ -394,3 +394,21 @@ def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make
     failed = clients[clients.status == "failed"]
     assert failed.partition_id.tolist() == [culprit] and "died" in failed.error.iloc[0]
     assert clients[clients.status != "failed"].steps.eq(1).all()
+
+
+def test_cohorts_carry_a_reselection_interval_across_rounds_as_nodes_do(make_scenario):
+    # every 4 steps, 3 steps a round, every client in every round: a probe at steps 0, 4, 8 of each
+    # client's own count, i.e. in rounds 1, 2 and 3 but not 4; the state travels like static_elastic's
+    per_client, cohort = _both(
+        make_scenario, cohorts=2, fleet={"raspberry_pi_4": 2, "jetson_nano": 2},
+        train={"strategy": "elastic_tensor", "options": {"rho": 0.8, "interval": 4, "interval_unit": "steps"},
+               "max_steps": 3},
+        server={"rounds": 4, "clients_per_round": 5},
+    )  # fmt: skip
+    _same(per_client, cohort)
+    clients = cohort[0]
+    trained = clients[clients.steps.eq(3)]
+    assert len(trained) and set(trained.partition_id) == set(clients.partition_id)
+    by_round = trained.groupby("round").selections.max()
+    assert by_round.loc[4] == 0 and (trained[trained["round"] == 4].emulated_overhead_time_s == 0).all()
+    assert (by_round.loc[[1, 2, 3]] == 1).all()

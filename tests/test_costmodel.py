@@ -1,6 +1,7 @@
 """The cost model against hand computations; pure numpy after describe()."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 
 from fedelastic.costmodel import CostModel
 from fedelastic.devices import LayerTiming, MeasuredTable, Quantity, get_profile
+from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 
@@ -369,3 +371,44 @@ def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():
         assert other.parallel == ()
         plain = CostModel(other, get_profile("jetson_nano"), batch_size=2)
         assert not (plain.branch_hi > plain.branch_lo).any()
+
+
+def test_a_measured_table_prices_only_the_shape_it_was_measured_at(monkeypatch):
+    from fedelastic import costmodel
+    from fedelastic.models import describe_model
+
+    monkeypatch.setattr(costmodel, "_WARNED", set())  # warned once per process: start afresh
+    tx2 = get_profile("jetson_tx2")  # its tables: 224x224, batch 4, 200 classes
+    roofline = dataclasses.replace(tx2, measured={})
+    small = describe_model("mobilenetv2", width_mult=0.35, input_size=32, num_classes=10)
+    # by hand: Conv1's input is the 32x32 RGB image zero-padded to 33x33, 3 * 33 * 33 = 3267; at 224: 3 * 225 * 225
+    with pytest.warns(UserWarning, match=r"'jetson_tx2'.*'mobilenetv2'.*\(first layer\) 3267, the table's model 151875"):
+        cost = CostModel(small, tx2, 16)
+    assert cost.measured is None
+    assert cost.full_step_time_s() == CostModel(small, roofline, 16).full_step_time_s()
+    # the same resolution and classes, another width: the layers differ, so does the parameter count
+    narrow = describe_model("mobilenetv2", width_mult=0.35)
+    with pytest.warns(UserWarning, match=r"parameters \d+, the table's model 2480072"):
+        assert CostModel(narrow, tx2, 4).measured is None
+    # the paper's own shape still uses it
+    paper = describe_model("mobilenetv2")
+    assert CostModel(paper, tx2, 4).measured is tx2.measured["mobilenetv2"]
+    assert CostModel(paper, tx2, 4).full_step_time_s() != CostModel(paper, roofline, 4).full_step_time_s()
+
+
+def test_a_table_shape_is_checked_and_written_back():
+    from fedelastic.devices import parse_profile
+    from fedelastic.profiles import dumps_profile, measured_table_toml
+
+    table = MeasuredTable(4, "test", {"0": LayerTiming(1e-3, 2e-3, 3e-3)}, shape={"input": 16, "classes": 3})
+    raw = {"measured": {"mlp": measured_table_toml(table)}}
+    assert raw["measured"]["mlp"]["shape"] == {"input": 16, "classes": 3}
+    assert "shape = { input = 16, classes = 3 }" in dumps_profile(raw)
+    import tomllib
+
+    base = tomllib.loads(Path(get_profile("jetson_nano").path).read_text())
+    base.pop("measured", None)
+    assert parse_profile({**base, **raw}, "x.toml", stem="jetson_nano").measured["mlp"].shape == {"input": 16, "classes": 3}
+    bad = {"measured": {"mlp": {**raw["measured"]["mlp"], "shape": {"input": 0}}}}
+    with pytest.raises(ConfigError, match=r"x\.toml.*measured\.mlp\.shape\.input"):
+        parse_profile({**base, **bad}, "x.toml", stem="jetson_nano")

@@ -427,8 +427,17 @@ def _table_text(run_dir: Path, name: str) -> str:
     return frame.drop(columns=[c for c in frame.columns if c.startswith("host_")]).to_csv(index=False)
 
 
-def test_kill_9_after_round_2_then_resume_gives_identical_tables(tmp_path):
-    raw = small_scenario_dict(tmp_path, server={"rounds": 6}, train={"strategy": "static_elastic", "max_steps": 3},
+@pytest.mark.parametrize(
+    "train",
+    [
+        {"strategy": "static_elastic", "max_steps": 3},
+        # a re-selection interval carried across rounds: the checkpoint hands each client its state back
+        {"strategy": "elastic_tensor", "options": {"rho": 0.8, "interval": 4, "interval_unit": "steps"}, "max_steps": 3},
+    ],
+    ids=["static_elastic", "elastic_interval"],
+)
+def test_kill_9_after_round_2_then_resume_gives_identical_tables(tmp_path, train):
+    raw = small_scenario_dict(tmp_path, server={"rounds": 6}, train=train,
                               fleet={"raspberry_pi_4": 2, "jetson_nano": 1, "stm32h743": 1},
                               simulation={"write_every_s": 0})  # fmt: skip
     raw["model"]["name"] = "small_cnn"

@@ -37,7 +37,7 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     assert profile.uncertainty is not None and "in-sample" in profile.uncertainty.source
     info = _small_info()
     table = profile.measured["small_cnn"]
-    assert table.batch_size == 4
+    assert table.batch_size == 4 and table.shape == info.shape()  # measured on width 4: recorded, and matched below
     assert list(table.layers) == [layer.name for layer in info.layers]
     assert all(min(t.fwd_s, t.dx_s, t.dw_s) >= 0 for t in table.layers.values())
     assert sum(t.fwd_s for t in table.layers.values()) > 0
@@ -140,6 +140,10 @@ def test_import_trace_cli_writes_a_valid_measured_table(tmp_path, capsys):
     table = loaded.measured["small_cnn"]
     assert table.batch_size == 4 and list(table.layers) == layers
     assert table.layers[layers[2]].dw_s == pytest.approx(302e-6)
+    # the shape it records: the registry model as the command describes it (the factory's defaults here)
+    from fedelastic.models import describe_model
+
+    assert table.shape == describe_model("small_cnn").shape() and set(table.shape) == {"input", "classes", "params", "macs"}
     after = tomllib.loads(profile.read_text())
     assert {k: v for k, v in after.items() if k != "measured"} == before  # everything else kept
     # importing again replaces the table; --fit refits the roofline to it and says so

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -353,3 +354,57 @@ def test_grid_solver_is_optimal_for_rounded_up_costs():
         else:
             assert objective(mask, importance) == pytest.approx(best_rounded, rel=RTOL, abs=1e-12)
         assert objective(mask, importance) <= best_real + 1e-9
+
+
+def _pareto(items, dw, room):
+    """Brute force: the non-dominated (cost, value) states of the subsets of ``items`` costing at most ``room``."""
+    states = []
+    for r in range(len(items) + 1):
+        for subset in itertools.combinations(items, r):
+            cost = sum(dw[k] for k in subset)
+            if cost <= room:
+                states.append((cost, subset))
+    return states
+
+
+def test_the_exact_selector_is_charged_the_operations_it_performs():
+    from fedelastic.selector import EXACT_OPS_PER_STATE, EXACT_OPS_PER_UNIT
+
+    rng = np.random.default_rng(5)
+    n = 7
+    importance, t_dw, t_dx = rng.uniform(0.1, 1, n), rng.uniform(0.5, 2, n), rng.uniform(0.1, 0.5, n)
+    budget = 0.45 * (t_dw.sum() + t_dx[1:].sum())
+    ops: list[float] = []
+    mask = select_exact(importance, t_dw, t_dx, budget, resolution=1000, ops=ops)
+    assert mask.any() and len(ops) == 1
+    # by brute force: each list is the Pareto front of the subsets of the items added so far that fit
+    # the room the cheapest deeper tensor leaves (costs are distinct reals: no ties)
+    fixed = np.array([t_dw[j] + t_dx[j + 1 :].sum() for j in range(n)])
+    cheapest = np.minimum.accumulate(fixed)
+    limit = budget * (1 + 1e-9)
+
+    def front(items, room):
+        best, out = -np.inf, []
+        for cost, subset in sorted(_pareto(items, t_dw, room)):
+            value = sum(importance[k] for k in subset)
+            if value > best:
+                best = value
+                out.append(cost)
+        return out
+
+    expected = EXACT_OPS_PER_UNIT * n
+    size = 1  # the empty state
+    for j in range(n - 1, -1, -1):
+        i = j + 1
+        if i < n:
+            room = limit - cheapest[i - 1]
+            old = front(list(range(i + 1, n)), limit - cheapest[i]) if i + 1 < n else [0.0]
+            assert len(old) == size
+            fit = sum(c + t_dw[i] <= room for c in old)
+            expected += EXACT_OPS_PER_STATE * (size + fit) + (fit + 1) * math.ceil(math.log2(size + 1))
+            size = len(front(list(range(i, n)), room))
+        if fixed[j] <= limit:
+            expected += math.ceil(math.log2(size + 1))
+    assert ops[0] == expected
+    # short lists: far below the grid's 4 N (resolution + 1) that used to be charged for it
+    assert ops[0] < 4 * n * 1001 / 10

@@ -527,8 +527,14 @@ def test_a_probe_that_cannot_fit_never_runs():
     cost = CostModel(info, tiny, BATCH)
     before = copy.deepcopy(model.state_dict())
     result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
-    assert not result.fits and result.steps == 0 and "fisher probe" in result.reason
-    assert result.probe_peak_memory_bytes == pytest.approx(need) and result.train_time_s == 0
+    # below the probe's need, not even the forward pass fits: nothing can train, so the probe is not
+    # even planned, and the reason gives the forward pass's need against the memory
+    forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+    assert forward > need
+    assert not result.fits and result.steps == 0 and result.probes == 0
+    assert f"the forward pass alone needs {forward:.0f} bytes" in result.reason and f"{need - 1:.0f}" in result.reason
+    assert result.probe_peak_memory_bytes == 0 and result.probe_time_s == 0
+    assert result.train_time_s == result.selector_time_s  # no probe charged: only the selector's budget checks
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -633,3 +639,127 @@ def test_elastic_layer_objective_at_most_elastic_tensor():
         imp = np.maximum(ctx.importance, 0)
         # layers are a restricted form of tensor units on the same budget and costs
         assert float(imp @ layer.mask) <= float(imp @ tensor.mask) + 1e-12
+
+
+def _rounds(strategy_name, options, rounds, steps, *, device="jetson_nano", carry_state=True):
+    """``rounds`` local trainings of ``steps`` steps each, the strategy's state handed from one
+    round's instance to the next (as the client keeps it); the results, in order."""
+    model, info, cost = build(small_cnn, 16, device)
+    state: dict = {}
+    results = []
+    for r in range(rounds):
+        strategy = make_strategy(strategy_name, options)
+        if carry_state:
+            strategy.load_state(state)
+        results.append(
+            train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=steps, seed=r)
+        )
+        state = {k: np.array(v) for k, v in strategy.state().items()}
+    return results
+
+
+def test_the_reselection_interval_runs_across_rounds():
+    # every 4 steps, 2 steps a round: a probe in rounds 1, 3, 5 (at 0, 4, 8 steps), none in 2, 4, 6
+    options = {"rho": 0.8, "interval": 4, "interval_unit": "steps"}
+    results = _rounds("elastic_tensor", options, 6, 2)
+    assert [r.probes for r in results] == [1, 0, 1, 0, 1, 0]
+    assert [r.selections for r in results] == [1, 0, 1, 0, 1, 0]
+    assert all(r.steps == 2 for r in results)
+    for r in results[1::2]:  # a carried selection costs no probe and no selector work, and still trains
+        assert r.overhead_time_s == r.probe_time_s == 0 and r.train_time_s > 0
+    for r in results[::2]:
+        assert r.probe_time_s > 0 and r.overhead_time_s == pytest.approx(r.probe_time_s + r.selector_time_s)
+    # the carried selection is the one trained: round 2 trains what round 1 selected
+    assert np.array_equal(results[1].ratios, results[0].ratios)
+    # without the state handed on, every round starts with a probe
+    assert [r.probes for r in _rounds("elastic_tensor", options, 3, 2, carry_state=False)] == [1, 1, 1]
+
+
+def test_a_carried_selection_is_dropped_under_another_config():
+    options = {"rho": 0.8, "interval": 4, "interval_unit": "steps"}
+    first = make_strategy("elastic_tensor", options)
+    model, info, cost = build(small_cnn, 16, "jetson_nano")
+    train_local(model, info, first, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=2)
+    state = first.state()
+    assert int(state["carried.since"][0]) == 2
+    same, other = make_strategy("elastic_tensor", options), make_strategy("elastic_tensor", {**options, "rho": 0.7})
+    same.load_state(state)
+    other.load_state(state)  # a deadline's own rho: the selection was made for another budget
+    assert same.carried is not None and same.since == 2 and other.carried is None
+    # tinytrain's default (interval 0) selects at the start of each local training
+    assert [r.probes for r in _rounds("tinytrain", {}, 2, 2)] == [1, 1]
+
+
+def test_no_probe_when_the_budget_is_below_the_cheapest_tensor():
+    # small_cnn width 16, batch 8, TX2, rho 0.4: a positive backward budget, below what any tensor costs
+    model, info, cost = build(small_cnn, 16, "jetson_tx2", batch_size=8)
+    budget = cost.backward_budget_s(0.4)
+    dw, dx = cost.t_dw + cost.t_opt, cost.t_dx
+    alone = [dw[k] + dx[k + 1 :].sum() for k in range(info.num_tensors)]  # a tensor trained alone, its chain above
+    cheapest = min(alone) + cost.t_bwd_fixed
+    assert 0 < budget < cheapest
+    strategy = make_strategy("elastic_tensor", {"rho": 0.4})
+    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=8, lr=0.05, max_steps=4)
+    assert result.fits and result.steps == 0 and result.probes == 0 and result.probe_time_s == 0
+    assert result.overhead_time_s == result.selector_time_s  # only the budget check, no probe
+    assert f"backward budget of {budget * 1e6:.3g} us" in result.reason
+    assert f"below the {cheapest * 1e6:.3g} us the cheapest trainable tensor needs" in result.reason
+    assert "no room beyond the forward pass" not in result.reason
+    assert strategy.carried is None  # nothing is carried: the next round checks (and says why) again
+
+
+def test_the_forward_share_reason_appears_only_when_true():
+    model, info, cost = build(small_cnn, 8, "jetson_tx2", batch_size=8)
+    assert cost.backward_budget_s(0.4) <= 0
+    result = train_local(
+        model, info, make_strategy("elastic_tensor", {"rho": 0.4}), cost, digits(), epochs=1, batch_size=8, lr=0.05,
+        max_steps=4,
+    )  # fmt: skip
+    share = cost.forward_time_s / cost.full_step_time_s()
+    assert result.steps == 0 and result.probes == 0
+    assert f"forward share {share:.3f}" in result.reason and "no room beyond the forward pass" in result.reason
+
+
+def test_no_fisher_probe_when_no_layer_fits_memory():
+    model, info, cost = build(mcu_net, 16, "stm32f746")
+    forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
+    least = np.inf
+    for layer in info.layers:  # one output channel of each conv/linear layer, by itself
+        if layer.kind in ("conv", "linear"):
+            r = np.zeros(info.num_tensors)
+            r[list(layer.tensors)] = 1 / info.tensor_channels[layer.tensors[0]]
+            least = min(least, cost.peak_memory_bytes(r))
+    assert forward < least
+    tight = dataclasses.replace(cost.device, memory_train_bytes=Quantity((forward + least) / 2, "test"))
+    cost = CostModel(info, tight, BATCH)
+    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
+    assert result.probes == 0 and result.probe_time_s == 0 and result.steps == 0
+    assert f"the least needs {least:.0f} bytes" in result.reason
+
+
+def test_the_contribution_analysis_says_what_data_it_ran_on(tmp_path):
+    import json
+
+    from fedelastic.contribution import analyse
+
+    model, info, cost = build(small_cnn, 4, "jetson_tx2")
+    data = digits()
+    source = data.subset(np.flatnonzero(data.y < 5))  # a source task: digits 0-4
+    proxy = tmp_path / "proxy.json"
+    out = analyse(model, info, cost, source.subset(np.arange(40)), source.subset(np.arange(40, 80)), bias_last_k=1,
+                  channel_ratios=(1.0,), epochs=1, batch_size=BATCH, lr=0.01, path=proxy, data="digits 0-4")  # fmt: skip
+    written = json.loads(proxy.read_text())
+    assert written == json.loads(json.dumps(out))
+    assert written["kind"] == "offline proxy" and written["data"] == "digits 0-4" and written["device"] == "jetson_tx2"
+    assert written["training"]["lr"] == 0.01
+    make_strategy("sparse_update", {"contributions": str(proxy)})  # a proxy analysis needs no opt-in
+    # on the pooled target data: a centralised oracle, used only when asked for
+    oracle = tmp_path / "oracle.json"
+    analyse(model, info, cost, data.subset(np.arange(40)), data.subset(np.arange(40, 80)), bias_last_k=1,
+            channel_ratios=(1.0,), epochs=1, batch_size=BATCH, path=oracle, data="pooled target", oracle=True)  # fmt: skip
+    assert json.loads(oracle.read_text())["kind"] == "centralised oracle"
+    with pytest.raises(ConfigError, match=r"train\.options\.contributions.*centralised oracle.*oracle = true"):
+        make_strategy("sparse_update", {"contributions": str(oracle)})
+    assert make_strategy("sparse_update", {"contributions": str(oracle), "oracle": True}).config.oracle
+    with pytest.raises(ValueError, match="describe the data"):
+        analyse(model, info, cost, source, source, bias_last_k=1, channel_ratios=(1.0,), data=" ")

@@ -320,3 +320,30 @@ def test_a_memory_split_probe_and_a_probe_that_cannot_fit_match_the_loop():
     assert ref[0].fits and ref[0].steps == 3 and ref[0].selections == 2
     assert not ref[2].fits and ref[2].reason  # nothing fits 1000 bytes (here: no selection fits)
     assert_same(ref, got)
+
+
+def test_a_carried_reselection_interval_runs_like_the_loop():
+    # interval 3 steps across two local trainings: each client's state from the first is handed to
+    # the second, as its node keeps it; vectorised and looped training probe at the same steps
+    options = {"rho": 0.5, "interval": 3, "interval_unit": "steps"}
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=8), 16, SIZES, "elastic_tensor", options)
+    fresh = [make_strategy("elastic_tensor", options) for _ in SIZES]
+    common = dict(epochs=1, batch_size=16, lr=0.05, momentum=0.9, bn_mode="frozen")
+    caps = [0] * len(SIZES)
+    for r in range(2):
+        seeds = [[r, pid] for pid in range(len(SIZES))]
+        got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+        ref = loop(model, info, fresh, costs, data, seeds, caps, **common)
+        assert_same(ref, got)
+        assert [a.probes for a in ref] == [b.probes for b in got]
+        assert [a.since for a in fresh] == [b.since for b in strategies]
+
+        def renewed(kept):  # a new instance each round, as a client builds it, with the state it kept
+            out = [make_strategy("elastic_tensor", options) for _ in kept]
+            for new, old in zip(out, kept):
+                new.load_state(old.state())
+            return out
+
+        fresh, strategies = renewed(fresh), renewed(strategies)
+    # steps per client: 3, 1, 1, 4, 2 a round; with the state carried, round 2 probes only where 3 steps came due
+    assert [a.probes for a in ref] == [1, 0, 0, 1, 1]

@@ -31,6 +31,8 @@ METRIC_KEYS = (
     "emulated-train-time-s",
     "emulated-train-time-band-s",
     "emulated-overhead-time-s",
+    "emulated-probe-time-s",
+    "probes",
     "emulated-comm-time-s",
     "emulated-energy-j",
     "emulated-peak-memory-bytes",
@@ -229,6 +231,8 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
         "emulated-train-time-s": figures.train_time_s,
         "emulated-train-time-band-s": band,
         "emulated-overhead-time-s": result.overhead_time_s,
+        "emulated-probe-time-s": result.probe_time_s,  # included in the overhead
+        "probes": result.probes,
         "emulated-comm-time-s": figures.comm_time_s,
         "emulated-energy-j": figures.energy_j,
         "emulated-peak-memory-bytes": figures.peak_memory_bytes,
