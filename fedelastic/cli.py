@@ -61,6 +61,7 @@ def report(run_dir: Path) -> None:
         "fits",
         "trained nothing",
         "failed",
+        "rejected",
         "train time/round",
         "energy/round (no idle)",
         "peak memory",
@@ -75,6 +76,7 @@ def report(run_dir: Path) -> None:
             f"{g.fits.mean():.0%}",
             str(int((g.fits.astype(bool) & (g.steps == 0)).sum())),
             str(int(_failed(g))),
+            str(int((g.status == "rejected").sum())) if "status" in g else "0",
             f"{g.emulated_train_time_s.mean():.3g} s"
             + (
                 f" ± {g.emulated_train_time_band_s.mean():.2g}"
@@ -91,6 +93,9 @@ def report(run_dir: Path) -> None:
         console.print(f"  {count} x {message}", markup=False, highlight=False)
     if status.get("empty_rounds"):
         console.print(f"  rounds in which no client trained: {status['empty_rounds']}", markup=False)
+    if status.get("divergence"):
+        d = status["divergence"]
+        console.print(f"  diverged in round {d.get('round')}: {d.get('reason')}", markup=False, highlight=False)
     console.print(
         f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png",
         markup=False,
@@ -99,10 +104,13 @@ def report(run_dir: Path) -> None:
 
 
 def _failed(g) -> int:
-    """Client rows that carry an error (an empty or missing error reads back as '' or NaN)."""
+    """Client rows that carry an error (an empty or missing error reads back as '' or NaN), rejected updates aside."""
     if "error" not in g:
         return 0
-    return int((g.error.notna() & (g.error.astype(str) != "")).sum())
+    failed = g.error.notna() & (g.error.astype(str) != "")
+    if "status" in g:
+        failed &= g.status != "rejected"
+    return int(failed.sum())
 
 
 def cmd_report(args) -> None:
@@ -123,7 +131,7 @@ def _override(key: str, build):
 
 
 def exit_code(run_dir: Path) -> int:
-    """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 1 failed."""
+    """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 4 diverged, 1 failed."""
     from .results import read_status
 
     status = read_status(run_dir)
@@ -139,6 +147,14 @@ def exit_code(run_dir: Path) -> int:
             highlight=False,
         )
         return 3 if status.get("over_threshold") else 0
+    if status["status"] == "diverged":
+        d = status.get("divergence", {})
+        console.print(
+            f"diverged in round {d.get('round')}: {d.get('reason')}; lower train.lr, or see README 'Divergence'",
+            markup=False,
+            highlight=False,
+        )
+        return 4
     return 1
 
 
@@ -194,8 +210,8 @@ def cmd_run(args) -> int:
         console.print(
             f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row['sim_time_s']:9.2f} s  "
             f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
-            f"trained nothing {row.get('clients_no_steps', 0)}  "
-            f"host {row['host_wall_s']:.2f} s",
+            f"rejected {row.get('clients_rejected', 0)}  trained nothing {row.get('clients_no_steps', 0)}  "
+            f"host {row['host_wall_s']:.2f} s" + (f"  diverged: {row['divergence']}" if row.get("divergence") else ""),
             markup=False,
             highlight=False,
         )

@@ -45,3 +45,14 @@ class StopRun(Exception):
 
     The round is kept, the run ends normally, and ``status.json`` records ``stopped_after_round``.
     """
+
+
+class Diverged(Exception):
+    """Raised by the server after the round in which the run diverged (``simulation.on_divergence = "stop"``).
+
+    The round is kept and the run ends with status 'diverged' (see :mod:`fedelastic.divergence`).
+    """
+
+    def __init__(self, round: int, reason: str):
+        self.round, self.reason = round, reason
+        super().__init__(f"round {round}: {reason}")
