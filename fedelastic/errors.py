@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 
@@ -56,3 +57,9 @@ class Diverged(Exception):
     def __init__(self, round: int, reason: str):
         self.round, self.reason = round, reason
         super().__init__(f"round {round}: {reason}")
+
+
+def with_traceback(exc: BaseException) -> str:
+    """``exc`` with its traceback, as Python prints it: a client's error reason (the server keeps it in
+    errors.log, the tables its last line; see :func:`fedelastic.results.one_line`)."""
+    return "".join(traceback.format_exception(exc)).rstrip()

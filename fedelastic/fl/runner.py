@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml, to_dict
-from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun
+from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, with_traceback
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
@@ -94,7 +94,7 @@ class InProcessGrid(Grid):
             try:
                 box.append(self.app(msg, self.contexts[node]))
             except Exception as exc:  # a client failure becomes an error reply, as in Flower
-                box.append(Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
+                box.append(Message(Error(code=0, reason=with_traceback(exc)), reply_to=msg))
 
         if timeout is None:
             work()
