@@ -5,7 +5,8 @@ knows after aggregating and (when it evaluates) testing the global model. A roun
 divergence when
 
 * **the training loss is non-finite**, or above ``loss_factor`` x its reference: the first
-  finite mean train loss of the run, but at least ``ln(classes)`` (the loss of a uniform guess),
+  finite loss the run shows (the initial model's test loss, else the first round's mean train
+  loss), but at least ``ln(classes)`` (the loss of a uniform guess),
   so that a pretrained model whose first loss is tiny may still meet new classes without being
   called diverged. Default 10: a sound run's mean loss never reaches 10 x ``ln(classes)`` (23 for
   ten classes: every sample wrong with a margin of ~23 logits), the broken runs seen did within
@@ -93,6 +94,7 @@ class Detector:
         rnd: int,
         *,
         train_loss: float | None = None,
+        test_loss: float | None = None,
         norm: float | None = None,
         trained: int = 0,
         rejected: int = 0,
@@ -102,11 +104,15 @@ class Detector:
         """Why round ``rnd`` shows divergence ('' if it does not); the first such round is kept in :attr:`first`.
 
         ``train_loss``: the mean train loss of the clients whose updates were used (None: none);
+        ``test_loss``: the global model's test loss (None: not evaluated), used only as the loss
+        reference when it is the first finite loss seen (the initial model's);
         ``norm``: the global weights' L2 norm after the round (round 0: the initial model, the
         reference); ``trained``/``rejected``: clients that trained, and how many of those sent a
         non-finite update; ``predicted``/``actual``: counts per class of the test predictions
         and of the test labels (None: not evaluated this round).
         """
+        if self.loss_ref is None and test_loss is not None and math.isfinite(test_loss):
+            self.loss_ref = self._floor(test_loss)
         reasons = [
             self._loss(train_loss),
             self._norm(norm),
@@ -124,11 +130,14 @@ class Detector:
         if not math.isfinite(loss):
             return f"the mean train loss is {loss:g}"
         if self.loss_ref is None:
-            self.loss_ref = max(loss, math.log(self.classes) if self.classes > 1 else 0.0)
+            self.loss_ref = self._floor(loss)
             return ""
         if self.loss_factor > 0 and loss > self.loss_factor * self.loss_ref:
             return f"the mean train loss {loss:.4g} is above {self.loss_factor:g} x its reference {self.loss_ref:.4g}"
         return ""
+
+    def _floor(self, loss: float) -> float:
+        return max(loss, math.log(self.classes) if self.classes > 1 else 0.0)
 
     def _norm(self, norm: float | None) -> str:
         if norm is None:

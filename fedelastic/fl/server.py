@@ -634,7 +634,7 @@ class PartialFedAvg(FedAvg):
         self.total_energy_j += float(self._round["round_energy_j"])
         return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
 
-    def _divergence(self, server_round: int, arrays: ArrayRecord, predicted, actual) -> str:
+    def _divergence(self, server_round: int, arrays: ArrayRecord, test_loss: float, predicted, actual) -> str:
         """Why the round shows divergence ('' if not): the detector fed the round's figures (see divergence.py)."""
         if server_round == 0 or self._norm is None:
             self._norm = weight_norm(record_to_numpy(arrays, copy=False), self._params)
@@ -646,6 +646,7 @@ class PartialFedAvg(FedAvg):
         reason = self.detector.observe(
             server_round,
             train_loss=loss,
+            test_loss=test_loss if server_round == 0 else None,
             norm=self._norm,
             trained=trained,
             rejected=r["clients_rejected"],
@@ -799,7 +800,7 @@ class PartialFedAvg(FedAvg):
                 test = self.env.data.test
                 accuracy, loss, predicted = evaluate_predictions(model, test.x, test.y)
                 actual = np.bincount(test.y, minlength=len(predicted))
-        diverged = self._divergence(server_round, arrays, predicted, actual)
+        diverged = self._divergence(server_round, arrays, loss, predicted, actual)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
