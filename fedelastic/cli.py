@@ -61,7 +61,6 @@ def report(run_dir: Path) -> None:
         "fits",
         "trained nothing",
         "failed",
-        "rejected",
         "train time/round",
         "energy/round (no idle)",
         "peak memory",
@@ -76,7 +75,6 @@ def report(run_dir: Path) -> None:
             f"{g.fits.mean():.0%}",
             str(int((g.fits.astype(bool) & (g.steps == 0)).sum())),
             str(int(_failed(g))),
-            str(int((g.status == "rejected").sum())) if "status" in g else "0",
             f"{g.emulated_train_time_s.mean():.3g} s"
             + (
                 f" ± {g.emulated_train_time_band_s.mean():.2g}"
@@ -93,6 +91,11 @@ def report(run_dir: Path) -> None:
         console.print(f"  {count} x {message}", markup=False, highlight=False)
     if status.get("empty_rounds"):
         console.print(f"  rounds in which no client trained: {status['empty_rounds']}", markup=False)
+    if status.get("clients_rejected"):
+        console.print(
+            f"  client results rejected (non-finite updates, charged, not used): {status['clients_rejected']}",
+            markup=False,
+        )
     if status.get("divergence"):
         d = status["divergence"]
         console.print(f"  diverged in round {d.get('round')}: {d.get('reason')}", markup=False, highlight=False)

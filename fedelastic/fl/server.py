@@ -642,7 +642,8 @@ class PartialFedAvg(FedAvg):
             self.detector.classes = len(predicted)  # the loss floor ln(classes)
         r = self._round
         trained = r["clients_counted"] + r["clients_rejected"]
-        loss = r["mean_train_loss"] if server_round and r["clients_counted"] else None
+        # the mean over the updates used (NaN: none trained a step; a client's non-finite loss is a rejection)
+        loss = r["mean_train_loss"] if server_round and not math.isnan(r["mean_train_loss"]) else None
         reason = self.detector.observe(
             server_round,
             train_loss=loss,
