@@ -612,9 +612,10 @@ class PartialFedAvg(FedAvg):
             energy = trip_energy_j(cost, trip, end if state in (LATE, EXTRA) or bad else math.inf, r)
             waited = end - trip.arrival_s if trip.completes and trip.arrival_s <= end else 0.0
             idle = cost.device.power_idle_w.value * waited
-            if bad and state == NO_UPDATE:
+            if bad and state == NO_UPDATE:  # it arrived (a late one is not looked at: it is 'late')
                 state = LATE if trip.arrival_s > end else REJECTED
-            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m), bad))
+            error = bad if state == REJECTED else ""
+            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m), error))
             self.fleet.drain(trip.partition_id, end, energy + idle)
         self.recorder.add_clients(
             rows + [self._failed_row(server_round, p, why) for p, why in sorted(failures.items())]
@@ -725,8 +726,9 @@ class PartialFedAvg(FedAvg):
         def discard(trip: Trip, t: float, why: str) -> None:
             r, m, _, bad = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
-            why = REJECTED if bad and why == NO_UPDATE else why
-            row = self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m), bad)
+            why = REJECTED if bad and why == NO_UPDATE else why  # it arrived; a cancelled one was never looked at
+            error = bad if why == REJECTED else ""
+            row = self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m), error)
             pending.append(row)
             self.fleet.drain(trip.partition_id, t, energy)
 
