@@ -124,6 +124,24 @@ class Detector:
             self.first = Divergence(rnd, reason)
         return reason
 
+    def state(self) -> dict:
+        """What :meth:`load_state` needs to go on as if never stopped (plain numbers and text: a checkpoint keeps it)."""
+        first = self.first
+        return {
+            "loss_ref": math.nan if self.loss_ref is None else self.loss_ref,
+            "norm_ref": math.nan if self.norm_ref is None else self.norm_ref,
+            "spread": self.spread,
+            "classes": self.classes,
+            "first_round": -1 if first is None else first.round,
+            "first_reason": "" if first is None else first.reason,
+        }
+
+    def load_state(self, doc: dict) -> None:
+        self.loss_ref = None if math.isnan(doc["loss_ref"]) else float(doc["loss_ref"])
+        self.norm_ref = None if math.isnan(doc["norm_ref"]) else float(doc["norm_ref"])
+        self.spread, self.classes = bool(doc["spread"]), int(doc["classes"])
+        self.first = Divergence(int(doc["first_round"]), str(doc["first_reason"])) if doc["first_round"] >= 0 else None
+
     def _loss(self, loss: float | None) -> str:
         if loss is None:
             return ""

@@ -192,3 +192,23 @@ def test_a_rejected_client_is_charged_and_the_round_waits_for_it(tmp_path, capsy
         assert r.round_energy_j == pytest.approx((g.emulated_energy_j + g.emulated_idle_energy_j).sum(), rel=1e-12)
         assert r.wasted_energy_j == pytest.approx(stm.emulated_energy_j, rel=1e-12)
         assert r.mean_train_loss == pytest.approx(g[g.status == "counted"].train_loss.mean(), rel=1e-12)
+
+
+def test_the_detector_goes_on_from_its_state_as_if_never_stopped():
+    def feed(d, rounds):
+        return [d.observe(r, train_loss=loss, norm=norm, predicted=p, actual=np.array([34, 33, 33])) for r, loss, norm, p in rounds]
+
+    rounds = [
+        (0, None, 8.0, np.array([40, 30, 30])),
+        (1, 2.3, 9.0, np.array([40, 30, 30])),
+        (2, 30.0, 9.5, np.array([98, 1, 1])),
+        (3, 2.0, 900.0, np.array([40, 30, 30])),
+    ]
+    whole = Detector(classes=3)
+    expected = feed(whole, rounds)
+    assert [bool(r) for r in expected] == [False, False, True, True]
+    first = Detector(classes=3)
+    feed(first, rounds[:2])
+    resumed = Detector()
+    resumed.load_state(first.state())
+    assert feed(resumed, rounds[2:]) == expected[2:] and resumed.first == whole.first
