@@ -143,7 +143,8 @@ def exit_code(run_dir: Path) -> int:
     if status["status"] == "completed_with_errors":
         n, total = status.get("clients_failed", 0), status.get("client_results", 0)
         console.print(
-            f"completed with errors: {n} of {total} client results failed, {len(status.get('empty_rounds', []))} "
+            f"completed with errors: {n} of {total} client results failed, {status.get('clients_rejected', 0)} "
+            f"rejected (non-finite), {len(status.get('empty_rounds', []))} "
             f"round(s) with no client trained (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g}); "
             f"details in {run_dir}/errors.log",
             markup=False,
