@@ -8,12 +8,14 @@ divergence when
   finite loss the run shows (the initial model's test loss, else the first round's mean train
   loss), but at least ``ln(classes)`` (the loss of a uniform guess),
   so that a pretrained model whose first loss is tiny may still meet new classes without being
-  called diverged. Default 10: a sound run's mean loss never reaches 10 x ``ln(classes)`` (23 for
-  ten classes: every sample wrong with a margin of ~23 logits), the broken runs seen did within
-  a round (215, then 3.8e15, then NaN);
+  called diverged. Default 10: 10 x ``ln(classes)`` (23 for ten classes) is the loss of a model
+  wrong on every sample by a margin of ~23 logits on average, far above a sound run's (the two
+  above: at most 1.6), while the broken runs seen passed it within a round (215, then 3.8e15,
+  then NaN);
 * **the global weights' L2 norm is non-finite, or above ``norm_factor`` x the initial norm.**
-  Default 100: weight decay keeps a sound run's norm within a few times its start, while the
-  broken runs seen grew it by 1e12;
+  Default 100: sound runs stay within a few times their start (small_cnn on digits, 15 rounds to
+  0.98 accuracy: 1.23x at lr 0.05, 1.72x at lr 0.2 without weight decay), while the broken runs
+  seen grew it by 1e12 (lr 50: 8.9 to 8.7e13 in one round);
 * **more than ``rejected_share`` of the round's trained clients sent non-finite updates**
   (rejected, not averaged). Default 0.5: a lone bad client leaves the global model untouched
   (its row says ``rejected``), a majority means the setting itself breaks training;

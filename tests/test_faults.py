@@ -330,6 +330,9 @@ class Fault:
 FAULTS = [
     Fault("client-exception", {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}}, 3,
           "completed_with_errors", {"the device fell over": 1}),
+    Fault("client-exception-per-client-node",
+          {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"node_mode": "per_client"}},
+          3, "completed_with_errors", {"the device fell over": 1}),
     Fault("client-exception-within-threshold",
           {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"max_failure_rate": 0.5}},
           0, "completed_with_errors", {"the device fell over": 1}),
