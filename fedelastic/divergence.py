@@ -10,7 +10,7 @@ divergence when
   so that a pretrained model whose first loss is tiny may still meet new classes without being
   called diverged. Default 10: 10 x ``ln(classes)`` (23 for ten classes) is the loss of a model
   wrong on every sample by a margin of ~23 logits on average, far above a sound run's (the two
-  above: at most 1.6), while the broken runs seen passed it within a round (215, then 3.8e15,
+  below: at most 1.6), while the broken runs seen passed it within a round (215, then 3.8e15,
   then NaN);
 * **the global weights' L2 norm is non-finite, or above ``norm_factor`` x the initial norm.**
   Default 100: sound runs stay within a few times their start (small_cnn on digits, 15 rounds to
