@@ -99,7 +99,7 @@ class RunResult:
 
     @property
     def status(self) -> dict:
-        """status.json: 'completed', 'completed_with_errors' (with counts), 'failed', or 'dead' for a killed run."""
+        """status.json: 'completed', 'completed_with_errors' (with counts), 'diverged' (with its round and reason), 'failed', or 'dead' for a killed run."""
         from .results import read_status
 
         return read_status(self.run_dir)

@@ -91,6 +91,14 @@ def report(run_dir: Path) -> None:
         console.print(f"  {count} x {message}", markup=False, highlight=False)
     if status.get("empty_rounds"):
         console.print(f"  rounds in which no client trained: {status['empty_rounds']}", markup=False)
+    if status.get("clients_rejected"):
+        console.print(
+            f"  client results rejected (non-finite updates, charged, not used): {status['clients_rejected']}",
+            markup=False,
+        )
+    if status.get("divergence"):
+        d = status["divergence"]
+        console.print(f"  diverged in round {d.get('round')}: {d.get('reason')}", markup=False, highlight=False)
     console.print(
         f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png",
         markup=False,
@@ -99,10 +107,13 @@ def report(run_dir: Path) -> None:
 
 
 def _failed(g) -> int:
-    """Client rows that carry an error (an empty or missing error reads back as '' or NaN)."""
+    """Client rows that carry an error (an empty or missing error reads back as '' or NaN), rejected updates aside."""
     if "error" not in g:
         return 0
-    return int((g.error.notna() & (g.error.astype(str) != "")).sum())
+    failed = g.error.notna() & (g.error.astype(str) != "")
+    if "status" in g:
+        failed &= g.status != "rejected"
+    return int(failed.sum())
 
 
 def cmd_report(args) -> None:
@@ -123,7 +134,7 @@ def _override(key: str, build):
 
 
 def exit_code(run_dir: Path) -> int:
-    """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 1 failed."""
+    """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 4 diverged, 1 failed."""
     from .results import read_status
 
     status = read_status(run_dir)
@@ -132,13 +143,22 @@ def exit_code(run_dir: Path) -> int:
     if status["status"] == "completed_with_errors":
         n, total = status.get("clients_failed", 0), status.get("client_results", 0)
         console.print(
-            f"completed with errors: {n} of {total} client results failed, {len(status.get('empty_rounds', []))} "
+            f"completed with errors: {n} of {total} client results failed, {status.get('clients_rejected', 0)} "
+            f"rejected (non-finite), {len(status.get('empty_rounds', []))} "
             f"round(s) with no client trained (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g}); "
             f"details in {run_dir}/errors.log",
             markup=False,
             highlight=False,
         )
         return 3 if status.get("over_threshold") else 0
+    if status["status"] == "diverged":
+        d = status.get("divergence", {})
+        console.print(
+            f"diverged in round {d.get('round')}: {d.get('reason')}; lower train.lr, or see README 'Divergence'",
+            markup=False,
+            highlight=False,
+        )
+        return 4
     return 1
 
 
@@ -194,8 +214,8 @@ def cmd_run(args) -> int:
         console.print(
             f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row['sim_time_s']:9.2f} s  "
             f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
-            f"trained nothing {row.get('clients_no_steps', 0)}  "
-            f"host {row['host_wall_s']:.2f} s",
+            f"rejected {row.get('clients_rejected', 0)}  trained nothing {row.get('clients_no_steps', 0)}  "
+            f"host {row['host_wall_s']:.2f} s" + (f"  diverged: {row['divergence']}" if row.get("divergence") else ""),
             markup=False,
             highlight=False,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 
@@ -45,3 +46,20 @@ class StopRun(Exception):
 
     The round is kept, the run ends normally, and ``status.json`` records ``stopped_after_round``.
     """
+
+
+class Diverged(Exception):
+    """Raised by the server after the round in which the run diverged (``simulation.on_divergence = "stop"``).
+
+    The round is kept and the run ends with status 'diverged' (see :mod:`fedelastic.divergence`).
+    """
+
+    def __init__(self, round: int, reason: str):
+        self.round, self.reason = round, reason
+        super().__init__(f"round {round}: {reason}")
+
+
+def with_traceback(exc: BaseException) -> str:
+    """``exc`` with its traceback, as Python prints it: a client's error reason (the server keeps it in
+    errors.log, the tables its last line; see :func:`fedelastic.results.one_line`)."""
+    return "".join(traceback.format_exception(exc)).rstrip()

@@ -59,7 +59,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Timeout)\w*)(:.*)?$")
 HEARTBEAT_S = 10.0  # status.json's heartbeat period while a run is alive
 # final states, and the exit code of `fedelastic run` for each (see README "Run status")
-FINAL_STATES = ("completed", "completed_with_errors", "failed")
+FINAL_STATES = ("completed", "completed_with_errors", "failed", "diverged")
 
 
 _WRAPPERS = ("ClientAppException", "RayTaskError", "RayActorError", "The above exception", "During handling")
@@ -400,6 +400,8 @@ class Recorder:
                 raise FileExistsError(f"{self.folder} is not empty")
         self.clients = _Table(self.folder, "clients", keep_rows=False)  # the driver keeps counts, not rows
         self._errors: dict[str, int] = {}
+        self._rejected = 0  # client rows whose update was rejected as non-finite (their error counted in _errors too)
+        self.divergence: dict | None = None  # {"round", "reason"} of the first round that diverged (the server sets it)
         # rounds are recorded in order: the latest row tells how far the run got
         self.rounds = _Table(self.folder, "rounds", keep_rows=False, keep_last=True)
         self.tasks = _Table(self.folder, "tasks", keep_rows=False)  # continual runs: accuracy per task per round
@@ -431,13 +433,14 @@ class Recorder:
                 pass  # a full disk: the next round's write reports it
 
     def counts(self) -> dict:
-        """Client rows, failed ones and the distinct error messages with their counts."""
+        """Client rows, failed ones, rejected ones (non-finite updates) and the distinct error messages with their counts."""
         errors = dict(self._errors)
         total = self.clients.n_rows
         failed = sum(errors.values())
         return {
             "client_results": total,
-            "clients_failed": failed,
+            "clients_failed": failed - self._rejected,
+            "clients_rejected": self._rejected,
             "failure_rate": failed / total if total else 0.0,
             "errors": errors,
             "empty_rounds": list(self.empty_rounds),
@@ -554,14 +557,21 @@ class Recorder:
         self._write_status()
 
     def finish(self, max_failure_rate: float = 0.0) -> dict:
-        """Write the final status from what was recorded; returns the status document's counts and verdict."""
+        """Write the final status from what was recorded; returns the status document's counts and verdict.
+
+        'diverged' (with ``divergence``: its first round and reason) if :attr:`divergence` is set,
+        else 'completed_with_errors' if a client failed or was rejected or a round was empty, else 'completed'.
+        """
         self.flush_quietly()
         counts = self.counts()
-        errors = bool(counts["clients_failed"] or counts["empty_rounds"])
+        errors = bool(counts["clients_failed"] or counts["clients_rejected"] or counts["empty_rounds"])
         state = "completed_with_errors" if errors else "completed"
         over = counts["failure_rate"] > max_failure_rate or bool(counts["empty_rounds"])
-        self.status(state, max_failure_rate=max_failure_rate, over_threshold=errors and over)
-        return {"status": state, "over_threshold": errors and over, **counts}
+        extra: dict = {"max_failure_rate": max_failure_rate, "over_threshold": errors and over}
+        if self.divergence is not None:
+            state, extra["divergence"] = "diverged", dict(self.divergence)
+        self.status(state, **extra)
+        return {"status": state, **extra, **counts}
 
     def log_error(self, text: str) -> None:
         with (self.folder / "errors.log").open("a") as fh:
@@ -578,6 +588,7 @@ class Recorder:
             for row in rows:
                 if row.get("error"):
                     self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+                    self._rejected += row.get("status") == "rejected"
 
         if self._writer is not None:  # the writes handed over are done, or their error is raised
             if not self._every_s:  # async: several aggregations may come without a launch between them
@@ -589,10 +600,11 @@ class Recorder:
 
     def reload(self, keep) -> None:
         """Resume: keep an earlier run's client and round rows where ``keep(row)``."""
-        self._errors = {}
+        self._errors, self._rejected = {}, 0
         for row in self.clients.load(keep):
             if isinstance(row.get("error"), str) and row["error"]:
                 self._errors[row["error"]] = self._errors.get(row["error"], 0) + 1
+                self._rejected += row.get("status") == "rejected"
         self.rounds.load(keep)
         self.tasks.load(keep)  # continual runs: the accuracy matrix rows, also keyed by round
 
@@ -603,7 +615,8 @@ class Recorder:
         def note_empty(rows: list[dict]) -> None:
             for row in rows:
                 trained = (
-                    row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0) - row.get("clients_no_steps", 0)
+                    row.get("clients", 0) - row.get("clients_failed", 0) - row.get("clients_not_fitting", 0)
+                    - row.get("clients_no_steps", 0) - row.get("clients_rejected", 0)
                 )
                 if row.get("round", 0) > 0 and trained <= 0 and not self.allow_empty_rounds:
                     self.empty_rounds.append(int(row["round"]))

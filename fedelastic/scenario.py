@@ -302,6 +302,11 @@ class SimulationConfig:
         help="results reach disk at least this often (wall seconds): the rows of faster rounds are "
         "written together, with the newest checkpoint (0: after every round)",
     )
+    on_divergence: Literal["stop", "continue"] = field(
+        "stop",
+        help="a run that diverges (see [divergence]): 'stop' after that round, or 'continue' to the end; "
+        "either way it ends with status 'diverged'",
+    )
 
     def __post_init__(self):
         check(0 < self.num_cpus_per_client <= 1024, "num_cpus_per_client", "a number of CPUs in (0, 1024]")
@@ -313,6 +318,31 @@ class SimulationConfig:
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
         check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
         check(self.cohorts == 0 or self.node_mode == "cohort", "cohorts", '0 unless node_mode = "cohort"')
+        check(self.on_divergence in ("stop", "continue"), "on_divergence", "one of ['stop', 'continue']")
+
+
+@dataclass(frozen=True)
+class DivergenceConfig:
+    loss_factor: float = field(
+        10.0, help="diverged when the mean train loss exceeds this x its first value (at least ln(classes)); 0: off"
+    )
+    norm_factor: float = field(100.0, help="diverged when the global weights' L2 norm exceeds this x the initial; 0: off")
+    collapse_share: float = field(
+        0.95, help="diverged when this share of test predictions falls in one class (3+ classes); 0: off"
+    )
+    rejected_share: float = field(
+        0.5, help="diverged when more than this share of a round's trained clients send non-finite updates"
+    )
+
+    def __post_init__(self):
+        check(self.loss_factor == 0 or self.loss_factor > 1, "loss_factor", "a factor > 1, or 0 (off)")
+        check(self.norm_factor == 0 or self.norm_factor > 1, "norm_factor", "a factor > 1, or 0 (off)")
+        check(
+            self.collapse_share == 0 or 0.5 < self.collapse_share <= 1,
+            "collapse_share",
+            "a share in (0.5, 1], or 0 (off)",
+        )
+        check(0 <= self.rejected_share < 1, "rejected_share", "a share in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -330,6 +360,9 @@ class Scenario:
     availability: AvailabilityConfig = field(default_factory=AvailabilityConfig, help="when clients are online")
     network: NetworkConfig = field(default_factory=NetworkConfig, help="per-client link rates")
     battery: BatteryConfig = field(default_factory=BatteryConfig, help="per-client battery (optional)")
+    divergence: DivergenceConfig = field(
+        default_factory=DivergenceConfig, help="when a run counts as diverged (see simulation.on_divergence)"
+    )
     stream: StreamConfig | None = field(None, help="a continual stream: tasks, drift, buffers (see data/stream.py)")
     source: str = field("", help="the file this scenario came from (set by the loader)")
 

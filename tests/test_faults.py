@@ -330,6 +330,9 @@ class Fault:
 FAULTS = [
     Fault("client-exception", {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}}, 3,
           "completed_with_errors", {"the device fell over": 1}),
+    Fault("client-exception-per-client-node",
+          {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"node_mode": "per_client"}},
+          3, "completed_with_errors", {"the device fell over": 1}),
     Fault("client-exception-within-threshold",
           {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"max_failure_rate": 0.5}},
           0, "completed_with_errors", {"the device fell over": 1}),
@@ -337,7 +340,7 @@ FAULTS = [
           {"model": {"name": "faulty_models:net", "options": {"fault": "hang"}}, "simulation": {"timeout_s": 2.0}},
           3, "completed_with_errors", {"timeout": 1}),
     Fault("client-update-nan", {}, 3, "completed_with_errors", {"non-finite update": 2}, patch="nan"),
-    Fault("global-model-nan", {}, 1, "failed", {}, patch="global-nan"),
+    Fault("global-model-nan", {}, 4, "diverged", {}, patch="global-nan"),
     # small_cnn at width 32 needs ~0.7 MB to train in full; an nRF52840 has 256 KiB
     Fault("selection-over-memory-every-client", {"fleet": {"nrf52840": 3}, "model": {"options": {"width": 32}}}, 3,
           "completed_with_errors"),
@@ -385,7 +388,12 @@ def test_fault_is_recorded_with_honest_status(case, tmp_path, monkeypatch, capsy
     status = read_status(run_dir)
     assert (code, status["status"]) == (case.exit, case.status), out
     rounds = pd.read_csv(run_dir / "rounds.csv")
-    if case.status != "failed":
+    if case.status == "diverged":  # stopped after the round that diverged, which is on disk with its clients
+        assert status["divergence"]["round"] == 1 and "norm is nan" in status["divergence"]["reason"]
+        assert list(rounds["round"]) == [0, 1] and rounds["divergence"].fillna("").tolist()[0] == ""
+        assert len(pd.read_csv(run_dir / "clients.csv")) == rounds["clients"].iloc[1]
+        assert "diverged" in out
+    elif case.status != "failed":
         assert list(rounds["round"]) == [0, 1, 2]  # every round on disk
         csv_path = run_dir / "clients.csv"
         clients = pd.read_csv(csv_path, dtype={"error": "string"}) if csv_path.exists() else pd.DataFrame()
@@ -396,9 +404,15 @@ def test_fault_is_recorded_with_honest_status(case, tmp_path, monkeypatch, capsy
         for text, n in case.errors.items():
             assert errs.str.contains(text).sum() == n, errs.tolist()
             assert all("\n" not in e and "\x1b" not in e for e in errs)  # one clean line per error
-        assert status["clients_failed"] == (errs != "").sum() == rounds["clients_failed"].sum()
+        failed_or_rejected = status["clients_failed"] + status["clients_rejected"]
+        assert failed_or_rejected == (errs != "").sum() == (rounds["clients_failed"] + rounds["clients_rejected"]).sum()
         if case.errors:
             assert (run_dir / "errors.log").exists()
+        if case.patch == "nan":  # a rejected update is its own status, not a failure
+            assert status["clients_failed"] == 0 and status["clients_rejected"] == 2
+        if case.id.startswith("client-exception"):  # the real traceback, down to the function that raised
+            log = (run_dir / "errors.log").read_text()
+            assert "Traceback (most recent call last)" in log and "in forward" in log, log
     else:
         assert "non-finite" in status["error"] and "\n" not in status["error"]
         assert list(rounds["round"]) == [0]  # the initial row stays

@@ -27,6 +27,8 @@ def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
         "m = torch.nn.Linear(2, 2); m.weight.data = torch.eye(2); m.bias.data.zero_()\n"
         "x = np.array([[1, 0], [0, 1], [1, 0]], np.float32); y = np.array([0, 1, 1])\n"
         "assert evaluate_model(m, x, y)[0] == 2 / 3  # by hand: rows 0, 1 right, row 2 wrong\n"
+        "from fedelastic.training import evaluate_predictions\n"
+        "assert evaluate_predictions(m, x, y)[2].tolist() == [2, 1]  # predicted: class 0 twice, class 1 once\n"
         "assert sorted(map(len, partition(np.arange(10) % 2, 2, 'iid', 0))) == [5, 5]\n"
         "print(sorted(m for m in ('flwr', 'ray') if m in sys.modules))\n"
     )
@@ -37,7 +39,7 @@ def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
 def test_clock_and_fleet_dynamics_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.fl.clock, fedelastic.fleet, fedelastic.fl.aggregate\n"
+        "import fedelastic.fl.clock, fedelastic.fleet, fedelastic.fl.aggregate, fedelastic.divergence\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -100,6 +100,8 @@ class Resumable(PartialFedAvg):
             }
             if "rng" in checkpoint:
                 _set_rng_state(checkpoint["rng"])
+            if "divergence" in checkpoint:  # the detector's references (a checkpoint from before them: fresh ones)
+                self.detector.load_state(checkpoint["divergence"])
             self._hand_back = True
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
@@ -138,5 +140,6 @@ class Resumable(PartialFedAvg):
             "server": {key: getattr(self, key) for key in SERVER_STATE},
             "client_states": {p: _tensors(st) for p, st in self.client_states.items()},
             "rng": _rng_state(),
+            "divergence": self.detector.state(),
         }
         self.recorder.write(lambda: save_checkpoint(self.recorder.folder, doc), newest_only=True)

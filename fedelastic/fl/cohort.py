@@ -36,6 +36,7 @@ import torch
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from ..errors import with_traceback
 from ..fleet import local_steps
 from ..scenario import Scenario
 from .arrays import record_dict, record_to_torch
@@ -84,7 +85,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         status[i] = DONE
 
     def fail(i: int, exc: BaseException) -> None:
-        status[i], reasons[i] = FAILED, f"{type(exc).__name__}: {exc}"
+        status[i], reasons[i] = FAILED, with_traceback(exc)
 
     jobs, where = [], []
     for i, pid in enumerate(pids):

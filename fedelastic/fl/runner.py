@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml, to_dict
-from ..errors import ConfigError, FedelasticError, RunFailed, StopRun
+from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, with_traceback
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
@@ -94,7 +94,7 @@ class InProcessGrid(Grid):
             try:
                 box.append(self.app(msg, self.contexts[node]))
             except Exception as exc:  # a client failure becomes an error reply, as in Flower
-                box.append(Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
+                box.append(Message(Error(code=0, reason=with_traceback(exc)), reply_to=msg))
 
         if timeout is None:
             work()
@@ -479,7 +479,8 @@ def run_scenario(
     """Run ``scenario`` to completion, or continue the killed run in folder ``resume``; returns the run folder.
 
     Results reach disk as the run goes (``simulation.write_every_s``), with a checkpoint. The final ``status.json`` says
-    ``completed``, ``completed_with_errors`` (with counts and messages) or ``failed``.
+    ``completed``, ``completed_with_errors`` (with counts and messages), ``diverged`` (with the round
+    and reason) or ``failed``.
     With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
     nodes and ``simulation.backend`` is not used.
     """
@@ -540,6 +541,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
                 )  # fmt: skip
             except StopRun:  # a callback asked to stop after the round it saw: a normal end
                 recorder.notes["stopped_after_round"] = max((r["round"] for r in recorder.rounds.rows), default=0)
+            except Diverged:  # stopped after the round that diverged (recorder.divergence): it ends 'diverged'
+                pass
             except BaseException as exc:
                 failure.append(exc)
                 raise
@@ -561,7 +564,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         if failure:
             raise failure[0]
         done = max((r["round"] for r in recorder.rounds.rows), default=0)
-        if done < scenario.server.rounds and "stopped_after_round" not in recorder.notes:
+        stopped = "stopped_after_round" in recorder.notes or recorder.divergence is not None
+        if done < scenario.server.rounds and not stopped:
             raise RunFailed(f"the simulation stopped after {done} of {scenario.server.rounds} rounds")
     except BaseException as exc:
         cause = failure[0] if failure and not isinstance(failure[0], RunAborted) else exc
@@ -585,7 +589,7 @@ def _check_resumable(run_dir: Path) -> dict:
     status = read_status(run_dir)
     if status["status"] == "running":
         raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
-    if status["status"] in ("completed", "completed_with_errors"):
+    if status["status"] in ("completed", "completed_with_errors", "diverged"):
         raise FedelasticError(f"{run_dir}: the run already finished ({status['status']}); nothing to resume")
     return load_checkpoint(run_dir)
 

@@ -28,7 +28,8 @@ from flwr.supercore import log
 from ..continual import evaluate_tasks
 from ..continual import report as continual_report
 from ..costmodel import CostModel
-from ..errors import RunFailed, StopRun
+from ..divergence import Detector, weight_norm
+from ..errors import Diverged, RunFailed, StopRun
 from ..fleet import (
     Availability,
     Batteries,
@@ -46,11 +47,11 @@ from ..fleet import (
 )
 from ..results import Recorder
 from ..scenario import Scenario
-from ..training import evaluate_model
+from ..training import evaluate_predictions
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
-from .clock import COUNTED, EXTRA, LATE, Arrival, Trip, run_async, staleness_weight, sync_round
+from .clock import COUNTED, EXTRA, LATE, NO_UPDATE, Arrival, Trip, run_async, staleness_weight, sync_round
 from .env import RunEnvironment, environment, freeze_heap
 from .raypool import timeout_reason
 
@@ -304,6 +305,7 @@ _ROUND_ZERO = {
     "clients_failed": 0,
     "clients_unavailable": 0,
     "clients_not_fitting": 0,
+    "clients_rejected": 0,
     "clients_no_steps": 0,
     "round_time_s": 0.0,
     "mean_train_loss": 0.0,
@@ -319,6 +321,7 @@ _ROUND_ZERO = {
     "mean_staleness": float("nan"),
     "wasted_energy_j": 0.0,
 }
+REJECTED = "rejected"  # a client row's status: it trained and sent a non-finite update, which was not used
 
 
 class PartialFedAvg(FedAvg):
@@ -346,6 +349,10 @@ class PartialFedAvg(FedAvg):
         self._warned_no_steps = False
         self._deadline: float | None = None
         self._plan: dict[int, tuple[float, int]] = {}  # partition -> (rho, step cap) sent in this round
+        d = self.sc.divergence
+        self.detector = Detector(d.loss_factor, d.norm_factor, d.collapse_share, d.rejected_share)
+        self._norm: float | None = None  # the global weights' norm after the round (None: not aggregated)
+        self._params = frozenset(env.info.tensor_names)  # the norm's tensors: the trainable ones
 
     # ---- synchronous rounds -----------------------------------------------------------------
     def sample(self, server_round: int) -> list[int]:
@@ -414,7 +421,8 @@ class PartialFedAvg(FedAvg):
         # (GuardedGrid's on_sent), to be written while this round trains
         return messages
 
-    def _trip(self, metrics: dict, dispatch_s: float, version: int) -> Trip:
+    def _trip(self, metrics: dict, dispatch_s: float, version: int, rejected: bool = False) -> Trip:
+        """The reply's trip on the clock; a ``rejected`` (non-finite) update is waited for, but not used."""
         pid = int(metrics["partition-id"])
         down_s, up_s = self.fleet.comm_s(pid, metrics["emulated-bytes-down"], metrics["emulated-bytes-up"])
         return Trip(
@@ -425,11 +433,20 @@ class PartialFedAvg(FedAvg):
             up_s,
             offline_s=self.fleet.offline_at(pid, dispatch_s),
             version=version,
-            carries_update=bool(metrics["fits"]) and not metrics["too-slow"],
+            carries_update=bool(metrics["fits"]) and not metrics["too-slow"] and not rejected,
         )
 
     def _row(
-        self, rnd: int, metrics: dict, trip: Trip, status: str, energy: float, idle: float, staleness: int, reason: str
+        self,
+        rnd: int,
+        metrics: dict,
+        trip: Trip,
+        status: str,
+        energy: float,
+        idle: float,
+        staleness: int,
+        reason: str,
+        error: str = "",
     ):
         pid = trip.partition_id
         device = self.env.devices[pid]
@@ -481,7 +498,7 @@ class PartialFedAvg(FedAvg):
             "downlink_bit_per_s": self.fleet.down_bps[pid],
             "battery_fraction": self.fleet.battery_fraction(pid, trip.dispatch_s),
             "fits_reason": reason,
-            "error": "",
+            "error": error,
         }
 
     def _failed_row(self, rnd: int, pid: int, reason: str) -> dict:
@@ -506,26 +523,26 @@ class PartialFedAvg(FedAvg):
 
     def _failures(
         self, replies: list[Message], sampled: list[int]
-    ) -> tuple[list[tuple[Message, dict[str, np.ndarray]]], dict[int, str]]:
-        """Replies that can be used, each with its arrays (read-only views), and partition -> reason
-        for the rest (errors, NaN/inf, no reply)."""
+    ) -> tuple[list[tuple[Message, dict[str, np.ndarray]]], dict[int, str], dict[int, str]]:
+        """Replies that can be used, each with its arrays (read-only views); partition -> reason for
+        the failures (errors, no reply); partition -> reason for the rejected replies (NaN/inf),
+        which are in the first list too: their clients trained, and are charged for it."""
         failures = {
             self.partition_of_node.get(m.metadata.src_node_id, -1): m.error.reason for m in replies if m.has_error()
         }
-        ok = []
+        ok, rejected = [], {}
         answered = [m for m in replies if not m.has_error()]
         decoded = [record_to_numpy(m.content["arrays"], copy=False) for m in answered]  # once: checked, then averaged
         for m, arrays, nonfinite in zip(answered, decoded, nonfinite_tensors(decoded)):
             bad = nonfinite_update(m, arrays, nonfinite)  # a NaN/inf update is rejected and recorded with its client
             if bad:
-                failures[int(m.content["metrics"]["partition-id"])] = bad
-            else:
-                ok.append((m, arrays))
+                rejected[int(m.content["metrics"]["partition-id"])] = bad
+            ok.append((m, arrays))
         replied = {self.partition_of_node.get(m.metadata.src_node_id, -1) for m in replies}
         for p in sampled:  # no reply within the round's timeout: a row, not a gap
             if p not in replied:
                 failures[p] = timeout_reason(self.sc.simulation.timeout_s)
-        return ok, failures
+        return ok, failures, rejected
 
     def _update(self, m: Message, arrays: dict[str, np.ndarray]) -> ClientUpdate:
         return ClientUpdate(
@@ -553,12 +570,13 @@ class PartialFedAvg(FedAvg):
                 len(idle), first["round"], first["partition_id"], first["device"],
                 first["fits_reason"] or "no trainable step fits its budget",
             )  # fmt: skip
-        losses = [r["train_loss"] for r in fitted if r["steps"]]
+        losses = [r["train_loss"] for r in fitted if r["steps"] and r["status"] != REJECTED]
         return {
             "clients": len(rows) + failed,
             "clients_failed": failed,
             "clients_unavailable": self._unavailable,
             "clients_not_fitting": status.count("not_fitting"),
+            "clients_rejected": status.count(REJECTED),
             "clients_no_steps": len(idle),
             "round_time_s": float(end_s - start_s),  # plain floats, as round 0's (one Parquet schema)
             "mean_train_loss": float(np.nanmean(losses)) if losses else float("nan"),
@@ -579,22 +597,25 @@ class PartialFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
-        ok, failures = self._failures(replies, getattr(self, "_sampled", []))
+        ok, failures, rejected = self._failures(replies, getattr(self, "_sampled", []))
         metrics = [self._metrics(m) for m, _ in ok]
         start = self.sim_time_s
-        trips = [self._trip(r, start, server_round - 1) for r in metrics]
+        trips = [self._trip(r, start, server_round - 1, int(r["partition-id"]) in rejected) for r in metrics]
         deadline = self._deadline if self.policy != "wait_all" else None
         keep = (self.sc.server.clients_per_round or self.sc.num_clients) if self.policy == "overcommit" else None
         end, status = sync_round(trips, start, deadline, keep)
         rows = []
         for (m, _), r, trip in zip(ok, metrics, trips):
-            state = status[trip.partition_id]
+            state, bad = status[trip.partition_id], rejected.get(trip.partition_id, "")
             cost = self.fleet.cost(trip.partition_id)
-            # a late or surplus client is told to stop when the round closes
-            energy = trip_energy_j(cost, trip, end if state in (LATE, EXTRA) else math.inf, r)
+            # a late or surplus client is told to stop when the round closes (a rejected one too)
+            energy = trip_energy_j(cost, trip, end if state in (LATE, EXTRA) or bad else math.inf, r)
             waited = end - trip.arrival_s if trip.completes and trip.arrival_s <= end else 0.0
             idle = cost.device.power_idle_w.value * waited
-            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m)))
+            if bad and state == NO_UPDATE:  # it arrived (a late one is not looked at: it is 'late')
+                state = LATE if trip.arrival_s > end else REJECTED
+            error = bad if state == REJECTED else ""
+            rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m), error))
             self.fleet.drain(trip.partition_id, end, energy + idle)
         self.recorder.add_clients(
             rows + [self._failed_row(server_round, p, why) for p, why in sorted(failures.items())]
@@ -608,20 +629,36 @@ class PartialFedAvg(FedAvg):
                 current, updates, [row["steps"] for _, _, row in counted], set(self.env.info.tensor_names)
             )
         new_state = aggregate_partial(current, updates)
-        self._check_finite(server_round, new_state)
+        self._norm = weight_norm(new_state, self._params)
         self.sim_time_s = float(end)  # plain floats: the checkpoint keeps them (torch weights_only load)
         self._round = self._summary(rows, len(failures), start, end)
         self.total_energy_j += float(self._round["round_energy_j"])
         return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
 
-    @staticmethod
-    def _check_finite(version: int, state: dict[str, np.ndarray]) -> None:
-        for name, value in state.items():
-            if not np.isfinite(value).all():
-                raise RunFailed(
-                    f"round {version}: the global model became non-finite (tensor {name!r}); "
-                    "lower train.lr or check the model and its starting weights"
-                )
+    def _divergence(self, server_round: int, arrays: ArrayRecord, test_loss: float, predicted, actual) -> str:
+        """Why the round shows divergence ('' if not): the detector fed the round's figures (see divergence.py)."""
+        if server_round == 0 or self._norm is None:
+            self._norm = weight_norm(record_to_numpy(arrays, copy=False), self._params)
+        if predicted is not None and not self.detector.classes:
+            self.detector.classes = len(predicted)  # the loss floor ln(classes)
+        r = self._round
+        trained = r["clients_counted"] + r["clients_rejected"]
+        # the mean over the updates used (NaN: none trained a step; a client's non-finite loss is a rejection)
+        loss = r["mean_train_loss"] if server_round and not math.isnan(r["mean_train_loss"]) else None
+        reason = self.detector.observe(
+            server_round,
+            train_loss=loss,
+            test_loss=test_loss if server_round == 0 else None,
+            norm=self._norm,
+            trained=trained,
+            rejected=r["clients_rejected"],
+            predicted=predicted,
+            actual=actual,
+        )
+        self._norm = None
+        if reason:
+            log(WARNING, "round %d diverged: %s", server_round, reason)
+        return reason
 
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
     def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
@@ -633,7 +670,7 @@ class PartialFedAvg(FedAvg):
         self.evaluate(0, initial_arrays)
         states = {0: record_to_numpy(initial_arrays)}
         version, last_t, dispatched = 0, 0.0, 0
-        replies: dict[Trip, tuple[dict, Message, dict[str, np.ndarray]]] = {}
+        replies: dict[Trip, tuple[dict, Message, dict[str, np.ndarray], str]] = {}  # str: why it was rejected
         pending: list[dict] = []  # rows since the last aggregation
         failures = 0
 
@@ -672,7 +709,7 @@ class PartialFedAvg(FedAvg):
                 grid.send_and_receive(messages, timeout=timeout),
                 key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1),
             )
-            ok, failed = self._failures(got, ids)
+            ok, failed, rejected = self._failures(got, ids)
             for p, why in sorted(failed.items()):
                 failures += 1
                 if failures > 10 * n + sc.server.rounds * buffer_size:
@@ -680,22 +717,26 @@ class PartialFedAvg(FedAvg):
                 pending.append(self._failed_row(version + 1, p, why))
             for m, arrays in ok:
                 r = self._metrics(m)
-                trip = self._trip(r, t, v)
-                replies[trip] = (r, m, arrays)
+                bad = rejected.get(int(r["partition-id"]), "")
+                trip = self._trip(r, t, v, bool(bad))
+                replies[trip] = (r, m, arrays, bad)
                 trips.append(trip)
             return trips
 
         def discard(trip: Trip, t: float, why: str) -> None:
-            r, m, _ = replies.pop(trip)
+            r, m, _, bad = replies.pop(trip)
             energy = trip_energy_j(self.fleet.cost(trip.partition_id), trip, t, r)
-            pending.append(self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m)))
+            why = REJECTED if bad and why == NO_UPDATE else why  # it arrived; a cancelled one was never looked at
+            error = bad if why == REJECTED else ""
+            row = self._row(version + 1, r, trip, why, energy, 0.0, version - trip.version, _fits_reason(m), error)
+            pending.append(row)
             self.fleet.drain(trip.partition_id, t, energy)
 
         def aggregate(v: int, t: float, buffer: list[Arrival]) -> None:
             nonlocal version, last_t
             rows, updates, bases, discounts = [], [], [], []
             for a in buffer:
-                r, m, arrays = replies.pop(a.trip)
+                r, m, arrays, _ = replies.pop(a.trip)
                 energy = trip_energy_j(self.fleet.cost(a.trip.partition_id), a.trip, math.inf, r)
                 rows.append(self._row(v, r, a.trip, COUNTED, energy, 0.0, a.staleness, _fits_reason(m)))
                 self.fleet.drain(a.trip.partition_id, a.trip.arrival_s, energy)
@@ -703,7 +744,7 @@ class PartialFedAvg(FedAvg):
                 bases.append(states[a.trip.version])
                 discounts.append(staleness_weight(a.staleness) if sc.server.staleness == "inverse_sqrt" else 1.0)
             states[v] = aggregate_buffered(states[version], updates, bases, discounts)
-            self._check_finite(v, states[v])
+            self._norm = weight_norm(states[v], self._params)
             in_use = {trip.version for trip in replies} | {v}
             for old in [k for k in states if k not in in_use]:
                 del states[old]
@@ -751,6 +792,7 @@ class PartialFedAvg(FedAvg):
         """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
         accuracy = loss = float("nan")
         evaluated = self.evaluates(server_round)
+        predicted = actual = None  # test predictions and labels per class (a stream's: not counted)
         if evaluated:
             model = self.env.new_model()
             model.load_state_dict(record_to_torch(arrays))
@@ -759,7 +801,9 @@ class PartialFedAvg(FedAvg):
                 self.recorder.add_tasks(rows)
             else:
                 test = self.env.data.test
-                accuracy, loss = evaluate_model(model, test.x, test.y)
+                accuracy, loss, predicted = evaluate_predictions(model, test.x, test.y)
+                actual = np.bincount(test.y, minlength=len(predicted))
+        diverged = self._divergence(server_round, arrays, loss, predicted, actual)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
@@ -769,10 +813,16 @@ class PartialFedAvg(FedAvg):
             "total_energy_j": self.total_energy_j,
             **self._round,
             "host_wall_s": time.perf_counter() - self._round_start if server_round else 0.0,
+            "divergence": diverged,
         }
+        first = self.detector.first
+        if first is not None and self.recorder.divergence is None:
+            self.recorder.divergence = first.to_dict()
         self.recorder.add_round(row)
         self.progress(row)
         self.keep_state(server_round, arrays)  # its writes are handed over when the next round is sent
+        if diverged and self.sc.simulation.on_divergence == "stop":
+            raise Diverged(server_round, diverged)
         return MetricRecord({"accuracy": accuracy, "loss": loss}) if evaluated else None
 
     def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -816,7 +866,7 @@ def server_main(
                 timeout=timeout,
                 evaluate_fn=strategy.evaluate,
             )
-    except StopRun:  # a normal end: the finished rounds reach disk, and a failed write fails the run
+    except (StopRun, Diverged):  # a normal end: the finished rounds reach disk, and a failed write fails the run
         recorder.flush()
         raise
     except BaseException as exc:
