@@ -224,8 +224,11 @@ def cmd_run(args) -> int:
     return exit_code(run_dir)
 
 
-def cmd_compare(args) -> None:
-    from .compare import mean_table, run_comparison
+def cmd_compare(args) -> int:
+    """Run a comparison and print its table; exits 4 if a seed diverged, 3 if one did not complete, else 0."""
+    import pandas as pd
+
+    from .compare import exit_code, mean_table, not_used, run_comparison
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
@@ -241,7 +244,18 @@ def cmd_compare(args) -> None:
     console.print(table)
     for line in legend:
         console.print(line, markup=False)
-    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png")
+    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png", markup=False)
+    lines = not_used(out)
+    for line in lines:
+        console.print(f"  {line}", markup=False, highlight=False)
+    code = exit_code(pd.read_csv(out / "summary.csv"))
+    if code:
+        console.print(
+            f"{len(lines)} seed(s) did not complete and are in no mean (exit code {code}; see README, Comparisons)",
+            markup=False,
+            highlight=False,
+        )
+    return code
 
 
 def cmd_devices(args) -> None:

@@ -750,6 +750,7 @@ class PartialFedAvg(FedAvg):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
         accuracy = loss = float("nan")
+        val = dict.fromkeys(("val_accuracy", "val_loss"), float("nan")) if self.sc.data.validation > 0 else {}
         evaluated = self.evaluates(server_round)
         if evaluated:
             model = self.env.new_model()
@@ -760,12 +761,16 @@ class PartialFedAvg(FedAvg):
             else:
                 test = self.env.data.test
                 accuracy, loss = evaluate_model(model, test.x, test.y)
+            if val:  # the clients' held-out share (data.validation), never the test set
+                held = self.env.data.validation_set
+                val["val_accuracy"], val["val_loss"] = evaluate_model(model, held.x, held.y)
         row = {
             "round": server_round,
             "strategy": self.sc.train.strategy,
             "sim_time_s": self.sim_time_s,
             "test_accuracy": accuracy,
             "test_loss": loss,
+            **val,
             "total_energy_j": self.total_energy_j,
             **self._round,
             "host_wall_s": time.perf_counter() - self._round_start if server_round else 0.0,
