@@ -244,7 +244,8 @@ def cmd_compare(args) -> int:
     console.print(table)
     for line in legend:
         console.print(line, markup=False)
-    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png", markup=False)
+    tuning = f", {out}/tuning.csv" if (out / "tuning.csv").exists() else ""
+    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv{tuning}; figure: {out}/comparison.png", markup=False)
     lines = not_used(out)
     for line in lines:
         console.print(f"  {line}", markup=False, highlight=False)

@@ -311,7 +311,11 @@ def test_the_validation_split_comes_from_the_clients_training_data(make_scenario
     # the indices point into the training split: recomputed by hand, none of its samples is a test sample
     ds = load_dataset("digits")
     train_idx, test_idx = train_test_split(ds.y, env.scenario.data.test_fraction, env.scenario.seed)
-    assert len(data.train) == len(train_idx) and not set(train_idx[data.validation]) & set(test_idx)
+    assert not set(train_idx) & set(test_idx)
+    held = data.validation_set
+    assert np.array_equal(held.x, ds.x[train_idx[data.validation]]) and np.array_equal(
+        held.y, ds.y[train_idx[data.validation]]
+    )
     assert np.array_equal(RunEnvironment(make_scenario(data={"validation": 0.25})).data.validation, data.validation)
 
 
@@ -361,3 +365,21 @@ def test_a_tuned_comparison_runs_the_seeds_with_the_chosen_values_and_resumes(tm
     assert main(["compare", str(path), "--resume", str(out)]) == 0  # every cell, tuning included, read back
     assert capsys.readouterr().out.count("finished earlier") == 8
     assert pd.read_csv(out / "tuning.csv").equals(tuning)
+
+
+def test_the_server_scores_val_accuracy_on_the_held_out_share(make_scenario):
+    from fedelastic.data import load_dataset, train_test_split
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.fl.runner import run_scenario
+    from fedelastic.training import evaluate_model
+
+    sc = make_scenario(data={"validation": 0.3}, server={"rounds": 1})
+    rounds = pd.read_parquet(run_scenario(sc, run_id="val") / "rounds.parquet")
+    assert rounds.val_accuracy.notna().all() and rounds.val_loss.notna().all()
+    # round 0 is the initial model: scored by hand on the training-split samples the carve held out
+    env = RunEnvironment(sc)
+    ds = load_dataset("digits")
+    train_idx, _ = train_test_split(ds.y, sc.data.test_fraction, sc.seed)
+    held = train_idx[env.data.validation]
+    accuracy, loss = evaluate_model(env.new_model(), ds.x[held], ds.y[held])
+    assert rounds.val_accuracy.iloc[0] == pytest.approx(accuracy) and rounds.val_loss.iloc[0] == pytest.approx(loss)
