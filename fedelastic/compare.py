@@ -414,14 +414,15 @@ def pick(scores: pd.DataFrame) -> int | None:
     """The index of the best tuning run in ``scores`` (columns ``lr``, ``status``, ``val_accuracy``,
     ``val_loss``), or None when none completed with a score.
 
-    Only ``completed`` runs count. Best: the highest validation accuracy; ties go to the lower
-    validation loss, then to the smaller learning rate, then to the row listed first.
+    Only ``completed`` runs with a finite validation loss count (a NaN or infinite loss is a
+    model that blew up, whatever its accuracy). Best: the highest validation accuracy; ties go to
+    the lower validation loss, then to the smaller learning rate, then to the row listed first.
     """
-    ok = scores[(scores.status == USED) & scores.val_accuracy.notna()]
+    finite = np.isfinite(scores.val_loss.to_numpy(float))
+    ok = scores[(scores.status == USED) & scores.val_accuracy.notna() & finite]
     if not len(ok):
         return None
-    loss = ok.val_loss.fillna(math.inf) if "val_loss" in ok else pd.Series(0.0, index=ok.index)
-    order = sorted(ok.index, key=lambda i: (-ok.val_accuracy[i], loss[i], ok.lr[i], list(ok.index).index(i)))
+    order = sorted(ok.index, key=lambda i: (-ok.val_accuracy[i], ok.val_loss[i], ok.lr[i], list(ok.index).index(i)))
     return int(order[0])
 
 

@@ -318,7 +318,7 @@ def _tuning(folder: Path) -> str:
     return (
         "<h2>Tuning</h2><p>Each strategy's learning rate (and BatchNorm mode) was chosen per fleet by its final "
         "accuracy on a validation split held out from the clients' training data (never the test set); ties go "
-        "to the lower validation loss, then the smaller learning rate. Only completed tuning runs count.</p>"
+        "to the lower validation loss, then the smaller learning rate. Only completed tuning runs with a finite validation loss count.</p>"
         + shown.to_html(index=False, border=0)
     )
 

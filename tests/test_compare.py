@@ -279,6 +279,10 @@ def test_tuning_picks_the_best_completed_grid_point():
     )
     assert pick(tie) == 2  # equal accuracy: the lower loss (0.4), then the smaller lr (0.03 over 0.1)
     assert pick(tie.assign(status="failed")) is None
+    blown = pd.DataFrame(
+        {"lr": [0.01, 0.1], "status": ["completed"] * 2, "val_accuracy": [0.3, 0.5], "val_loss": [1.2, float("nan")]}
+    )
+    assert pick(blown) == 0  # a completed run whose validation loss is NaN blew up: never chosen
     assert pick(scores.set_axis([10, 11, 12, 13])) == 11  # the index label, whatever the index
 
 
