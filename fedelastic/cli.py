@@ -224,6 +224,9 @@ def cmd_run(args) -> int:
     return exit_code(run_dir)
 
 
+_WHOLE = ("fleet", "strategy", "used", "lr", "bn")  # columns of the comparison table shown uncut
+
+
 def cmd_compare(args) -> int:
     """Run a comparison and print its table; exits 4 if a seed diverged, 3 if one did not complete, else 0."""
     import pandas as pd
@@ -237,8 +240,9 @@ def cmd_compare(args) -> int:
     )
     frame, legend = mean_table(out)
     table = Table(title=f"comparison: {out}")
-    for col in frame.columns:
-        table.add_column(col, justify="right", no_wrap=True)
+    for col in frame.columns:  # labels, seeds used, lr and bn are never cut; intervals wrap if they must
+        width = max([len(col), *(len(str(v)) for v in frame[col])]) if col in _WHOLE else None
+        table.add_column(col, justify="right", no_wrap=width is not None, min_width=width, overflow="fold")
     for row in frame.itertuples(index=False):
         table.add_row(*map(str, row))
     console.print(table)

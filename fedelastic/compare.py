@@ -581,7 +581,7 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     t = pd.read_csv(out / "summary_by_strategy.csv")
     legend = [
         "cells: mean ± 95% interval over the seeds that completed ([low, high]: clipped at a physical bound); "
-        "used: completed / run"
+        "used: seeds completed / run"
     ]
     short = {}
     for i, name in enumerate(dict.fromkeys(t.strategy)):
@@ -589,8 +589,9 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
         if short[name] != name:
             legend.append(f"{short[name]} = {name}")
     frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy.map(short)})
-    frame["used"] = t["used"] if "used" in t else t.seeds.map(lambda n: f"{n}/{n}")
-    for key, header in (("failed", "failed"), ("diverged", "diverged"), ("lr", "lr"), ("bn_mode", "bn")):
+    frame["used"] = [_used(row) for row in t.itertuples()]
+    legend.append("used (fail, div, err): seeds failed, diverged, completed with client errors; in no mean")
+    for key, header in (("lr", "lr"), ("bn_mode", "bn")):
         if key in t:
             frame[header] = t[key].fillna("").astype(str)
     for stem, header, fmt in _SHOWN:
@@ -612,6 +613,18 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     if (out / "tuning.csv").exists():
         legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
     return frame, legend
+
+
+def _used(row) -> str:
+    """``2/3``, with the seeds left out counted: ``1/3 (1 fail, 1 div)``."""
+    used = getattr(row, "used", None)
+    if not isinstance(used, str):
+        return f"{row.seeds}/{row.seeds}"
+    counts = [
+        (getattr(row, key, 0), name) for key, name in (("failed", "fail"), ("diverged", "div"), ("with_errors", "err"))
+    ]
+    left = ", ".join(f"{int(n)} {name}" for n, name in counts if n == n and n)
+    return used + (f" ({left})" if left else "")
 
 
 def not_used(out: Path) -> list[str]:

@@ -247,6 +247,7 @@ def test_compare_exits_4_on_a_diverged_cell_and_keeps_going_past_a_raising_one(t
     log = capsys.readouterr().out
     assert "diverged: sbc / full / seed 1 (diverged in round 1: training loss is NaN)" in log
     assert "failed: sbc / full / seed 2" in log
+    assert "1/3 (1 fail, 1 div)" in log  # the printed table's seeds used, with those left out counted
     summary = pd.read_csv(tmp_path / "cmp" / "summary.csv")
     assert summary.status.tolist() == ["completed", "diverged", "failed"]  # every seed keeps its row
     row = pd.read_csv(tmp_path / "cmp" / "summary_by_strategy.csv").iloc[0]
