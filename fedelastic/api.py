@@ -224,7 +224,7 @@ class ComparisonResult:
 
     @property
     def by_strategy(self) -> pd.DataFrame:
-        """Per fleet and strategy: mean and 95% interval over seeds."""
+        """Per fleet and strategy: mean and 95% interval over the seeds that completed."""
         return self._read("summary_by_strategy")
 
     @property
@@ -239,10 +239,18 @@ def compare(
     output: str | Path | None = None,
     backend: str | None = None,
     rounds: int | None = None,
+    resume: str | Path | None = None,
 ) -> ComparisonResult:
-    """Run a comparison file (a scenario with a ``[compare]`` table)."""
+    """Run a comparison file (a scenario with a ``[compare]`` table); ``resume``: an interrupted one's folder.
+
+    Seeds that did not complete are in no mean: ``result.summary.status`` says which, and
+    ``result.by_strategy.used`` counts the seeds used (``2/3``).
+    """
     from .compare import run_comparison
 
     return ComparisonResult(
-        run_comparison(path, output=Path(output) if output else None, backend=backend, rounds=rounds)
+        run_comparison(
+            path, output=Path(output) if output else None, backend=backend, rounds=rounds,
+            resume=Path(resume) if resume else None,
+        )  # fmt: skip
     )

@@ -244,8 +244,14 @@ def cmd_run(args) -> int:
     return exit_code(run_dir)
 
 
-def cmd_compare(args) -> None:
-    from .compare import mean_table, run_comparison
+_WHOLE = ("fleet", "strategy", "used", "lr", "bn")  # columns of the comparison table shown uncut
+
+
+def cmd_compare(args) -> int:
+    """Run a comparison and print its table; exits 4 if a seed diverged, 3 if one did not complete, else 0."""
+    import pandas as pd
+
+    from .compare import exit_code, mean_table, not_used, run_comparison
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
@@ -254,14 +260,27 @@ def cmd_compare(args) -> None:
     )
     frame, legend = mean_table(out)
     table = Table(title=f"comparison: {out}")
-    for col in frame.columns:
-        table.add_column(col, justify="right", no_wrap=True)
+    for col in frame.columns:  # labels, seeds used, lr and bn are never cut; intervals wrap if they must
+        width = max([len(col), *(len(str(v)) for v in frame[col])]) if col in _WHOLE else None
+        table.add_column(col, justify="right", no_wrap=width is not None, min_width=width, overflow="fold")
     for row in frame.itertuples(index=False):
         table.add_row(*map(str, row))
     console.print(table)
     for line in legend:
         console.print(line, markup=False)
-    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv; figure: {out}/comparison.png")
+    tuning = f", {out}/tuning.csv" if (out / "tuning.csv").exists() else ""
+    console.print(f"tables: {out}/summary*.csv, {out}/runs.csv{tuning}; figure: {out}/comparison.png", markup=False)
+    lines = not_used(out)
+    for line in lines:
+        console.print(f"  {line}", markup=False, highlight=False)
+    code = exit_code(pd.read_csv(out / "summary.csv"))
+    if code:
+        console.print(
+            f"{len(lines)} seed(s) did not complete and are in no mean (exit code {code}; see README, Comparisons)",
+            markup=False,
+            highlight=False,
+        )
+    return code
 
 
 def cmd_devices(args) -> None:

@@ -14,16 +14,27 @@ per run and round) and ``summary.csv`` (one row per run), appended after every r
 end ``summary_by_strategy.csv`` (mean and 95% interval over seeds of every metric; time to target
 censored, with the count of seeds that reached it) and ``comparison.png`` (mean accuracy against
 simulated time with a 95% band and the target line).
+
+Only seeds whose run ``completed`` enter a mean or an interval: a seed that failed, diverged or
+completed with client errors keeps its row in ``summary.csv`` (with its ``status``) and is counted
+in ``used`` (e.g. ``2/3``), ``failed``, ``diverged`` and ``with_errors``. Interval bounds are
+clipped at the metric's physical bounds (every metric is >= 0; accuracies and fractions <= 1).
+
+With ``[compare.tune]``, every (fleet, strategy) first runs a short tuning run per grid point of
+learning rates (and BatchNorm modes), scored on a validation split carved from the clients'
+training data (``data.validation``), and its seeds then run with the best point (``tuning.csv``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -43,6 +54,26 @@ class StrategyVariant:
 
 
 @dataclass(frozen=True)
+class TuneConfig:
+    lr: tuple[float, ...] = field((), help="learning rates to try (empty: the scenario's train.lr)")
+    bn_mode: tuple[Literal["auto", "frozen", "train"], ...] = field(
+        (), help="BatchNorm modes to try (empty: the scenario's train.bn_mode)"
+    )
+    rounds: int = field(0, help="rounds of each tuning run (0: as many as the comparison's runs)")
+    seed: int = field(0, help="seed of the tuning runs")
+    validation: float = field(
+        0.1, help="share of each client's training data held out to score the tuning runs (data.validation)"
+    )
+
+    def __post_init__(self):
+        check(bool(self.lr or self.bn_mode), "lr", "a list of learning rates (or bn_mode: a list of modes) to try")
+        check(all(lr > 0 for lr in self.lr) and len(set(self.lr)) == len(self.lr), "lr", "distinct positive numbers")
+        check(len(set(self.bn_mode)) == len(self.bn_mode), "bn_mode", "distinct modes")
+        check(self.rounds >= 0, "rounds", "an integer >= 0")
+        check(0 < self.validation < 1, "validation", "a fraction in (0, 1)")
+
+
+@dataclass(frozen=True)
 class CompareConfig:
     strategies: tuple[Any, ...] = field((), help="strategy names or { strategy, label, options } tables")
     fleets: dict[str, dict[str, int]] = field(
@@ -50,6 +81,9 @@ class CompareConfig:
     )
     seeds: tuple[int, ...] = field((), help="seeds (default: the scenario's)")
     target_accuracy: float = field(0.0, help="report simulated time and energy to reach this accuracy (0: skip)")
+    tune: TuneConfig | None = field(
+        None, help="tune lr (and bn_mode) per fleet and strategy on a validation split before the seeds run"
+    )
 
     def __post_init__(self):
         check(0 <= self.target_accuracy <= 1, "target_accuracy", "a fraction in [0, 1]")
@@ -63,10 +97,20 @@ class Variant:
     scenario: Scenario
 
 
-def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
-    """The comparison config and one validated scenario per combination."""
-    raw = copy.deepcopy(raw)
-    cfg = from_dict(CompareConfig, raw.pop("compare", {}), src, prefix="compare")
+@dataclass(frozen=True)
+class TuneCell:
+    """One tuning run: a grid point of one (fleet, strategy)."""
+
+    strategy: str
+    fleet: str
+    lr: float
+    bn_mode: str
+    scenario: Scenario
+
+
+def _combinations(raw: dict, src: str) -> tuple[CompareConfig, list[tuple[str, dict, StrategyVariant, str]]]:
+    """The comparison config and its (fleet label, fleet, strategy variant, label) combinations, in run order."""
+    cfg = from_dict(CompareConfig, raw.get("compare", {}), src, prefix="compare")
     variants: list[StrategyVariant] = []
     for i, item in enumerate(cfg.strategies or (raw.get("train", {}).get("strategy", "full"),)):
         item = {"strategy": item} if isinstance(item, str) else item
@@ -75,18 +119,52 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     if len(set(labels)) != len(labels):
         raise ConfigError(src, "compare.strategies", "distinct labels (add label = ... to tell variants apart)", labels)
     fleets = cfg.fleets or {"fleet": raw.get("fleet", {})}
+    return cfg, [(f, fleet, v, label) for f, fleet in fleets.items() for v, label in zip(variants, labels)]
+
+
+def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant, label: str, seed: int) -> dict:
+    r = copy.deepcopy({k: v for k, v in raw.items() if k != "compare"})
+    r.update(fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_"))
+    r["train"] = {**r.get("train", {}), "strategy": variant.strategy, "options": variant.options}
+    return r
+
+
+def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
+    """The comparison config and one validated scenario per combination."""
+    cfg, combos = _combinations(raw, src)
     seeds = cfg.seeds or (raw.get("seed", 0),)
     out = []
-    for fleet_label, fleet in fleets.items():
-        for variant, label in zip(variants, labels):
-            for seed in seeds:
-                r = copy.deepcopy(raw)
-                r.update(
-                    fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_")
-                )
-                r["train"] = {**r.get("train", {}), "strategy": variant.strategy, "options": variant.options}
-                out.append(Variant(label, fleet_label, seed, parse_scenario(r, src)))
+    for fleet_label, fleet, variant, label in combos:
+        for seed in seeds:
+            r = _cell_raw(raw, fleet_label, fleet, variant, label, seed)
+            out.append(Variant(label, fleet_label, seed, parse_scenario(r, src)))
     return cfg, out
+
+
+def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
+    """One validated tuning scenario per (fleet, strategy) and grid point; none without ``[compare.tune]``.
+
+    A tuning run holds out ``tune.validation`` of each client's data (``data.validation``), runs
+    ``tune.rounds`` rounds with ``tune.seed``, and lives in a folder named after its grid point.
+    """
+    cfg, combos = _combinations(raw, src)
+    tune = cfg.tune
+    if tune is None:
+        return []
+    out = []
+    for fleet_label, fleet, variant, label in combos:
+        r = _cell_raw(raw, fleet_label, fleet, variant, label, tune.seed)
+        train = r["train"]
+        for lr, bn in itertools.product(tune.lr or (train.get("lr"),), tune.bn_mode or (train.get("bn_mode"),)):
+            t = copy.deepcopy(r)
+            t["train"] = {**train, **({"lr": lr} if lr is not None else {}), **({"bn_mode": bn} if bn else {})}
+            t["data"] = {**t.get("data", {}), "validation": tune.validation}
+            if tune.rounds:
+                t["server"] = {**t.get("server", {}), "rounds": tune.rounds}
+            sc = parse_scenario(t, src)
+            sc = replace(sc, name=f"{sc.name}-tune-lr{sc.train.lr:g}-{sc.train.bn_mode}")
+            out.append(TuneCell(label, fleet_label, sc.train.lr, sc.train.bn_mode, sc))
+    return out
 
 
 def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dict:
@@ -129,39 +207,108 @@ def ci95(values: np.ndarray) -> float:
 
 
 _TO_TARGET = ("time_to_target_s", "energy_to_target_j")
+USED = "completed"  # the only run status whose seeds enter means and intervals
+_NOT_METRICS = ("fleet", "strategy", "seed", "run_dir", "reached_target", "status", "error", "lr", "bn_mode")
+
+
+def bounds(metric: str) -> tuple[float, float]:
+    """The physical range of a summary metric: every one is a time, energy, memory, count or share
+    (>= 0), and accuracies and fractions are also <= 1."""
+    return 0.0, 1.0 if ("accuracy" in metric or "fraction" in metric) else math.inf
+
+
+def interval(mean: float, ci: float, metric: str) -> tuple[float, float]:
+    """``mean -+ ci`` clipped at ``metric``'s :func:`bounds` (NaN for a NaN half-width)."""
+    lo, hi = bounds(metric)
+    if math.isnan(ci) or math.isnan(mean):
+        return float("nan"), float("nan")
+    return max(mean - ci, lo), min(mean + ci, hi)
+
+
+def interval_text(mean: float, ci: float, low: float, high: float, fmt: str) -> str:
+    """``mean ± ci``; ``mean [low, high]`` where a bound clipped the interval; ``mean`` alone without one."""
+    if math.isnan(mean):
+        return "-"
+    if math.isnan(ci):
+        return fmt.format(mean)
+    if low > mean - ci or high < mean + ci:
+        return f"{fmt.format(mean)} [{fmt.format(low)}, {fmt.format(high)}]"
+    return f"{fmt.format(mean)} ± {fmt.format(ci)}"
+
+
+def _counts(status: pd.Series) -> dict[str, Any]:
+    used = int((status == USED).sum())
+    diverged = int((status == "diverged").sum())
+    with_errors = int((status == "completed_with_errors").sum())
+    return {
+        "used": f"{used}/{len(status)}",
+        "failed": len(status) - used - diverged - with_errors,
+        "diverged": diverged,
+        "with_errors": with_errors,
+    }
+
+
+def _values(column: pd.Series) -> str:
+    """The distinct values of a column as one cell (``0.01`` or ``0.01, 0.1``)."""
+    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in dict.fromkeys(column.dropna()))
 
 
 def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
-    """Per (fleet, strategy): mean and 95% interval of every metric over seeds.
+    """Per (fleet, strategy): mean and 95% interval of every metric over the seeds that completed.
+
+    A seed whose ``status`` is anything but ``completed`` (failed, diverged, completed with
+    client errors, or a run that raised) enters no mean and no interval; ``used`` says how many
+    did (``2/3``), ``failed``, ``diverged`` and ``with_errors`` count the others. A table without
+    a ``status`` column is taken as all completed. ``*_low``/``*_high`` are the interval's bounds,
+    clipped at the metric's :func:`bounds`.
 
     Time and energy to target are censored, not dropped: a seed that never reached the target
     enters at its end-of-run time and energy, so the mean is a lower bound whenever
     ``reached`` (e.g. ``2/3``) is below all seeds, and ``*_is_lower_bound`` says so.
     """
-    metrics = [c for c in summary.columns if c not in ("fleet", "strategy", "seed", "run_dir", "reached_target")]
+    metrics = [c for c in summary.columns if c not in _NOT_METRICS]
     rows = []
     for (fleet, strategy), g in summary.groupby(["fleet", "strategy"], sort=False):
-        row: dict[str, Any] = {"fleet": fleet, "strategy": strategy, "seeds": len(g)}
+        status = g["status"].fillna("failed") if "status" in g else pd.Series(USED, index=g.index)
+        row: dict[str, Any] = {"fleet": fleet, "strategy": strategy, "seeds": len(g), **_counts(status)}
+        for key in ("lr", "bn_mode"):
+            if key in g:
+                row[key] = _values(g[key])
+        u = g[status == USED]
         for m in metrics:
-            values = g[m].to_numpy(float)
+            values = u[m].to_numpy(float)
             if m in _TO_TARGET:
-                censored = ~g["reached_target"].to_numpy(bool)
-                end = g["sim_time_s" if m == "time_to_target_s" else "energy_j"].to_numpy(float)
+                censored = ~u["reached_target"].to_numpy(bool)
+                end = u["sim_time_s" if m == "time_to_target_s" else "energy_j"].to_numpy(float)
                 values = np.where(censored, end, values)
                 row[f"{m}_is_lower_bound"] = bool(censored.any())
-            row[f"{m}_mean"] = float(values.mean())
-            row[f"{m}_ci95"] = ci95(values)
+            mean = float(values.mean()) if len(values) else float("nan")
+            ci = ci95(values)
+            row[f"{m}_mean"], row[f"{m}_ci95"] = mean, ci
+            row[f"{m}_low"], row[f"{m}_high"] = interval(mean, ci, m)
         if "reached_target" in g:
-            row["reached_target"] = f"{int(g.reached_target.sum())}/{len(g)}"
+            row["reached_target"] = f"{int(u.reached_target.astype(bool).sum())}/{len(u)}"
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def exit_code(summary: pd.DataFrame) -> int:
+    """What ``fedelastic compare`` exits with: 4 if any seed diverged, else 3 if any seed did not
+    complete (failed, raised, or completed with client errors), else 0."""
+    status = summary["status"].fillna("failed") if "status" in summary else pd.Series([], dtype=object)
+    if (status == "diverged").any():
+        return 4
+    return 3 if (status != USED).any() else 0
 
 
 def curves(runs: pd.DataFrame) -> pd.DataFrame:
     """Per (fleet, strategy, round): mean simulated time and mean accuracy with its 95% interval over seeds.
 
-    Rounds without an accuracy (skipped by ``server.evaluate_every``) are left out.
+    Rounds without an accuracy (skipped by ``server.evaluate_every``) are left out, and so are
+    the runs whose ``status`` (where the table has one) is not ``completed``.
     """
+    if "status" in runs:
+        runs = runs[runs.status == USED]
     runs = runs[runs.test_accuracy.notna()]
     g = runs.groupby(["fleet", "strategy", "round"], sort=False)
     out = g.agg(sim_time_s=("sim_time_s", "mean"), accuracy=("test_accuracy", "mean")).reset_index()
@@ -177,7 +324,14 @@ def plot(runs: pd.DataFrame, path: Path, target: float = 0.0) -> None:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    data = curves(runs)
+    data = curves(runs) if len(runs) else pd.DataFrame(columns=["fleet", "strategy", "sim_time_s", "accuracy"])
+    if not len(data):  # no seed completed: a figure that says so
+        fig, ax = plt.subplots(figsize=(4.6, 3.8))
+        ax.text(0.5, 0.5, "no run completed", ha="center", va="center")
+        ax.set_axis_off()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
     fleets = list(dict.fromkeys(data.fleet))
     palette = dict(zip(dict.fromkeys(data.strategy), sns.color_palette(n_colors=data.strategy.nunique())))
     fig, axes = plt.subplots(1, len(fleets), figsize=(4.6 * len(fleets), 3.8), squeeze=False)
@@ -185,11 +339,13 @@ def plot(runs: pd.DataFrame, path: Path, target: float = 0.0) -> None:
         for strategy, g in data[data.fleet == fleet].groupby("strategy", sort=False):
             ax.plot(g.sim_time_s, g.accuracy, marker="o", ms=3, color=palette[strategy], label=strategy)
             band = g.accuracy_ci95.fillna(0.0)
-            ax.fill_between(g.sim_time_s, g.accuracy - band, g.accuracy + band, color=palette[strategy], alpha=0.2)
+            low, high = np.clip(g.accuracy - band, 0, 1), np.clip(g.accuracy + band, 0, 1)  # accuracy is in [0, 1]
+            ax.fill_between(g.sim_time_s, low, high, color=palette[strategy], alpha=0.2)
         if target:
             ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
         ax.set(title=f"fleet {fleet}", xlabel="simulated time (s), mean over seeds", ylabel="global test accuracy")
         ax.set_ylim(0, 1)
+        ax.set_xlim(left=0)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -206,12 +362,15 @@ def run_comparison(
 ) -> Path:
     """Run every combination of a comparison file; returns the comparison folder.
 
-    ``resume``: the folder of an interrupted comparison; finished cells are read back, a killed
-    cell continues from its checkpoint, and the rest run.
+    A cell whose run raised is recorded as ``failed`` and the comparison goes on (a bad scenario,
+    a :class:`ConfigError`, still stops it). ``resume``: the folder of an interrupted comparison;
+    finished cells (tuning runs included) are read back, a killed cell continues from its
+    checkpoint, and the rest run.
     """
     path = Path(path)
     raw = read_toml(path, "scenario")
     cfg, variants = expand(raw, str(path))
+    tuning = expand_tuning(raw, str(path))
     if resume is not None:
         out = Path(resume)
         if not out.is_dir():
@@ -227,53 +386,176 @@ def run_comparison(
             out.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
             raise FedelasticError(f"{out}: exists; continue it with `fedelastic compare --resume {out}`") from None
-    all_rounds: list[pd.DataFrame] = []
-    summary: list[dict] = []
+    cells = _Cells(out, backend, rounds, cfg, total=len(variants) + len(tuning))
     console = Console()
     bar = Progress(
         TextColumn("[bold]compare"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"), TimeElapsedColumn(),
         console=console, disable=not console.is_terminal,
     )  # fmt: skip
     with bar:
-        task = bar.add_task("cells", total=len(variants))
-        for i, v in enumerate(variants):
-            _run_cell(i, v, variants, out, backend, rounds, cfg, all_rounds, summary)
-            bar.advance(task)
-    aggregate(pd.DataFrame(summary)).to_csv(out / "summary_by_strategy.csv", index=False)
-    plot(pd.concat(all_rounds), out / "comparison.png", cfg.target_accuracy)
+        task = bar.add_task("cells", total=cells.total)
+        cells.advance = lambda: bar.advance(task)
+        for (fleet, strategy), group in itertools.groupby(variants, key=lambda v: (v.fleet, v.strategy)):
+            grid = [t for t in tuning if (t.fleet, t.strategy) == (fleet, strategy)]
+            chosen = cells.tune(grid) if grid else None
+            for v in group:
+                cells.run(v, chosen)
+    summary = pd.DataFrame(cells.summary)
+    aggregate(summary).to_csv(out / "summary_by_strategy.csv", index=False)
+    plot(
+        pd.concat(cells.rounds_tables) if cells.rounds_tables else pd.DataFrame(),
+        out / "comparison.png",
+        cfg.target_accuracy,
+    )
     return out
 
 
-def _run_cell(i, v, variants, out: Path, backend, rounds, cfg, all_rounds: list, summary: list) -> None:
-    """Run (or read back, or resume) one cell of a comparison and write the tables so far."""
-    from dataclasses import replace
+def pick(scores: pd.DataFrame) -> int | None:
+    """The index of the best tuning run in ``scores`` (columns ``lr``, ``status``, ``val_accuracy``,
+    ``val_loss``), or None when none completed with a score.
 
-    from .fl.runner import run_scenario
-    from .results import read_status
+    Only ``completed`` runs with a finite validation loss count (a NaN or infinite loss is a
+    model that blew up, whatever its accuracy). Best: the highest validation accuracy; ties go to
+    the lower validation loss, then to the smaller learning rate, then to the row listed first.
+    """
+    finite = np.isfinite(scores.val_loss.to_numpy(float))
+    ok = scores[(scores.status == USED) & scores.val_accuracy.notna() & finite]
+    if not len(ok):
+        return None
+    order = sorted(ok.index, key=lambda i: (-ok.val_accuracy[i], ok.val_loss[i], ok.lr[i], list(ok.index).index(i)))
+    return int(order[0])
 
-    sc = replace(v.scenario, output_dir=str(out / "runs"))  # a comparison's runs live under its folder
-    if backend:
-        sc = replace(sc, simulation=replace(sc.simulation, backend=backend))
-    if rounds:
-        sc = replace(sc, server=replace(sc.server, rounds=rounds))
-    print(f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}", flush=True)
-    run_dir = Path(sc.output_dir) / sc.name / f"s{v.seed}"
-    state = read_status(run_dir)["status"] if run_dir.exists() else "new"
-    if state in ("completed", "completed_with_errors"):
-        print(f"    finished earlier: {run_dir}", flush=True)
-    elif state != "new" and (run_dir / "checkpoint.pt").exists():
-        print(f"    resuming {run_dir} ({state})", flush=True)
-        run_scenario(sc, resume=run_dir)
-    else:
-        if state != "new":  # died before its first checkpoint: nothing finished to keep
-            shutil.rmtree(run_dir)
-        run_dir = run_scenario(sc, run_id=f"s{v.seed}")
-    r, c = pd.read_parquet(run_dir / "rounds.parquet"), pd.read_parquet(run_dir / "clients.parquet")
-    keys = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed}
-    all_rounds.append(r.assign(**keys))
-    summary.append({**keys, **summarise(r, c, cfg.target_accuracy), "run_dir": str(run_dir)})
-    pd.concat(all_rounds).to_csv(out / "runs.csv", index=False)
-    pd.DataFrame(summary).to_csv(out / "summary.csv", index=False)
+
+class _Cells:
+    """Runs (or reads back, or resumes) the cells of a comparison and writes its tables as it goes."""
+
+    def __init__(self, out: Path, backend: str | None, rounds: int | None, cfg: CompareConfig, total: int):
+        self.out, self.backend, self.rounds, self.cfg, self.total = out, backend, rounds, cfg, total
+        self.done = 0
+        self.advance = lambda: None
+        self.rounds_tables: list[pd.DataFrame] = []
+        self.summary: list[dict] = []
+        self.tuning: list[dict] = []
+
+    def tune(self, grid: list[TuneCell]) -> TuneCell | None:
+        """Run one (fleet, strategy)'s tuning grid; returns the chosen grid point (None: none completed)."""
+        first = len(self.tuning)
+        for cell in grid:
+            sc = self._prepare(cell.scenario, "tuning", tuning=True)
+            label = f"{cell.fleet} / {cell.strategy} / tune lr {cell.lr:g}, bn {cell.bn_mode}"
+            run_dir, status, error = self._execute(sc, label)
+            r = _read(run_dir, "rounds")
+            evaluated = r[r.val_accuracy.notna()] if r is not None and "val_accuracy" in r else pd.DataFrame()
+            self.tuning.append(
+                {
+                    "fleet": cell.fleet, "strategy": cell.strategy, "lr": cell.lr, "bn_mode": cell.bn_mode,
+                    "status": status, "error": error,
+                    "val_accuracy": float(evaluated.val_accuracy.iloc[-1]) if len(evaluated) else float("nan"),
+                    "val_loss": float(evaluated.val_loss.iloc[-1]) if len(evaluated) else float("nan"),
+                    "chosen": False, "run_dir": str(run_dir),
+                }
+            )  # fmt: skip
+            pd.DataFrame(self.tuning).to_csv(self.out / "tuning.csv", index=False)
+        best = pick(pd.DataFrame(self.tuning[first:], index=range(first, len(self.tuning))))
+        if best is None:
+            print(f"    no tuning run of {grid[0].fleet} / {grid[0].strategy} completed: its seeds run with the "
+                  "scenario's own lr and bn_mode", flush=True)  # fmt: skip
+            return None
+        self.tuning[best]["chosen"] = True
+        pd.DataFrame(self.tuning).to_csv(self.out / "tuning.csv", index=False)
+        chosen = grid[best - first]
+        print(f"    chosen: lr {chosen.lr:g}, bn_mode {chosen.bn_mode}", flush=True)
+        return chosen
+
+    def run(self, v: Variant, chosen: TuneCell | None) -> None:
+        """Run one seed of a cell (with the tuned lr and bn_mode, if any) and write the tables so far."""
+        sc = v.scenario
+        if chosen is not None:
+            sc = replace(sc, train=replace(sc.train, lr=chosen.lr, bn_mode=chosen.bn_mode))
+        sc = self._prepare(sc, "runs")
+        run_dir, status, error = self._execute(sc, f"{v.fleet} / {v.strategy} / seed {v.seed}", f"s{v.seed}")
+        keys = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed}
+        row: dict[str, Any] = {**keys, "status": status, "error": error, "lr": sc.train.lr, "bn_mode": _bn_mode(sc)}
+        r, c = _read(run_dir, "rounds"), _read(run_dir, "clients")
+        if r is not None and len(r):
+            self.rounds_tables.append(r.assign(**keys, status=status))
+            if c is not None:
+                row.update(summarise(r, c, self.cfg.target_accuracy))
+        self.summary.append({**row, "run_dir": str(run_dir)})
+        if self.rounds_tables:
+            pd.concat(self.rounds_tables).to_csv(self.out / "runs.csv", index=False)
+        pd.DataFrame(self.summary).to_csv(self.out / "summary.csv", index=False)
+
+    def _prepare(self, sc: Scenario, folder: str, tuning: bool = False) -> Scenario:
+        sc = replace(sc, output_dir=str(self.out / folder))  # a comparison's runs live under its folder
+        if self.backend:
+            sc = replace(sc, simulation=replace(sc.simulation, backend=self.backend))
+        if self.rounds and not (tuning and self.cfg.tune and self.cfg.tune.rounds):
+            sc = replace(sc, server=replace(sc.server, rounds=self.rounds))
+        return sc
+
+    def _execute(self, sc: Scenario, label: str, run_id: str | None = None) -> tuple[Path, str, str]:
+        """Run ``sc`` into its folder unless it finished there earlier: (run folder, status, one-line error)."""
+        from .fl.runner import run_scenario
+        from .results import one_line, read_status
+
+        self.done += 1
+        print(f"[{self.done}/{self.total}] {label}", flush=True)
+        run_id = run_id or f"s{sc.seed}"
+        run_dir = Path(sc.output_dir) / sc.name / run_id
+        state = read_status(run_dir)["status"] if run_dir.exists() else "new"
+        raised = ""
+        if state in FINISHED:
+            print(f"    finished earlier: {run_dir} ({state})", flush=True)
+        else:
+            try:
+                if state != "new" and (run_dir / "checkpoint.pt").exists():
+                    print(f"    resuming {run_dir} ({state})", flush=True)
+                    run_scenario(sc, resume=run_dir)
+                else:
+                    if state != "new":  # died before its first checkpoint: nothing finished to keep
+                        shutil.rmtree(run_dir)
+                    run_scenario(sc, run_id=run_id)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (one cell's failure is recorded; the comparison goes on)
+                raised = one_line(f"{type(exc).__name__}: {exc}")
+        status = read_status(run_dir)
+        state = status["status"]
+        if raised and state not in FINISHED:
+            state = "failed"
+        if state != USED:
+            print(f"    {state}: {run_dir}", flush=True)
+        self.advance()
+        return run_dir, state, raised or _why(status)
+
+
+FINISHED = ("completed", "completed_with_errors", "diverged")  # final states a resumed comparison keeps
+
+
+def _why(status: dict) -> str:
+    """One line on why a run did not complete, from its status.json ('' for a completed run)."""
+    if status.get("status") == "diverged" and isinstance(status.get("divergence"), dict):
+        d = status["divergence"]
+        return f"diverged in round {d.get('round')}: {d.get('reason', '')}"
+    if status.get("status") == "completed_with_errors":
+        return f"{status.get('clients_failed', '?')} of {status.get('client_results', '?')} client results failed"
+    return str(status.get("error", ""))
+
+
+def _bn_mode(sc: Scenario) -> str:
+    """``train.bn_mode`` with ``auto`` resolved as the run resolves it."""
+    from .fl.env import RunEnvironment
+
+    return RunEnvironment(sc).bn_mode
+
+
+def _read(run_dir: Path, table: str) -> pd.DataFrame | None:
+    """A run's ``rounds`` or ``clients`` table, or None where the run left none."""
+    try:
+        return pd.read_parquet(run_dir / f"{table}.parquet")
+    except (OSError, ValueError):
+        return None
 
 
 # columns of the printed table: (column stem, short header, how a value is shown)
@@ -291,29 +573,67 @@ _SHOWN = (
 def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     """A finished comparison's table for a terminal, and its legend.
 
-    Every cell is ``mean ± 95% interval`` over seeds; strategy labels longer than 12 characters
-    are replaced by ``S1, S2, ...`` and spelled out in the legend, so no label is truncated.
+    Every cell is ``mean ± 95% interval`` over the seeds that completed (``mean [low, high]``
+    where a physical bound clipped the interval); ``used`` counts them (``2/3``). Strategy labels
+    longer than 12 characters are replaced by ``S1, S2, ...`` and spelled out in the legend, so no
+    label is truncated.
     """
     t = pd.read_csv(out / "summary_by_strategy.csv")
-    legend = ["cells: mean ± 95% interval over seeds"]
+    legend = [
+        "cells: mean ± 95% interval over the seeds that completed ([low, high]: clipped at a physical bound); "
+        "used: seeds completed / run"
+    ]
     short = {}
     for i, name in enumerate(dict.fromkeys(t.strategy)):
         short[name] = name if len(name) <= 12 else f"S{i + 1}"
         if short[name] != name:
             legend.append(f"{short[name]} = {name}")
-    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy.map(short), "seeds": t.seeds})
+    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy.map(short)})
+    frame["used"] = [_used(row) for row in t.itertuples()]
+    legend.append("used (fail, div, err): seeds failed, diverged, completed with client errors; in no mean")
+    for key, header in (("lr", "lr"), ("bn_mode", "bn")):
+        if key in t:
+            frame[header] = t[key].fillna("").astype(str)
     for stem, header, fmt in _SHOWN:
         if f"{stem}_mean" not in t:
             continue
         mean, ci = t[f"{stem}_mean"], t[f"{stem}_ci95"]
+        low = t[f"{stem}_low"] if f"{stem}_low" in t else mean - ci
+        high = t[f"{stem}_high"] if f"{stem}_high" in t else mean + ci
         if stem == "peak_memory_bytes":
-            mean, ci, fmt = mean / 2**20, ci / 2**20, "{:.3g}"
-        cells = [fmt.format(m) + ("" if np.isnan(c) else " ± " + fmt.format(c)) for m, c in zip(mean, ci)]
+            mean, ci, low, high, fmt = mean / 2**20, ci / 2**20, low / 2**20, high / 2**20, "{:.3g}"
+        cells = [interval_text(*v, fmt) for v in zip(mean, ci, low, high)]
         if stem == "time_to_target_s":
-            lower = t["time_to_target_s_is_lower_bound"].astype(bool)
+            lower = t["time_to_target_s_is_lower_bound"].fillna(False).astype(bool)
             cells = [("≥" if lb else "") + c + f" ({n})" for c, lb, n in zip(cells, lower, t.reached_target)]
             legend.append(
                 "t→target: (seeds that reached it); ≥: a lower bound, unreached seeds enter at their end time"
             )
         frame[header] = cells
+    if (out / "tuning.csv").exists():
+        legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
     return frame, legend
+
+
+def _used(row) -> str:
+    """``2/3``, with the seeds left out counted: ``1/3 (1 fail, 1 div)``."""
+    used = getattr(row, "used", None)
+    if not isinstance(used, str):
+        return f"{row.seeds}/{row.seeds}"
+    counts = [
+        (getattr(row, key, 0), name) for key, name in (("failed", "fail"), ("diverged", "div"), ("with_errors", "err"))
+    ]
+    left = ", ".join(f"{int(n)} {name}" for n, name in counts if n == n and n)
+    return used + (f" ({left})" if left else "")
+
+
+def not_used(out: Path) -> list[str]:
+    """One line per seed of a comparison that did not complete (and so is in no mean)."""
+    summary = pd.read_csv(out / "summary.csv")
+    if "status" not in summary:
+        return []
+    bad = summary[summary.status.fillna("failed") != USED]
+    return [
+        f"{r.status}: {r.fleet} / {r.strategy} / seed {r.seed}" + (f" ({r.error})" if isinstance(r.error, str) else "")
+        for r in bad.itertuples()
+    ]

@@ -326,70 +326,134 @@ def pareto_front(cost: np.ndarray, gain: np.ndarray) -> np.ndarray:
     return front
 
 
+def _errors(table: pd.DataFrame, stem: str) -> tuple[np.ndarray, np.ndarray]:
+    """Means and (2, n) error bars of ``stem``: the interval clipped at its physical bounds, 0 where there is none."""
+    from .compare import interval
+
+    mean, ci = table[f"{stem}_mean"].to_numpy(float), table[f"{stem}_ci95"].to_numpy(float)
+    bounds = np.array([interval(m, c, stem) for m, c in zip(mean, ci)], float).reshape(-1, 2)
+    low = table[f"{stem}_low"].to_numpy(float) if f"{stem}_low" in table else bounds[:, 0]
+    high = table[f"{stem}_high"].to_numpy(float) if f"{stem}_high" in table else bounds[:, 1]
+    return mean, np.nan_to_num(np.vstack([mean - low, high - mean]))
+
+
 def pareto_figure(table: pd.DataFrame) -> str:
-    """Final accuracy against simulated time and against energy, mean and 95% interval over seeds."""
+    """Final accuracy against simulated time and against energy, mean and 95% interval over the
+    seeds that completed; intervals clipped at 0 (and accuracy at 1), so no axis goes negative."""
     plt = _plt()
+    table = table[np.isfinite(table.final_accuracy_mean.to_numpy(float))]  # a cell with no completed seed: no point
     fleets = list(dict.fromkeys(table.fleet))
     strategies = list(dict.fromkeys(table.strategy))
     colors = dict(zip(strategies, plt.get_cmap("tab10").colors))
     axes_of = (("sim_time_s", "simulated time (s)"), ("energy_j", "energy (J)"))
-    fig, axes = plt.subplots(len(fleets), 2, figsize=(10, 3.8 * len(fleets)), squeeze=False)
+    fig, axes = plt.subplots(max(len(fleets), 1), 2, figsize=(10, 3.8 * max(len(fleets), 1)), squeeze=False)
     for row, fleet in zip(axes, fleets):
         t = table[table.fleet == fleet]
-        y, yerr = t.final_accuracy_mean.to_numpy(float), np.nan_to_num(t.final_accuracy_ci95.to_numpy(float))
+        y, yerr = _errors(t, "final_accuracy")
         for ax, (metric, label) in zip(row, axes_of):
-            x, xerr = t[f"{metric}_mean"].to_numpy(float), np.nan_to_num(t[f"{metric}_ci95"].to_numpy(float))
-            for xi, yi, xe, ye, s in zip(x, y, xerr, yerr, t.strategy):
-                ax.errorbar(xi, yi, xerr=xe, yerr=ye, fmt="o", color=colors[s], capsize=3, label=s)
+            x, xerr = _errors(t, metric)
+            for i, s in enumerate(t.strategy):
+                ax.errorbar(x[i], y[i], xerr=xerr[:, i : i + 1], yerr=yerr[:, i : i + 1], fmt="o", color=colors[s],
+                            capsize=3, label=s)  # fmt: skip
             front = pareto_front(x, y)
             order = np.argsort(x[front])
             ax.step(x[front][order], y[front][order], where="post", color="grey", lw=1, ls="--", label="Pareto front")
             ax.set(xlabel=f"{label}, mean over seeds", ylabel="final test accuracy", title=f"fleet {fleet}")
+            ax.set_xlim(left=0)  # time and energy are never negative
             low, high = ax.get_ylim()
             ax.set_ylim(max(low, 0.0), min(high, 1.0))  # an interval past [0, 1] says nothing more
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    fig.legend(
-        unique.values(),
-        unique.keys(),
-        loc="upper center",
-        ncol=min(len(unique), 5),
-        fontsize=8,
-        bbox_to_anchor=(0.5, 1.02),
-    )
+    if unique:
+        fig.legend(
+            unique.values(),
+            unique.keys(),
+            loc="upper center",
+            ncol=min(len(unique), 5),
+            fontsize=8,
+            bbox_to_anchor=(0.5, 1.02),
+        )
     fig.tight_layout()
     return _figure(
         _png(fig),
         "Pareto plot of accuracy against time and energy",
-        "Each point: one strategy's mean over seeds, bars: 95% interval (none with a single seed). "
-        "Dashed: the Pareto front of the means (no other strategy is both cheaper and more accurate).",
+        "Each point: one strategy's mean over the seeds that completed, bars: 95% interval, clipped at 0 and "
+        "at accuracy 1 (none with a single seed). Dashed: the Pareto front of the means (no other strategy "
+        "is both cheaper and more accurate).",
     )
 
 
 def comparison_table(table: pd.DataFrame) -> str:
+    from .compare import interval, interval_text
+
     shown = {"final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}"}
-    out = table[["fleet", "strategy", "seeds"]].copy()
+    out = table[["fleet", "strategy"]].copy()
+    out["seeds used"] = table["used"] if "used" in table else table.seeds.map(lambda n: f"{n}/{n}")
+    for key in ("failed", "diverged", "with_errors", "lr", "bn_mode"):
+        if key in table:
+            out[key.replace("_", " ")] = table[key].fillna("")
     if "reached_target" in table:
         out["reached target"] = table.reached_target
     for stem, fmt in shown.items():
         if f"{stem}_mean" in table:
             bound = table.get(f"{stem}_is_lower_bound", pd.Series(False, index=table.index)).fillna(False)
+            mean, ci = table[f"{stem}_mean"].to_numpy(float), table[f"{stem}_ci95"].to_numpy(float)
+            clipped = [interval(m, c, stem) for m, c in zip(mean, ci)]
+            low = table[f"{stem}_low"] if f"{stem}_low" in table else [lo for lo, _ in clipped]
+            high = table[f"{stem}_high"] if f"{stem}_high" in table else [hi for _, hi in clipped]
             out[stem] = [
-                ("≥ " if b else "") + fmt.format(m) + ("" if np.isnan(c) else " ± " + fmt.format(c))
-                for m, c, b in zip(table[f"{stem}_mean"], table[f"{stem}_ci95"], bound.astype(bool))
+                ("≥ " if b else "") + interval_text(m, c, lo, hi, fmt)
+                for m, c, lo, hi, b in zip(mean, ci, low, high, bound.astype(bool))
             ]
     return out.to_html(index=False, border=0)
+
+
+def _not_completed(folder: Path) -> str:
+    """The seeds that are in no mean, with their status and why ('' if every seed completed)."""
+    from .compare import not_used
+
+    lines = not_used(folder) if (folder / "summary.csv").exists() else []
+    if not lines:
+        return ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return f'<h2 class="bad">Seeds left out of the means</h2><ul>{items}</ul>'
+
+
+def _tuning(folder: Path) -> str:
+    """The tuning grid's validation scores per fleet and strategy, the chosen point marked."""
+    if not (folder / "tuning.csv").exists():
+        return ""
+    t = pd.read_csv(folder / "tuning.csv")
+    shown = t[["fleet", "strategy", "lr", "bn_mode", "status", "val_accuracy", "val_loss"]].copy()
+    shown["val_accuracy"] = shown.val_accuracy.map("{:.3f}".format)
+    shown["val_loss"] = shown.val_loss.map("{:.3g}".format)
+    shown["chosen"] = t.chosen.map({True: "✓", False: ""}).fillna("")
+    return (
+        "<h2>Tuning</h2><p>Each strategy's learning rate (and BatchNorm mode) was chosen per fleet by its final "
+        "accuracy on a validation split held out from the clients' training data (never the test set); ties go "
+        "to the lower validation loss, then the smaller learning rate. Only completed tuning runs with a finite validation loss count.</p>"
+        + shown.to_html(index=False, border=0)
+    )
 
 
 def comparison_sections(folder: Path) -> tuple[str, list[str]]:
     from .compare import plot
 
     table = pd.read_csv(folder / "summary_by_strategy.csv")
+    used = table["used"] if "used" in table else table.seeds.map(lambda n: f"{n}/{n}")
+    complete = all(u.split("/")[0] == u.split("/")[1] for u in used.astype(str))
     head = (
         f"<p>{table.strategy.nunique()} strategies on {table.fleet.nunique()} fleets, "
-        f"{int(table.seeds.max())} seed(s) each. Cells: mean ± 95% interval over seeds; ≥: a lower bound "
+        f"{int(table.seeds.max())} seed(s) each. Cells: mean ± 95% interval over the seeds that completed "
+        "([low, high] where the interval was clipped at a physical bound: 0, or accuracy 1); ≥: a lower bound "
         "(seeds that never reached the target enter at their end-of-run time).</p>"
+        + (
+            ""
+            if complete
+            else '<p class="bad">Not every seed completed: the failed and diverged seeds are in no mean '
+            "(see “seeds used” and the list below).</p>"
+        )
     )
     sections = ["<h2>Accuracy against time and energy</h2>" + pareto_figure(table)]
     if (folder / "runs.csv").exists():
@@ -399,10 +463,13 @@ def comparison_sections(folder: Path) -> tuple[str, list[str]]:
         sections.append(
             "<h2>Accuracy over simulated time</h2>"
             + _figure(
-                png, "mean accuracy curves", "Mean accuracy over seeds against mean simulated time; band: 95% interval."
+                png,
+                "mean accuracy curves",
+                "Mean accuracy over the seeds that completed against mean simulated time; band: 95% interval.",
             )
         )
     sections.append("<h2>Summary</h2>" + comparison_table(table))
+    sections += [s for s in (_not_completed(folder), _tuning(folder)) if s]
     return head, sections
 
 

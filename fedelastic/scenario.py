@@ -46,6 +46,11 @@ class DataConfig:
     test_fraction: float = field(
         0.2, help="fraction held out as the server's test set (if the source has no test split)"
     )
+    validation: float = field(
+        0.0,
+        help="share of each client's partition held out, before training, as the server's validation set "
+        "(rounds then carry val_accuracy; 0: none). Never taken from the test set",
+    )
     size: int = field(0, help="samples of synth_digits to generate (0: 60,000)")
     image_column: str = field("", help="image column (or .npz array) of an external dataset (empty: auto-detect)")
     label_column: str = field("", help="label column (or .npz array) of an external dataset (empty: auto-detect)")
@@ -57,6 +62,7 @@ class DataConfig:
     def __post_init__(self):
         check(self.alpha > 0, "alpha", "a positive number")
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
+        check(0 <= self.validation < 1, "validation", "a fraction in [0, 1)")
         check(self.min_partition_size >= 1, "min_partition_size", "an integer >= 1")
         check(self.shards_per_partition >= 1, "shards_per_partition", "an integer >= 1")
         check(_labels(self.classes), "classes", "distinct non-negative labels")

@@ -103,8 +103,13 @@ def test_comparison_page_has_pareto_plots_with_intervals(folders):
     page = write_html(comparison).read_text()
     assert "Pareto" in page and len(_images(page)) == 2
     table = pd.read_csv(comparison / "summary_by_strategy.csv")
-    for row in table.itertuples():  # the summary shows each mean with its interval
-        assert f"{row.final_accuracy_mean:.3f} ± {row.final_accuracy_ci95:.3f}" in page
+    for row in table.itertuples():  # the summary shows each mean with its interval, clipped to [0, 1]
+        m, ci = row.final_accuracy_mean, row.final_accuracy_ci95
+        if 0 <= m - ci and m + ci <= 1:
+            assert f"{m:.3f} ± {ci:.3f}" in page
+        else:
+            assert f"{m:.3f} [{max(m - ci, 0):.3f}, {min(m + ci, 1):.3f}]" in page
+        assert f"<td>{row.seeds}/{row.seeds}</td>" in page  # seeds used / run
 
 
 def test_a_folder_that_is_neither_is_a_config_error(tmp_path):

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import tomli_w
 
-from fedelastic.compare import expand
+from fedelastic.compare import expand, expand_tuning
 from fedelastic.fl.runner import run_scenario
 from fedelastic.scenario import load_scenario
 
@@ -144,6 +144,7 @@ def test_shipped_scenarios_validate(path):
     raw = tomllib.loads(path.read_text())
     if "compare" in raw:
         assert expand(raw, str(path))[1]
+        expand_tuning(raw, str(path))  # a [compare.tune] table validates too
     else:
         assert load_scenario(path).name == raw["name"]
 

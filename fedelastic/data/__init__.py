@@ -11,7 +11,7 @@ flwr-datasets' partitioners. Domain shifts are in :mod:`.shifts`, continual stre
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -155,14 +155,38 @@ def partition_shards(labels: np.ndarray, num_partitions: int, shards_per_partiti
 
 @dataclass(frozen=True)
 class FederatedData:
-    """Client partitions (indices into ``train``) and the server's held-out test set."""
+    """Client partitions (indices into ``train``), the server's held-out test set, and the
+    validation indices into ``train`` carved from the clients' partitions (none by default)."""
 
     train: ArrayDataset
     test: ArrayDataset
     partitions: list[np.ndarray]
+    validation: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def client(self, partition_id: int) -> ArrayDataset:
         return self.train.subset(self.partitions[partition_id])
+
+    @property
+    def validation_set(self) -> ArrayDataset:
+        return self.train.subset(self.validation)
+
+
+def carve_validation(partitions: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Hold out ``round(fraction * size)`` random samples of each partition (each keeps at least one).
+
+    Returns the partitions without them and the sorted union of what was held out, which no client
+    trains on. Client ``i``'s draw depends on ``seed`` and ``i`` alone, so the carve is deterministic.
+    """
+    kept, held = [], []
+    for i, part in enumerate(partitions):
+        part = np.asarray(part, dtype=np.int64)
+        cut = min(int(round(len(part) * fraction)), max(len(part) - 1, 0))
+        chosen = np.random.default_rng([seed, 8, i]).permutation(len(part))[:cut]
+        mask = np.zeros(len(part), bool)
+        mask[chosen] = True
+        kept.append(np.sort(part[~mask]))
+        held.append(part[mask])
+    return kept, np.sort(np.concatenate(held)) if held else np.zeros(0, np.int64)
 
 
 def partition(

@@ -20,6 +20,7 @@ from ..costmodel import CostModel
 from ..data import (
     ArrayDataset,
     FederatedData,
+    carve_validation,
     hf,
     load_dataset,
     partition,
@@ -80,7 +81,7 @@ class RunEnvironment:
         self._check_hue(d.shift, "data.shift.hue")
         if self.external is not None:  # classes were kept, and partitions made, by flwr-datasets
             train, test = (self.view(part, (), d.transform, d.shift) for part in self.split)
-            return FederatedData(train, test, self.external.partitions)
+            return self._carve(FederatedData(train, test, self.external.partitions))
         train, test = (self.view(part, d.classes, d.transform, d.shift) for part in self.split)
         n, src = sc.num_clients, sc.source or "<scenario>"
         if len(test) == 0:
@@ -89,7 +90,15 @@ class RunEnvironment:
             train.y, n, d.partitioner, sc.seed, alpha=d.alpha,
             shards_per_partition=d.shards_per_partition, min_size=d.min_partition_size, src=src,
         )  # fmt: skip
-        return FederatedData(train, test, parts)
+        return self._carve(FederatedData(train, test, parts))
+
+    def _carve(self, data: FederatedData) -> FederatedData:
+        """``data`` with ``data.validation`` of each client's partition held out as the validation set."""
+        fraction = self.scenario.data.validation
+        if fraction <= 0:
+            return data
+        parts, held = carve_validation(data.partitions, fraction, self.scenario.seed)
+        return dataclasses.replace(data, partitions=parts, validation=held)
 
     def _check_hue(self, shift: Shift, key: str) -> None:
         channels = self.split[0].x.shape[1]

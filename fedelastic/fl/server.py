@@ -47,7 +47,7 @@ from ..fleet import (
 )
 from ..results import Recorder
 from ..scenario import Scenario
-from ..training import evaluate_predictions
+from ..training import evaluate_model, evaluate_predictions
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
@@ -795,6 +795,7 @@ class PartialFedAvg(FedAvg):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
         accuracy = loss = float("nan")
+        val = dict.fromkeys(("val_accuracy", "val_loss"), float("nan")) if self.sc.data.validation > 0 else {}
         evaluated = self.evaluates(server_round)
         predicted = actual = None  # test predictions and labels per class (a stream's: not counted)
         if evaluated:
@@ -807,6 +808,9 @@ class PartialFedAvg(FedAvg):
                 test = self.env.data.test
                 accuracy, loss, predicted = evaluate_predictions(model, test.x, test.y)
                 actual = np.bincount(test.y, minlength=len(predicted))
+            if val:  # the clients' held-out share (data.validation), never the test set
+                held = self.env.data.validation_set
+                val["val_accuracy"], val["val_loss"] = evaluate_model(model, held.x, held.y)
         diverged = self._divergence(server_round, arrays, loss, predicted, actual)
         row = {
             "round": server_round,
@@ -814,6 +818,7 @@ class PartialFedAvg(FedAvg):
             "sim_time_s": self.sim_time_s,
             "test_accuracy": accuracy,
             "test_loss": loss,
+            **val,
             "total_energy_j": self.total_energy_j,
             **self._round,
             "host_wall_s": time.perf_counter() - self._round_start if server_round else 0.0,
