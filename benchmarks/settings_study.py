@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic import api  # noqa: E402
+from fedelastic.config import read_toml  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.fl.env import environment  # noqa: E402
 from fedelastic.pretrain import initial_state  # noqa: E402
@@ -100,7 +101,10 @@ def fine_tune(env, state, data, test, *, bn_mode, lr, optimizer, schedule, calls
 
 def run_setup(name: str, central_cap: int, calls: int) -> list[dict]:
     path, overrides, ships = SETUPS[name]
-    sc = api.load(ROOT / path, {"train.strategy": "full", "train.options": {}, **overrides})
+    raw = read_toml(ROOT / path, "scenario")
+    raw.pop("compare", None)  # a comparison file: its base scenario
+    raw["train"] = {**raw.get("train", {}), "strategy": "full", "options": {}}
+    sc = api.load(raw, overrides)
     env = environment(sc)
     t0 = time.perf_counter()
     state = initial_state(env)  # the scenario's own (cached) pretrain
@@ -169,21 +173,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "settings_study.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    start = time.perf_counter()
-    rows = []
-    for name in args.setups.split(","):
+    out = Path(args.out)
+    names = args.setups.split(",")
+    # rows of other setups already in --out are kept: setups can be run (or rerun) a few at a time
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["setup"] not in names] if out.exists() else []
+    for name in names:
         rows.extend(run_setup(name, args.central_cap, args.calls))
-    md = table(rows)
+        md = table(rows)
+        doc = {
+            "command": "python benchmarks/settings_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "host": platform.node(), "torch": torch.__version__, "threads": 1, "table": md, "rows": rows,
+        }  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=float))  # after each setup
     print(md)
-    doc = {
-        "command": "python benchmarks/settings_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": platform.node(), "torch": torch.__version__, "threads": 1,
-        "wall_s": time.perf_counter() - start, "table": md, "rows": rows,
-    }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1, default=float))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
