@@ -15,7 +15,8 @@ and strategy, over its seeds), it records:
   domain), for ``rounds x local_epochs`` epochs (at most ``--central-steps`` steps), evaluated as
   the run is (the test set, or the stream's tasks);
 * ``full_gap``: for strategy ``full``, central minus final accuracy (the reference must come
-  within 0.05 of central training);
+  within 0.05 of central training); ``--with-full`` also runs each single scenario whose strategy
+  is not ``full`` with ``full`` (policy ``wait_all`` for a deadline-elastic one), its reference row;
 * ``status``: status.json's ``status`` of each run; ``rejected`` / ``failed``: client results the
   server rejected as non-finite or that failed; ``nonfinite_loss``: client rows with a
   non-finite train loss that ran steps; ``wall_s``: the scenario's wall time, pretraining included.
@@ -184,7 +185,7 @@ def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
     return rows
 
 
-def run_one(path: Path, small: bool, central_steps: int, work: Path) -> list[dict]:
+def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: bool = False) -> list[dict]:
     raw = read_toml(path, "scenario")
     raw.pop("source", None)
     if small:
@@ -194,12 +195,21 @@ def run_one(path: Path, small: bool, central_steps: int, work: Path) -> list[dic
     out.mkdir(parents=True, exist_ok=True)
     rows = run_compare(path, raw, out) if "compare" in raw else run_single(path, raw, out)
     wall = time.perf_counter() - start
+    for row in rows:
+        row["wall_s"] = wall
+    if with_full and "compare" not in raw and raw.get("train", {}).get("strategy", "full") != "full":
+        ref = {**raw, "train": {**raw["train"], "strategy": "full", "options": {}}}
+        if ref.get("server", {}).get("policy") == "deadline_elastic":
+            ref["server"] = {**ref["server"], "policy": "wait_all"}  # full training takes no rho from a deadline
+        start = time.perf_counter()
+        (full,) = run_single(path, ref, work / f"{path.stem}-full")
+        rows.append({**full, "strategy": "full (reference)", "wall_s": time.perf_counter() - start})
     base = {k: v for k, v in raw.items() if k != "compare"}
     central = central_accuracy(api.load({**base, "output_dir": str(out)}), central_steps)
     for row in rows:
-        row.update(central, wall_s=wall)
+        row.update(central)
         gap = central["central_accuracy"] - row["final_accuracy"]
-        row["full_gap"] = gap if row["strategy"] == "full" else float("nan")
+        row["full_gap"] = gap if row["strategy"].startswith("full") else float("nan")
     return rows
 
 
@@ -227,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         "--central-steps", type=int, default=0, help="most central-training steps (default 3000; reduced 30)"
     )
     ap.add_argument("--out", default="", help="the JSON to write")
+    ap.add_argument(
+        "--with-full", action="store_true", help="also run each single scenario with strategy full, as its reference"
+    )
     args = ap.parse_args(argv)
     central_steps = args.central_steps or (30 if args.reduced else 3000)
     paths = sorted(SIMULATIONS.glob("*.toml"))
@@ -239,21 +252,21 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as work:
         for path in paths:
             print(f"== {path.stem}", flush=True)
-            rows.extend(run_one(path, args.reduced, central_steps, Path(work)))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
-    md = table(rows)
-    print(md)
-    doc = {
-        "command": "python benchmarks/scenarios.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "wall_s": time.perf_counter() - start,
-        "table": md,
-        "rows": rows,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=float))
+            got = run_one(path, args.reduced, central_steps, Path(work), args.with_full)
+            rows.extend(got)
+            print("\n".join(table(got).splitlines()[2:]), flush=True)
+            doc = {
+                "command": "python benchmarks/scenarios.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "wall_s": time.perf_counter() - start,
+                "table": table(rows),
+                "rows": rows,
+            }
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1, default=float))  # after each scenario
+    print(table(rows))
     print(f"wrote {out}")
 
 
