@@ -18,7 +18,8 @@ and strategy, over its seeds), it records:
   within 0.05 of central training); ``--with-full`` also runs each single scenario whose strategy
   is not ``full`` with ``full`` (policy ``wait_all`` for a deadline-elastic one), its reference row;
 * ``status``: status.json's ``status`` of each run; ``rejected`` / ``failed``: client results the
-  server rejected as non-finite or that failed; ``nonfinite_loss``: client rows with a
+  server rejected as non-finite or that failed; ``not_fitting``: client results whose selection did
+  not fit the device's memory; ``nonfinite_loss``: client rows with a
   non-finite train loss that ran steps; ``wall_s``: the scenario's wall time, pretraining included.
 
 Writes ``--out`` (default ``benchmarks/results/scenarios.json``, with ``_reduced`` for
@@ -146,6 +147,7 @@ def run_figures(run_dir: Path) -> dict:
         "status": read_status(run_dir)["status"],
         "rejected": int((clients.status == "rejected").sum()),
         "failed": int((clients.status == "failed").sum()),
+        "not_fitting": int((clients.status == "not_fitting").sum()),
         "nonfinite_loss": int((~np.isfinite(ran.train_loss.astype(float))).sum()),
         "client_rows": len(clients),
     }
@@ -179,7 +181,7 @@ def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
                 "final_accuracy": float(np.mean([r["final_accuracy"] for r in used])) if used else float("nan"),
                 "status": "completed" if len(used) == len(runs) else f"{len(used)} of {len(runs)} completed",
                 "statuses": [r["status"] for r in runs],
-                **{k: sum(r[k] for r in runs) for k in ("rejected", "failed", "nonfinite_loss", "client_rows")},
+                **{k: sum(r[k] for r in runs) for k in ("rejected", "failed", "not_fitting", "nonfinite_loss", "client_rows")},
             }
         )  # fmt: skip
     return rows
@@ -214,8 +216,8 @@ def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: 
 
 
 def table(rows: list[dict]) -> str:
-    head = "| scenario | fleet | strategy | seeds | final acc | chance | central acc | full gap | status | rejected | failed | non-finite loss | wall s |"
-    lines = [head, "|" + "---|" * 13]
+    head = "| scenario | fleet | strategy | seeds | final acc | chance | central acc | full gap | status | rejected | failed | not fitting | non-finite loss | client rows | wall s |"
+    lines = [head, "|" + "---|" * 15]
 
     def f(x, fmt="{:.3f}"):
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
@@ -224,7 +226,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['fleet'] or '—'} | {r['strategy']} | {r['seeds']} | {f(r['final_accuracy'])} | "
             f"{f(r['chance'], '{:.2f}')} | {f(r['central_accuracy'])} | {f(r['full_gap'], '{:+.3f}')} | {r['status']} | "
-            f"{r['rejected']} | {r['failed']} | {r['nonfinite_loss']} | {f(r['wall_s'], '{:.0f}')} |"
+            f"{r['rejected']} | {r['failed']} | {r.get('not_fitting', 0)} | {r['nonfinite_loss']} | {r['client_rows']} | "
+            f"{f(r['wall_s'], '{:.0f}')} |"
         )
     return "\n".join(lines)
 
