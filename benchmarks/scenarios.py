@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedelastic import api  # noqa: E402
 from fedelastic.config import read_toml  # noqa: E402
+from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
 from fedelastic.fl.env import environment  # noqa: E402
@@ -58,6 +59,7 @@ from fedelastic.training import evaluate_model, torch_threads, train_local  # no
 
 SIMULATIONS = ROOT / "simulations"
 REDUCED_STEPS = 3  # train.max_steps of a reduced run
+COST_DEVICE = "jetson_tx2"  # central training's steps are priced on it (full training fits its memory)
 
 
 def reduced(raw: dict) -> dict:
@@ -112,11 +114,11 @@ def central_accuracy(sc, max_steps: int) -> dict:
     model = env.new_model()
     model.load_state_dict(initial_state(env))
     pooled = stream_pool(env) if env.stream is not None else env.data.train
-    device = max(env.devices, key=lambda d: env.profile(d).memory_train_bytes.value)  # prices steps only
+    cost = CostModel(env.info, env.profile(COST_DEVICE), t.batch_size, "momentum", env.bn_mode)  # prices steps only
     epochs = sc.server.rounds * t.local_epochs
     with torch_threads(sc.simulation.torch_threads):
         res = train_local(
-            model, env.info, make_strategy("full", {}), env.cost(device), pooled, epochs=epochs,
+            model, env.info, make_strategy("full", {}), cost, pooled, epochs=epochs,
             batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, max_steps=max_steps,
             seed=[sc.seed, 0xCE], bn_mode=env.bn_mode, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
         )  # fmt: skip
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "--central-steps", type=int, default=0, help="most central-training steps (default 3000; reduced 30)"
     )
     ap.add_argument("--out", default="", help="the JSON to write")
+    ap.add_argument("--central-only", action="store_true", help="recompute the central columns of --out's table")
     ap.add_argument(
         "--with-full", action="store_true", help="also run each single scenario with strategy full, as its reference"
     )
@@ -250,6 +253,24 @@ def main(argv: list[str] | None = None) -> None:
         wanted = args.only.split(",")
         paths = [p for p in paths if p.stem in wanted]
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"scenarios{'_reduced' if args.reduced else ''}.json")
+    if args.central_only:  # recompute the central columns of an existing table, runs kept
+        doc = json.loads(out.read_text())
+        for path in paths:
+            raw = read_toml(path, "scenario")
+            raw.pop("source", None)
+            raw = reduced(raw) if args.reduced else raw
+            base = {k: v for k, v in raw.items() if k != "compare"}
+            with tempfile.TemporaryDirectory() as work:
+                central = central_accuracy(api.load({**base, "output_dir": work}), central_steps)
+            for row in doc["rows"]:
+                if row["scenario"] == path.stem:
+                    row.update(central)
+                    gap = central["central_accuracy"] - row["final_accuracy"]
+                    row["full_gap"] = gap if row["strategy"].startswith("full") else float("nan")
+        doc["table"] = table(doc["rows"])
+        out.write_text(json.dumps(doc, indent=1, default=float))
+        print(doc["table"])
+        return
     rows: list[dict] = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as work:
