@@ -114,7 +114,7 @@ class TrainConfig:
     local_epochs: int = field(1, help="passes over the client's data per round")
     max_steps: int = field(0, help="cap on local steps per round (0: no cap)")
     batch_size: int = field(16, help="local batch size")
-    lr: float = field(0.01, help="SGD learning rate (measured: RESULTS.md 'Default training settings')")
+    lr: float = field(0.05, help="SGD learning rate (measured: RESULTS.md 'Default training settings')")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
     numerics: Literal["device", "fp32"] = field(
