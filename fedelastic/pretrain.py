@@ -18,7 +18,7 @@ import torch
 from .config import to_dict
 from .errors import ConfigError
 from .optim import SGD
-from .training import batches, seed_everything
+from .training import batches, seed_everything, torch_threads
 
 
 def cache_dir() -> Path:
@@ -60,7 +60,12 @@ def pretrain_key(env) -> str:
 
 
 def pretrain(env) -> dict:
-    """Train centrally on the source task; returns the state dict."""
+    """Train centrally on the source task, on ``simulation.torch_threads`` threads; returns the state dict."""
+    with torch_threads(env.scenario.simulation.torch_threads):
+        return _pretrain(env)
+
+
+def _pretrain(env) -> dict:
     from .training import evaluate_model  # noqa: PLC0415 (training imports torch: loaded when needed)
 
     sc, cfg = env.scenario, env.scenario.model.pretrain

@@ -120,7 +120,7 @@ class TrainConfig:
     local_epochs: int = field(1, help="passes over the client's data per round")
     max_steps: int = field(0, help="cap on local steps per round (0: no cap)")
     batch_size: int = field(16, help="local batch size")
-    lr: float = field(0.05, help="SGD learning rate")
+    lr: float = field(0.05, help="SGD learning rate (measured: RESULTS.md 'Default training settings')")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
     numerics: Literal["device", "fp32"] = field(
@@ -140,11 +140,12 @@ class TrainConfig:
         "constant", help="'constant' or 'cosine' (lr to 0 over each local training; the artifact's is cosine)"
     )
     bn_mode: Literal["auto", "frozen", "train"] = field(
-        "auto",
-        help="'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods', which "
-        "fine-tune a pretrained model); 'train': a BatchNorm with a trained tensor uses batch statistics, "
-        "averaged by FedAvg; 'auto' (default): 'frozen' when the run starts from pretrained weights "
-        "(model.pretrain or model.weights), 'train' when it trains from the factory's initialisation",
+        "train",
+        help="'train' (default): a BatchNorm with a trained tensor uses batch statistics, averaged by FedAvg; "
+        "'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods', on large "
+        "well-converged pretrained models at small lr: it diverged on the shipped small models, see RESULTS.md "
+        "'Default training settings'); 'auto': 'frozen' when the run starts from pretrained weights "
+        "(model.pretrain or model.weights), 'train' from the factory's initialisation",
     )
 
     def __post_init__(self):

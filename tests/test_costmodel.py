@@ -299,10 +299,20 @@ def test_optimizer_state_follows_the_momentum(make_scenario):
 def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario):
     from fedelastic.fl.env import RunEnvironment
 
-    assert RunEnvironment(make_scenario()).bn_mode == "train"  # from the factory's initialisation
-    pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
+    auto = {"bn_mode": "auto"}
+    assert RunEnvironment(make_scenario(train=auto)).bn_mode == "train"  # from the factory's initialisation
+    pretrain = {"name": "small_cnn", "pretrain": {"classes": [0, 1]}}
+    pretrained = RunEnvironment(make_scenario(model=pretrain, train=auto))
     assert pretrained.bn_mode == "frozen" and pretrained.cost("jetson_nano").bn_mode == "frozen"
     assert RunEnvironment(make_scenario(train={"bn_mode": "frozen"})).bn_mode == "frozen"
+
+
+def test_bn_mode_default_trains_batch_statistics_pretrained_or_not(make_scenario):
+    from fedelastic.fl.env import RunEnvironment
+
+    pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
+    assert pretrained.bn_mode == "train" and pretrained.cost("jetson_nano").bn_mode == "train"
+    assert RunEnvironment(make_scenario()).bn_mode == "train"
 
 
 def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():

@@ -39,6 +39,7 @@ from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
 from .threads import KeptThread
+from .untrained import warn_if_untrained_partial
 
 
 class InProcessGrid(Grid):
@@ -309,6 +310,7 @@ def _preflight(scenario: Scenario, env) -> dict:
         if value.is_floating_point() and not torch.isfinite(value).all():
             key = "model.weights" if scenario.model.weights else "model"
             raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
+    warn_if_untrained_partial(env, state)  # a partial strategy from random weights ends near chance: say so
     warm_up_writer()  # the results writer's first-use costs, at start-up rather than in round 1
     return state
 

@@ -47,7 +47,7 @@ from ..fleet import (
 )
 from ..results import Recorder
 from ..scenario import Scenario
-from ..training import evaluate_model, evaluate_predictions
+from ..training import evaluate_model, evaluate_predictions, torch_threads
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
@@ -793,6 +793,11 @@ class PartialFedAvg(FedAvg):
         return server_round % server.evaluate_every == 0 or server_round >= server.rounds
 
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """:meth:`_evaluate` on ``simulation.torch_threads`` threads, as the clients train."""
+        with torch_threads(self.sc.simulation.torch_threads):
+            return self._evaluate(server_round, arrays)
+
+    def _evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Global test accuracy after the round (see :meth:`evaluates`; NaN if skipped); writes the round's row."""
         accuracy = loss = float("nan")
         val = dict.fromkeys(("val_accuracy", "val_loss"), float("nan")) if self.sc.data.validation > 0 else {}

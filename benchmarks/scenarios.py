@@ -1,0 +1,298 @@
+"""Every shipped scenario and comparison, run as shipped, against chance and central training.
+
+    python benchmarks/scenarios.py                  # full size (long: see RESULTS.md "Shipped scenarios")
+    python benchmarks/scenarios.py --reduced        # a few steps of each, in-process (a minute or two)
+    python benchmarks/scenarios.py --only quickstart,compare_fleets
+
+For each ``simulations/*.toml`` (a comparison when it has a ``[compare]`` table: one row per fleet
+and strategy, over its seeds), it records:
+
+* ``final_accuracy``: the global model's accuracy after the last round (a comparison: mean over
+  the seeds that ended ``completed``), against ``chance`` (1 / classes);
+* ``central_accuracy``: the same starting weights trained centrally by the project's trainer
+  (strategy ``full``, the scenario's batch size, lr, BatchNorm mode, optimizer and schedule) on the
+  pooled training data of the clients (a stream: every sample the clients received, each in its
+  domain), for ``rounds x local_epochs`` epochs (at most ``--central-steps`` steps), evaluated as
+  the run is (the test set, or the stream's tasks);
+* ``full_gap``: for strategy ``full``, central minus final accuracy (the reference must come
+  within 0.05 of central training); ``--with-full`` also runs each single scenario whose strategy
+  is not ``full`` with ``full`` (policy ``wait_all`` for a deadline-elastic one), its reference row;
+* ``status``: status.json's ``status`` of each run; ``rejected`` / ``failed``: client results the
+  server rejected as non-finite or that failed; ``not_fitting``: client results whose selection did
+  not fit the device's memory; ``nonfinite_loss``: client rows with a
+  non-finite train loss that ran steps; ``wall_s``: the scenario's wall time, pretraining included.
+
+Writes ``--out`` (default ``benchmarks/results/scenarios.json``, with ``_reduced`` for
+``--reduced``) and prints a markdown table. Runs go under a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import tomli_w
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedelastic import api  # noqa: E402
+from fedelastic.config import read_toml  # noqa: E402
+from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.data import ArrayDataset  # noqa: E402
+from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
+from fedelastic.fl.env import environment  # noqa: E402
+from fedelastic.pretrain import initial_state  # noqa: E402
+from fedelastic.results import read_status  # noqa: E402
+from fedelastic.selection import make_strategy  # noqa: E402
+from fedelastic.training import evaluate_model, torch_threads, train_local  # noqa: E402
+
+SIMULATIONS = ROOT / "simulations"
+REDUCED_STEPS = 3  # train.max_steps of a reduced run
+COST_DEVICE = "jetson_tx2"  # central training's steps are priced on it (full training fits its memory)
+
+
+def reduced(raw: dict) -> dict:
+    """A scenario's dict shrunk to a few steps: 1-4 rounds, 3 local steps, 1 pretraining epoch, in-process."""
+    raw = json.loads(json.dumps(raw))  # a deep copy
+    stream = raw.get("stream")
+    rounds = 2
+    if stream is not None:
+        stream["eval_samples"] = 40
+        if "tasks" in stream:
+            stream["task_rounds"] = 1
+            rounds = len(stream["tasks"])
+        if "domains" in stream:
+            stream["domain_rounds"] = 1
+            stream["onset_jitter"] = 0
+            rounds = len(stream["domains"])
+    raw.setdefault("server", {})["rounds"] = rounds
+    raw.setdefault("train", {})["max_steps"] = REDUCED_STEPS
+    if "pretrain" in raw.get("model", {}):
+        raw["model"]["pretrain"]["epochs"] = 1
+    if raw.get("data", {}).get("dataset") == "synth_digits":
+        raw["data"]["size"] = 3000
+    raw.setdefault("simulation", {})["backend"] = "inprocess"
+    if "compare" in raw:
+        raw["compare"]["seeds"] = [0]
+    return raw
+
+
+def stream_pool(env) -> ArrayDataset:
+    """Every sample the clients of a stream received over the run, each in its domain."""
+    sc, stream = env.scenario, env.stream
+    domains = sc.stream.domains or (Shift(),)
+    xs, ys = [], []
+    for pid in range(sc.num_clients):
+        for r in range(1, sc.server.rounds + 1):
+            items = stream.arrivals(pid, r)
+            x = env.data.train.x[items[:, 0]]
+            for d in np.unique(items[:, 1]):
+                rows = items[:, 1] == d
+                x[rows] = apply_shift(x[rows], domains[int(d)], [sc.seed, 0xC3, pid, r, int(d)])
+            xs.append(x)
+            ys.append(env.data.train.y[items[:, 0]])
+    return ArrayDataset(np.concatenate(xs), np.concatenate(ys))
+
+
+def central_accuracy(sc, max_steps: int) -> dict:
+    """The scenario's starting weights trained centrally on its clients' pooled data (module doc)."""
+    from fedelastic.continual import evaluate_tasks  # noqa: PLC0415
+
+    env = environment(sc)
+    t = sc.train
+    model = env.new_model()
+    model.load_state_dict(initial_state(env))
+    pooled = stream_pool(env) if env.stream is not None else env.data.train
+    cost = CostModel(env.info, env.profile(COST_DEVICE), t.batch_size, "momentum", env.bn_mode)  # prices steps only
+    epochs = sc.server.rounds * t.local_epochs
+    with torch_threads(sc.simulation.torch_threads):
+        res = train_local(
+            model, env.info, make_strategy("full", {}), cost, pooled, epochs=epochs,
+            batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, max_steps=max_steps,
+            seed=[sc.seed, 0xCE], bn_mode=env.bn_mode, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
+        )  # fmt: skip
+        if env.stream is not None:
+            _, accuracy, _ = evaluate_tasks(env, model, sc.server.rounds, 0.0)
+        else:
+            accuracy, _ = evaluate_model(model, env.data.test.x, env.data.test.y)
+    finite = math.isfinite(res.train_loss) and all(
+        bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point()
+    )
+    return {
+        "central_accuracy": accuracy if finite else float("nan"),
+        "central_steps": res.steps,
+        "central_samples": len(pooled),
+        "chance": 1 / env.num_classes,
+    }
+
+
+def run_figures(run_dir: Path) -> dict:
+    """A run's final accuracy, status and failure counts, from its folder."""
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    clients = pd.read_parquet(run_dir / "clients.parquet")
+    evaluated = rounds.dropna(subset=["test_accuracy"])
+    final = float(evaluated.test_accuracy.iloc[-1]) if len(evaluated) else float("nan")
+    ran = clients[clients.get("steps", pd.Series(0, index=clients.index)) > 0]
+    return {
+        "final_accuracy": final,
+        "status": read_status(run_dir)["status"],
+        "rejected": int((clients.status == "rejected").sum()),
+        "failed": int((clients.status == "failed").sum()),
+        "not_fitting": int((clients.status == "not_fitting").sum()),
+        "nonfinite_loss": int((~np.isfinite(ran.train_loss.astype(float))).sum()),
+        "client_rows": len(clients),
+    }
+
+
+def run_single(path: Path, raw: dict, out: Path) -> list[dict]:
+    from fedelastic.fl.runner import run_scenario  # noqa: PLC0415
+
+    sc = api.load({**raw, "output_dir": str(out)})
+    run_dir = run_scenario(sc, run_id="run")
+    row = {"scenario": path.stem, "fleet": "", "strategy": sc.train.strategy, "seeds": 1, **run_figures(run_dir)}
+    row["statuses"] = [row["status"]]
+    return [row]
+
+
+def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
+    from fedelastic.compare import run_comparison  # noqa: PLC0415
+
+    raw = {**raw, "output_dir": str(out)}
+    file = out / f"{path.stem}.toml"
+    file.write_text(tomli_w.dumps(raw))
+    folder = run_comparison(file, output=out / "compare")
+    summary = pd.read_csv(folder / "summary.csv")
+    rows = []
+    for (fleet, strategy), cell in summary.groupby(["fleet", "strategy"], sort=False):
+        runs = [run_figures(Path(d)) for d in cell.run_dir]
+        used = [r for r in runs if r["status"] == "completed"]
+        rows.append(
+            {
+                "scenario": path.stem, "fleet": fleet, "strategy": strategy, "seeds": len(runs),
+                "final_accuracy": float(np.mean([r["final_accuracy"] for r in used])) if used else float("nan"),
+                "status": "completed" if len(used) == len(runs) else f"{len(used)} of {len(runs)} completed",
+                "statuses": [r["status"] for r in runs],
+                **{k: sum(r[k] for r in runs) for k in ("rejected", "failed", "not_fitting", "nonfinite_loss", "client_rows")},
+            }
+        )  # fmt: skip
+    return rows
+
+
+def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: bool = False) -> list[dict]:
+    raw = read_toml(path, "scenario")
+    raw.pop("source", None)
+    if small:
+        raw = reduced(raw)
+    start = time.perf_counter()
+    out = work / path.stem
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_compare(path, raw, out) if "compare" in raw else run_single(path, raw, out)
+    wall = time.perf_counter() - start
+    for row in rows:
+        row["wall_s"] = wall
+    if with_full and "compare" not in raw and raw.get("train", {}).get("strategy", "full") != "full":
+        ref = {**raw, "train": {**raw["train"], "strategy": "full", "options": {}}}
+        if ref.get("server", {}).get("policy") == "deadline_elastic":
+            ref["server"] = {**ref["server"], "policy": "wait_all"}  # full training takes no rho from a deadline
+        start = time.perf_counter()
+        (full,) = run_single(path, ref, work / f"{path.stem}-full")
+        rows.append({**full, "strategy": "full (reference)", "wall_s": time.perf_counter() - start})
+    base = {k: v for k, v in raw.items() if k != "compare"}
+    central = central_accuracy(api.load({**base, "output_dir": str(out)}), central_steps)
+    for row in rows:
+        row.update(central)
+        gap = central["central_accuracy"] - row["final_accuracy"]
+        row["full_gap"] = gap if row["strategy"].startswith("full") else float("nan")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| scenario | fleet | strategy | seeds | final acc | chance | central acc | full gap | status | rejected | failed | not fitting | non-finite loss | client rows | wall s |"
+    lines = [head, "|" + "---|" * 15]
+
+    def f(x, fmt="{:.3f}"):
+        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['fleet'] or '—'} | {r['strategy']} | {r['seeds']} | {f(r['final_accuracy'])} | "
+            f"{f(r['chance'], '{:.2f}')} | {f(r['central_accuracy'])} | {f(r['full_gap'], '{:+.3f}')} | {r['status']} | "
+            f"{r['rejected']} | {r['failed']} | {r.get('not_fitting', 0)} | {r['nonfinite_loss']} | {r['client_rows']} | "
+            f"{f(r['wall_s'], '{:.0f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reduced", action="store_true", help="a few steps of each scenario, in-process")
+    ap.add_argument("--only", default="", help="comma-separated scenario names (default: every simulations/*.toml)")
+    ap.add_argument(
+        "--central-steps", type=int, default=0, help="most central-training steps (default 3000; reduced 30)"
+    )
+    ap.add_argument("--out", default="", help="the JSON to write")
+    ap.add_argument("--central-only", action="store_true", help="recompute the central columns of --out's table")
+    ap.add_argument(
+        "--with-full", action="store_true", help="also run each single scenario with strategy full, as its reference"
+    )
+    args = ap.parse_args(argv)
+    central_steps = args.central_steps or (30 if args.reduced else 3000)
+    paths = sorted(SIMULATIONS.glob("*.toml"))
+    if args.only:
+        wanted = args.only.split(",")
+        paths = [p for p in paths if p.stem in wanted]
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"scenarios{'_reduced' if args.reduced else ''}.json")
+    if args.central_only:  # recompute the central columns of an existing table, runs kept
+        doc = json.loads(out.read_text())
+        for path in paths:
+            raw = read_toml(path, "scenario")
+            raw.pop("source", None)
+            raw = reduced(raw) if args.reduced else raw
+            base = {k: v for k, v in raw.items() if k != "compare"}
+            with tempfile.TemporaryDirectory() as work:
+                central = central_accuracy(api.load({**base, "output_dir": work}), central_steps)
+            for row in doc["rows"]:
+                if row["scenario"] == path.stem:
+                    row.update(central)
+                    gap = central["central_accuracy"] - row["final_accuracy"]
+                    row["full_gap"] = gap if row["strategy"].startswith("full") else float("nan")
+        doc["table"] = table(doc["rows"])
+        out.write_text(json.dumps(doc, indent=1, default=float))
+        print(doc["table"])
+        return
+    rows: list[dict] = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as work:
+        for path in paths:
+            print(f"== {path.stem}", flush=True)
+            got = run_one(path, args.reduced, central_steps, Path(work), args.with_full)
+            rows.extend(got)
+            print("\n".join(table(got).splitlines()[2:]), flush=True)
+            doc = {
+                "command": "python benchmarks/scenarios.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "wall_s": time.perf_counter() - start,
+                "table": table(rows),
+                "rows": rows,
+            }
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1, default=float))  # after each scenario
+    print(table(rows))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
