@@ -224,7 +224,18 @@ def collapse_message(entry: dict) -> str:
 
 
 def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[list[dict], float, float]:
-    """Rows of the accuracy matrix for ``server_round``, and (accuracy, loss) averaged over seen tasks.
+    """Rows of the accuracy matrix for ``server_round``, and (accuracy, loss) averaged over seen tasks (see
+    :func:`evaluate_stream`)."""
+    rows, accuracy, loss, _, _ = evaluate_stream(env, model, server_round, sim_time_s)
+    return rows, accuracy, loss
+
+
+def evaluate_stream(
+    env, model, server_round: int, sim_time_s: float
+) -> tuple[list[dict], float, float, np.ndarray | None, np.ndarray | None]:
+    """Rows of the accuracy matrix for ``server_round``, (accuracy, loss) averaged over seen tasks, and the
+    counts per class of the predictions and of the labels pooled over the seen tasks' test data (the
+    divergence detector's collapse check).
 
     Each row also has the task's labels, its most predicted class and that class's share, and, the
     same on every row of the round, those of the predictions pooled over the seen tasks with the
@@ -234,6 +245,7 @@ def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[li
     current = max((j for j, s in enumerate(stream.segments) if s.start <= max(server_round, 1)), default=0)
     rows, seen_acc, seen_loss = [], [], []
     seen_counts: np.ndarray | None = None
+    seen_actual: np.ndarray | None = None
     seen_labels: set[int] = set()
     for j, (seg, ds) in enumerate(zip(stream.segments, stream.eval_sets)):
         accuracy, loss, counts = _evaluate(model, ds.x, ds.y)
@@ -263,10 +275,12 @@ def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[li
             seen_loss.append(loss)
             seen_counts = counts if seen_counts is None else seen_counts + counts
             seen_labels.update(int(c) for c in np.unique(ds.y))
+            labels = np.bincount(ds.y, minlength=len(counts))
+            seen_actual = labels if seen_actual is None else seen_actual + labels
     top, share = top_share(seen_counts) if seen_counts is not None else (-1, float("nan"))
     for row in rows:
         row.update(seen_predicted_class=top, seen_predicted_share=share, seen_classes=len(seen_labels))
-    return rows, float(np.mean(seen_acc)), float(np.mean(seen_loss))
+    return rows, float(np.mean(seen_acc)), float(np.mean(seen_loss)), seen_counts, seen_actual
 
 
 def _evaluate(model, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float, np.ndarray]:

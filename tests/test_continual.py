@@ -347,3 +347,31 @@ def test_a_stream_on_ray_computes_what_it_computes_in_process(make_scenario):
         pd.read_parquet(a / "clients.parquet").drop(columns=drop),
         pd.read_parquet(b / "clients.parquet").drop(columns=drop),
     )
+
+
+def test_a_stream_evaluation_pools_prediction_and_label_counts_over_the_seen_tasks():
+    """The collapse check's input on a stream: counted by hand for a model that always says class 2."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fedelastic.continual import evaluate_stream
+    from fedelastic.data import ArrayDataset
+
+    class AlwaysTwo(torch.nn.Module):
+        def forward(self, x):
+            out = torch.zeros(len(x), 5)
+            out[:, 2] = 1.0
+            return out
+
+    x = np.zeros((6, 1, 2, 2), np.float32)
+    sets = [ArrayDataset(x[:4], np.array([0, 1, 1, 0])), ArrayDataset(x[:3], np.array([3, 4, 4])),
+            ArrayDataset(x[:2], np.array([2, 2]))]  # fmt: skip
+    segments = [SimpleNamespace(start=s, label=f"t{j}", task=j, domain="clean", classes=c)
+                for j, (s, c) in enumerate([(1, (0, 1)), (3, (3, 4)), (5, (2,))])]  # fmt: skip
+    env = SimpleNamespace(stream=SimpleNamespace(segments=segments, eval_sets=sets))
+    rows, accuracy, _, predicted, actual = evaluate_stream(env, AlwaysTwo(), 3, 1.5)  # tasks 0 and 1 seen
+    assert predicted.tolist() == [0, 0, 7, 0, 0]
+    assert actual.tolist() == [2, 2, 0, 1, 2]
+    assert accuracy == pytest.approx(0.0)
+    assert [r["seen"] for r in rows] == [True, True, False]

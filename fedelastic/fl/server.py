@@ -25,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from ..continual import evaluate_tasks
+from ..continual import evaluate_stream
 from ..continual import report as continual_report
 from ..costmodel import CostModel
 from ..divergence import Detector, weight_norm
@@ -802,12 +802,12 @@ class PartialFedAvg(FedAvg):
         accuracy = loss = float("nan")
         val = dict.fromkeys(("val_accuracy", "val_loss"), float("nan")) if self.sc.data.validation > 0 else {}
         evaluated = self.evaluates(server_round)
-        predicted = actual = None  # test predictions and labels per class (a stream's: not counted)
+        predicted = actual = None  # test predictions and labels per class (a stream's: over the seen tasks)
         if evaluated:
             model = self.env.new_model()
             model.load_state_dict(record_to_torch(arrays))
             if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
-                rows, accuracy, loss = evaluate_tasks(self.env, model, server_round, self.sim_time_s)
+                rows, accuracy, loss, predicted, actual = evaluate_stream(self.env, model, server_round, self.sim_time_s)
                 self.recorder.add_tasks(rows)
             else:
                 test = self.env.data.test
