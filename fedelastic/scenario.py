@@ -289,7 +289,7 @@ class SimulationConfig:
     num_cpus_per_client: float = field(1.0, help="Ray CPUs per virtual client")
     ray_address: str = field("", help="address of an existing Ray cluster (empty: start a local one)")
     timeout_s: float = field(3600.0, help="how long the server waits for a round's replies")
-    torch_threads: int = field(1, help="torch threads in each client")
+    torch_threads: int = field(1, help="torch threads in each client, and in pretraining and the server's evaluation")
     client_retries: int = field(1, help="retries of a client whose process died (Ray), on a fresh worker")
     max_failure_rate: float = field(0.0, help="fraction of client results that may fail before the exit code says so")
     allow_empty_rounds: bool = field(False, help="a round in which no client trained is not an error")

@@ -38,6 +38,17 @@ def test_bias_and_norm_strategy_from_scratch_warns(make_scenario):
     assert str(seen[0].message).startswith(f"bn_bias trains {(NORMS + HEAD) / TOTAL:.0%} of the parameters")
 
 
+def test_a_strategy_that_trains_most_of_the_model_does_not_warn(make_scenario):
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.fl.untrained import trained_shares
+    from fedelastic.pretrain import initial_state
+
+    train = {"strategy": "elastic_tensor", "options": {"rho": 0.9}, "numerics": "fp32"}
+    env = RunEnvironment(make_scenario(train=train))
+    assert min(trained_shares(env, initial_state(env)).values()) > 0.5  # most tensors fit rho 0.9 on every device
+    assert _run(make_scenario, "most", train=train) == []
+
+
 def test_full_training_and_pretrained_partial_runs_do_not_warn(make_scenario):
     assert _run(make_scenario, "full", train={"strategy": "full"}) == []
     pretrained = {"name": "small_cnn", "options": {"width": 8}, "pretrain": {"classes": [0, 1, 2, 3, 4], "epochs": 1}}

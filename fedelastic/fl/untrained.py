@@ -14,6 +14,8 @@ import torch
 
 from ..training import train_local
 
+SMALL_SHARE = 0.5  # below it, most of an untrained model keeps its random weights: the run learns little
+
 
 class UntrainedModelWarning(UserWarning):
     """A strategy that trains part of the model starts from an untrained model."""
@@ -51,7 +53,8 @@ def trained_shares(env, state: dict) -> dict[str, float]:
 
 def warn_if_untrained_partial(env, state: dict) -> None:
     """Warn (:class:`UntrainedModelWarning`, once) when the run starts from the factory's weights (no
-    ``model.pretrain``, no ``model.weights``) and its strategy trains less than all parameters."""
+    ``model.pretrain``, no ``model.weights``) and its strategy trains less than :data:`SMALL_SHARE`
+    of the parameters on every device."""
     sc = env.scenario
     if sc.model.pretrain is not None or sc.model.weights or sc.train.strategy == "full":
         return
@@ -59,7 +62,7 @@ def warn_if_untrained_partial(env, state: dict) -> None:
         shares = trained_shares(env, state)
     except Exception:  # noqa: BLE001 (the clients hit the same error and report it; this is only advice)
         return
-    if not shares or min(shares.values()) >= 1.0:
+    if not shares or max(shares.values()) >= SMALL_SHARE:
         return
     low, high = min(shares.values()), max(shares.values())
     figure = f"{low:.0%}" if round(low * 100) == round(high * 100) else f"{low:.0%} to {high:.0%} (by device)"
