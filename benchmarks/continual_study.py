@@ -188,7 +188,12 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows, start = [], time.perf_counter()
     for i, v in enumerate(variants):
-        row = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed, **run_one(v.scenario, ROOT / "runs" / "continual_study" / stamp, v.seed)}
+        row = {
+            "fleet": v.fleet,
+            "strategy": v.strategy,
+            "seed": v.seed,
+            **run_one(v.scenario, ROOT / "runs" / "continual_study" / stamp, v.seed),
+        }
         print(
             f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}: {row['status']} "
             f"final {row.get('final_accuracy', float('nan')):.3f} {row['why']}",
