@@ -37,17 +37,26 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fedelastic.compare import expand  # noqa: E402
+from fedelastic.compare import USED, expand  # noqa: E402
 from fedelastic.fl.runner import run_scenario  # noqa: E402
+from fedelastic.results import read_status  # noqa: E402
 
 
 def run_one(sc, out: Path, seed: int) -> dict:
     run_dir = run_scenario(replace(sc, output_dir=str(out / "runs")), run_id=f"s{seed}")
+    status = read_status(run_dir)
+    why = status.get("divergence") or status.get("error") or ""
+    head = {
+        "status": status["status"],
+        "why": why if isinstance(why, str) else f"round {why.get('round')}: {why.get('reason')}",
+    }
+    if not (run_dir / "continual.json").is_file():
+        return head | {"run_dir": str(run_dir)}
     summary = json.loads((run_dir / "continual.json").read_text())
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
     clients = pd.read_parquet(run_dir / "clients.parquet")
     train_clock = clients.groupby("round").emulated_train_time_s.max().sum()
-    row = {
+    row = head | {
         "final_accuracy": summary["final_accuracy"],
         "average_accuracy": summary["average_accuracy"],
         "forgetting": summary["forgetting"],
@@ -69,6 +78,7 @@ def paired(runs: pd.DataFrame, fleet: str, a: str, b: str, metric: str) -> dict 
     """Mean of (a - b) over seeds run by both, with a 95% t-interval half-width."""
     from scipy import stats
 
+    runs = runs[runs.status == USED]  # a diverged or failed seed is never paired
     x = runs[(runs.fleet == fleet) & (runs.strategy == a)].set_index("seed")[metric]
     y = runs[(runs.fleet == fleet) & (runs.strategy == b)].set_index("seed")[metric]
     d = (x - y).dropna()
@@ -89,7 +99,8 @@ def verdicts(runs: pd.DataFrame, pairs: list[dict]) -> list[str]:
     for fleet in sorted(runs.fleet.unique()):
         acc = get(fleet, "elastic_tensor", "full", "final_accuracy")
         if acc:
-            g = runs[runs.fleet == fleet].groupby("strategy").train_clock_s.mean()
+            done = runs[(runs.fleet == fleet) & (runs.status == USED)]
+            g = done.groupby("strategy").train_clock_s.mean()
             ratio = g["elastic_tensor"] / g["full"]
             ok = acc["mean_diff"] >= -0.01 and ratio <= 0.5
             out.append(
@@ -177,8 +188,17 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows, start = [], time.perf_counter()
     for i, v in enumerate(variants):
-        print(f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}", flush=True)
-        row = {"fleet": v.fleet, "strategy": v.strategy, "seed": v.seed, **run_one(v.scenario, out / stamp, v.seed)}
+        row = {
+            "fleet": v.fleet,
+            "strategy": v.strategy,
+            "seed": v.seed,
+            **run_one(v.scenario, ROOT / "runs" / "continual_study" / stamp, v.seed),
+        }
+        print(
+            f"[{i + 1}/{len(variants)}] {v.fleet} / {v.strategy} / seed {v.seed}: {row['status']} "
+            f"final {row.get('final_accuracy', float('nan')):.3f} {row['why']}",
+            flush=True,
+        )
         rows.append(row)
         pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)  # after every run: nothing finished is lost
     runs = pd.DataFrame(rows)
@@ -202,13 +222,23 @@ def main() -> None:
         if (p := paired(runs, fleet, a, b, m)) is not None
     ]
     pd.DataFrame(pairs).to_csv(out / "paired.csv", index=False)
-    plot(runs, out / "continual_study.png")
-    table = runs.drop(columns=["run_dir", "seed"]).groupby(["fleet", "strategy"]).mean().round(3)
+    done = runs[runs.status == USED]  # diverged, failed or errored runs are listed below, never averaged
+    plot(done, out / "continual_study.png")
+    table = done.drop(columns=["run_dir", "seed", "status", "why"]).groupby(["fleet", "strategy"]).mean().round(3)
+    used = runs.groupby(["fleet", "strategy"]).status.apply(lambda s: f"{int((s == USED).sum())}/{len(s)}")
+    table.insert(0, "used", used.reindex(table.index))
+    table = table.reindex(used.index).assign(used=used)
+    not_used = [
+        f"NOT USED: {r.fleet} / {r.strategy} / seed {r.seed}: {r.status} {r.why}"
+        for r in runs[runs.status != USED].itertuples()
+    ]
     lines = [
         f"Command: `python benchmarks/continual_study.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; "
         f"{len(runs)} runs, {time.perf_counter() - start:.0f} s wall)",
         "",
         markdown(table.reset_index()),
+        "",
+        *not_used,
         "",
         *[f"- {v}" for v in verdicts(runs, pairs)],
     ]

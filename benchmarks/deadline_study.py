@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.fl.runner import run_scenario  # noqa: E402
+from fedelastic.results import read_status  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
 
 FLEET = {"stm32h743": 4, "raspberry_pi_4": 4, "jetson_nano": 4, "phone_midrange": 4}
@@ -61,6 +62,7 @@ QUANTILE = 0.75
 TIGHT = 0.5
 MIN_RHO = 0.5
 REFERENCE = "deadline_elastic/elastic_tensor"
+USED = "completed"  # the only run status whose seeds enter means and paired differences
 ABLATIONS = ("deadline_fewer_steps/no_fednova",)  # run only when named in --only
 
 
@@ -132,8 +134,11 @@ def one_run(
     wall = time.perf_counter() - start
     rounds_df = pd.read_parquet(run_dir / "rounds.parquet")
     clients = pd.read_parquet(run_dir / "clients.parquet")
+    status = read_status(run_dir)
     trips = clients[clients.status != "failed"]
-    row: dict = {"policy": label, "seed": seed}
+    row: dict = {"policy": label, "seed": seed, "status": status["status"]}
+    if "divergence" in status:
+        row["divergence"] = f"round {status['divergence'].get('round')}: {status['divergence'].get('reason')}"
     for i, target in enumerate(targets):
         hit = rounds_df[rounds_df.test_accuracy >= target]
         suffix = "" if i == 0 else f"_{target:g}"
@@ -161,6 +166,7 @@ def paired(runs: pd.DataFrame, col: str) -> pd.DataFrame:
     """Per policy: mean paired difference to the reference in ``col``, with a 95% t interval over seeds."""
     from scipy import stats
 
+    runs = runs[runs.status == USED]
     ref = runs[runs.policy == REFERENCE].set_index("seed")[col]
     rows = []
     for label, g in runs.groupby("policy", sort=False):
@@ -262,27 +268,33 @@ def main() -> None:
             print(
                 f"{label:34s} seed {seed}: t->target {row['time_to_target_s']:8.2f} s  final {row['final_accuracy']:.3f}"
                 f"  energy {row['energy_j']:8.1f} J (wasted {row['wasted_energy_j']:7.1f})  counted {row['counted_share']:.2f}"
-                f"  [{row['host_wall_s']:.0f} s host]",
+                f"  [{row['host_wall_s']:.0f} s host] {row['status']}",
                 flush=True,
             )
     runs = pd.DataFrame(rows)
     curves_df = pd.concat(curves, ignore_index=True)
-    metrics = [c for c in runs.columns if c not in ("policy", "seed", "run_dir")]
-    table = runs.groupby("policy", sort=False)[metrics].mean()
-    table["reached"] = runs.groupby("policy", sort=False).time_to_target_s.apply(lambda s: int(s.notna().sum()))
+    metrics = [c for c in runs.columns if c not in ("policy", "seed", "run_dir", "status", "divergence")]
+    used = runs[runs.status == USED]  # a diverged, failed or errored run is listed, never averaged
+    table = used.groupby("policy", sort=False)[metrics].mean().reindex(list(dict.fromkeys(runs.policy)))
+    table["reached"] = used.groupby("policy", sort=False).time_to_target_s.apply(lambda s: int(s.notna().sum()))
+    table["used"] = runs.groupby("policy", sort=False).status.apply(lambda s: f"{int((s == USED).sum())}/{len(s)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out_dir / f"deadline_study{args.tag}.csv")
     runs.to_csv(args.out_dir / f"deadline_study{args.tag}_runs.csv", index=False)
     curves_df.to_csv(args.out_dir / f"deadline_study{args.tag}_rounds.csv", index=False)
-    plot(curves_df, runs, args.targets[0], args.out_dir / f"deadline_study{args.tag}.png")
+    plot(curves_df, runs[runs.status == USED], args.targets[0], args.out_dir / f"deadline_study{args.tag}.png")
     plot_timelines(runs, args.out_dir / f"deadline_study{args.tag}_timeline.png")
     secondary = [c for c in runs.columns if c.startswith("time_to_target_") and c != "time_to_target_s"]
     cols = [
-        "time_to_target_s", "reached", *secondary, "final_accuracy", "best_accuracy", "energy_j", "wasted_energy_j",
+        "used", "time_to_target_s", "reached", *secondary, "final_accuracy", "best_accuracy", "energy_j", "wasted_energy_j",
         "counted_share", "mcu_counted_share", "mean_rho_counted", "mean_fraction_trained", "sim_time_s",
     ]  # fmt: skip
     print(f"\n{platform.node()} {time.strftime('%Y-%m-%d')}; targets {args.targets}; seeds {args.seeds}\n")
     print(markdown(table[cols].reset_index()))
+    bad = runs[runs.status != USED]
+    for r in bad.itertuples(index=False):
+        why = getattr(r, "divergence", "")
+        print(f"NOT USED: {r.policy} seed {r.seed}: {r.status} {why if isinstance(why, str) else ''}")
     if REFERENCE in set(runs.policy):
         for col in ("time_to_target_s", *secondary, "final_accuracy"):
             print(f"\npaired vs {REFERENCE}: {col}\n")

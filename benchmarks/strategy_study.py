@@ -65,7 +65,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.compare import run_comparison  # noqa: E402
+from fedelastic.compare import USED, ci95, run_comparison  # noqa: E402
 from fedelastic.selection import REGISTRY, available  # noqa: E402
 
 SCENARIO = ROOT / "benchmarks" / "strategy_study.toml"
@@ -177,9 +177,14 @@ def per_run(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, float]:
     target = float(raw["compare"]["target_accuracy"])
     rows = []
     for _, s in summary.iterrows():
-        run = Path(s.run_dir)
-        if not run.is_absolute():
+        row = {"fleet": s.fleet, "strategy": s.strategy, "seed": int(s.seed), "status": s.get("status", USED)}
+        row["error"] = s.get("error", "") if isinstance(s.get("error", ""), str) else ""
+        run = Path(s.run_dir) if isinstance(s.run_dir, str) else None
+        if run is not None and not run.is_absolute():
             run = ROOT / run
+        if run is None or not (run / "rounds.parquet").exists():  # a run that failed before writing rounds
+            rows.append(row)
+            continue
         clients = pd.read_parquet(run / "clients.parquet")
         rounds = pd.read_parquet(run / "rounds.parquet")
         clients = clients[clients["round"] > 0]
@@ -187,10 +192,8 @@ def per_run(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, float]:
         rounds = rounds.assign(train_clock_s=train_clock.cumsum().to_numpy())
         hit = rounds[rounds.test_accuracy >= target]
         rows.append(
-            {
-                "fleet": s.fleet,
-                "strategy": s.strategy,
-                "seed": int(s.seed),
+            row
+            | {
                 "final_accuracy": float(rounds.test_accuracy.iloc[-1]),
                 "initial_accuracy": float(rounds.test_accuracy.iloc[0]),
                 "time_to_target_s": float(hit.sim_time_s.iloc[0]) if len(hit) else np.nan,
@@ -203,6 +206,7 @@ def per_run(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, float]:
                 "probe_peak_memory_kib": float(clients.emulated_probe_peak_memory_bytes.max() / 1024),
                 "peak_over_budget": float((clients.emulated_peak_memory_bytes / clients.device_memory_bytes).max()),
                 "fits_fraction": float(clients.fits.mean()),
+                "rejected_fraction": float((clients.status == "rejected").mean()),
                 "fraction_params_trained": float(clients.fraction_params_trained.mean()),
                 "host_wall_s": float(s.host_wall_s),
             }
@@ -217,13 +221,23 @@ def strategy_order() -> list[str]:
 
 
 def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (fleet, strategy): mean and 95% t half-width (``_ci``) of every metric over the seeds whose
+    run completed; ``used`` is ``completed/run``, and a diverged or failed seed enters no mean."""
     order = {name: i for i, name in enumerate(strategy_order())}
-    metrics = [c for c in runs.columns if c not in ("fleet", "strategy", "seed")]
-    agg = runs.groupby(["fleet", "strategy"])[metrics].agg(["mean", "std"])
-    agg.columns = [f"{a}_{b}" for a, b in agg.columns]
-    agg = agg.reset_index()
-    agg["reached"] = runs.groupby(["fleet", "strategy"]).reached.sum().to_numpy().astype(int)
-    agg = agg.drop(columns=["reached_mean", "reached_std"])
+    metrics = [c for c in runs.columns if c not in ("fleet", "strategy", "seed", "status", "error")]
+    rows = []
+    for (fleet, strategy), g in runs.groupby(["fleet", "strategy"], sort=False):
+        u = g[g.status == USED]
+        row = {"fleet": fleet, "strategy": strategy, "used": f"{len(u)}/{len(g)}"}
+        row["diverged"] = int((g.status == "diverged").sum())
+        row["not_used"] = int((g.status != USED).sum())
+        for m in metrics:
+            values = u[m].dropna().to_numpy(float)
+            row[f"{m}_mean"] = float(values.mean()) if len(values) else np.nan
+            row[f"{m}_ci"] = ci95(values)
+        row["reached"] = int(u.reached.sum()) if len(u) else 0
+        rows.append(row)
+    agg = pd.DataFrame(rows)
     agg["_o"] = agg.strategy.map(lambda name: order.get(name, len(order)))  # variants (the oracle) last
     return agg.sort_values(["fleet", "_o"]).drop(columns="_o").reset_index(drop=True)
 
@@ -243,6 +257,8 @@ def plot(runs: pd.DataFrame, rounds: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(len(fleets), 4, figsize=(18, 4.2 * len(fleets)), squeeze=False)
     for i, fleet in enumerate(fleets):
         r = rounds[rounds.fleet == fleet]
+        if "status" in r:
+            r = r[r.status == USED]
         curve = r.groupby(["strategy", "round"], as_index=False)[["sim_time_s", "test_accuracy"]].mean()
         sns.lineplot(
             data=curve, x="sim_time_s", y="test_accuracy", hue="strategy", hue_order=strategies,
@@ -250,7 +266,7 @@ def plot(runs: pd.DataFrame, rounds: pd.DataFrame, path: Path) -> None:
         )  # fmt: skip
         axes[i, 0].set(xlabel="simulated time (s)", ylabel="global test accuracy")
         axes[i, 0].set_title(f"{fleet}: accuracy vs simulated time (mean of seeds)")
-        f = runs[runs.fleet == fleet]
+        f = runs[(runs.fleet == fleet) & (runs.status == USED)]
         for ax, col, label, log in (
             (axes[i, 1], "final_accuracy", "final accuracy", False),
             (axes[i, 2], "train_clock_s", "emulated training clock (s)", False),
@@ -283,20 +299,22 @@ def fmt(mean: float, std: float, spec: str = ".3f", scale: float = 1.0) -> str:
     return s if np.isnan(std) else f"{s} ± {std * scale:{spec}}"
 
 
-def markdown_table(agg: pd.DataFrame, target: float, seeds: int) -> str:
+def markdown_table(agg: pd.DataFrame, target: float) -> str:
     head = (
-        f"| fleet | strategy | time to {target:.0%} (s) [seeds reached] | final accuracy | training clock (s) "
-        "| sim clock (s) | energy (J) | peak memory (KiB) | probe peak (KiB) | peak / device memory | fits |"
+        f"| fleet | strategy | used | time to {target:.0%} (s) [seeds reached] | final accuracy | training clock (s) "
+        "| sim clock (s) | energy (J) | peak memory (KiB) | probe peak (KiB) | peak / device memory | fits | rejected |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in agg.iterrows():
+        n = r.used.split("/")[0]
+        used = r.used + (f" ({r.diverged} div)" if r.diverged else "")
         lines.append(
-            f"| {r.fleet} | {r.strategy} | {fmt(r.time_to_target_s_mean, r.time_to_target_s_std, '.2f')} "
-            f"[{r.reached}/{seeds}] | {fmt(r.final_accuracy_mean, r.final_accuracy_std)} "
-            f"| {fmt(r.train_clock_s_mean, r.train_clock_s_std, '.3g')} | {fmt(r.sim_time_s_mean, r.sim_time_s_std, '.3g')} "
-            f"| {fmt(r.energy_j_mean, r.energy_j_std, '.3g')} | {r.peak_memory_kib_mean:,.0f} "
+            f"| {r.fleet} | {r.strategy} | {used} | {fmt(r.time_to_target_s_mean, r.time_to_target_s_ci, '.2f')} "
+            f"[{r.reached}/{n}] | {fmt(r.final_accuracy_mean, r.final_accuracy_ci)} "
+            f"| {fmt(r.train_clock_s_mean, r.train_clock_s_ci, '.3g')} | {fmt(r.sim_time_s_mean, r.sim_time_s_ci, '.3g')} "
+            f"| {fmt(r.energy_j_mean, r.energy_j_ci, '.3g')} | {r.peak_memory_kib_mean:,.0f} "
             f"| {r.probe_peak_memory_kib_mean:,.0f} "
-            f"| {r.peak_over_budget_mean:.3g} | {r.fits_fraction_mean:.2f} |"
+            f"| {r.peak_over_budget_mean:.3g} | {r.fits_fraction_mean:.2f} | {r.rejected_fraction_mean:.2f} |"
         )
     return "\n".join(lines)
 
@@ -313,6 +331,10 @@ def verdicts(agg: pd.DataFrame) -> str:
     for fleet in dict.fromkeys(agg.fleet):
         d_acc = 100 * (g(fleet, "elastic_tensor", "final_accuracy_mean") - g(fleet, "full", "final_accuracy_mean"))
         full_fit = g(fleet, "full", "fits_fraction_mean")
+        if np.isnan(full_fit):  # no seed of full completed: no reference on this fleet
+            parts.append(f"{fleet}: NOT TESTABLE, no seed of full completed ({a.loc[(fleet, 'full'), 'used']} used)")
+            verdict.append(False)
+            continue
         if full_fit == 0:
             parts.append(
                 f"{fleet}: full never fits, so it never trains (its accuracy stays at the pretrained "
@@ -438,7 +460,10 @@ def main(argv=None) -> None:
         f"{os.cpu_count()} cores; runtime {runtime:.0f} s (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}); "
         f"host training wall time summed over runs {runs.host_wall_s.sum():.0f} s\n"
     )
-    print(markdown_table(agg, target, runs.seed.nunique()))
+    print(markdown_table(agg, target))
+    print("\n(mean ± 95% t half-width over the seeds that completed; `used` = completed / run)")
+    for r in runs[runs.status != USED].itertuples(index=False):
+        print(f"NOT USED: {r.fleet} / {r.strategy} / seed {r.seed}: {r.status} {r.error}")
     print()
     if not strategies and not fleets:  # the verdicts need every strategy on both fleets
         print(verdicts(agg))
