@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import ConfigError, FedelasticError, RunFailed
+from .errors import ConfigError, FedelasticError, RunFailed, Terminated
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -489,14 +489,20 @@ app.add_typer(profile_app, name="profile")
 
 def _call(command: str, fn, **args) -> int:
     """Run one command; map its errors to one line on stderr and the exit code."""
+    from .signals import sigterm_as_interrupt
+
     try:
-        return fn(SimpleNamespace(command=command, **args)) or 0
+        with sigterm_as_interrupt():
+            return fn(SimpleNamespace(command=command, **args)) or 0
     except FedelasticError as exc:  # bad input: one line naming the file and key
         _error(str(exc))
         return 2
     except RunFailed as exc:
         _error(f"run failed: {exc}")
         return 1
+    except Terminated as exc:
+        _error(f"{exc}; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
+        return 143
     except KeyboardInterrupt:
         _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
         return 130

@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml, to_dict
-from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, with_traceback
+from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated, with_traceback
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
@@ -38,7 +38,7 @@ from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_r
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
-from .threads import KeptThread
+from .threads import STOPPING, KeptThread, wait_out
 from .untrained import warn_if_untrained_partial
 
 
@@ -59,6 +59,7 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._run = None
+        STOPPING.clear()  # a run stopped before this one in the process is over
         self._caller: KeptThread | None = None  # the thread client calls run on (threads.py)
         self.on_abandon: Callable[[], None] = lambda: None
 
@@ -102,7 +103,13 @@ class InProcessGrid(Grid):
             return box[0]
         if self._caller is None or self._caller.retired:
             self._caller = KeptThread("client-call")
-        if not self._caller.run(work).wait(max(timeout, 0.0)) or not box:
+        done = self._caller.run(work)
+        try:
+            returned = done.wait(max(timeout, 0.0))
+        except BaseException:  # Ctrl-C or SIGTERM: the call returns first, within its timeout (threads.STOPPING)
+            wait_out(done, timeout)
+            raise
+        if not returned or not box:
             self._caller.retired = True  # it goes on with the abandoned call: the next call gets a new thread
             self.on_abandon()
             return None
@@ -574,7 +581,11 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         text = "".join(traceback.format_exception(cause))
         with suppress(OSError):
             recorder.log_error(f"run failed:\n{text}")
-            reason = "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}"
+            reason = (
+                str(cause) if isinstance(cause, Terminated)
+                else "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt)
+                else f"{type(cause).__name__}: {cause}"
+            )  # fmt: skip
             recorder.status("failed", error=one_line(reason))
         recorder.close()
         if cause is not exc and not isinstance(exc, KeyboardInterrupt):
