@@ -6,7 +6,6 @@ import queue
 import threading
 from collections.abc import Callable
 
-
 #: Set while a run is being stopped (Ctrl-C, SIGTERM): a cohort's training thread starts no further
 #: member. The stopping thread then waits for the thread's current call to return: a daemon thread
 #: still inside torch when the interpreter exits is ended mid-call, which aborts the process
