@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
 from .errors import ConfigError, StopRun
-from .scenario import Scenario, parse_scenario
+from .scenario import Scenario, parse_scenario, validate
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -72,11 +72,18 @@ def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str
     return read_toml(scenario, "scenario"), str(scenario)
 
 
-def load(scenario: Scenario | str | Path | Mapping, overrides: Mapping[str, Any] | None = None, **kw: Any) -> Scenario:
-    """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied."""
+def load(
+    scenario: Scenario | str | Path | Mapping,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    resolve: bool = True,
+    **kw: Any,
+) -> Scenario:
+    """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied
+    (``resolve=False``: type-checked only, no user code run; see :func:`~.scenario.parse_scenario`)."""
     raw, src = _scenario_dict(scenario)
     dotted = {**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}}
-    return parse_scenario(apply_overrides(raw, dotted, src), src)
+    return parse_scenario(apply_overrides(raw, dotted, src), src, resolve=resolve)
 
 
 @dataclass
@@ -137,7 +144,9 @@ def run(
     """
     from .fl.raypool import quick_shutdown, start_ray_early
 
-    sc = load(scenario, overrides, **kw)
+    sc = load(scenario, overrides, resolve=False, **kw)
+    check_run_folder(sc, run_id)  # a bad folder fails now, before Ray's start and before a model file's code runs
+    sc = validate(sc)
 
     def on_round(row: dict) -> None:
         if progress is not None:
@@ -145,7 +154,6 @@ def run(
         if any([bool(cb(row)) for cb in callbacks]):  # every callback sees every round
             raise StopRun(f"a callback stopped the run after round {row['round']}")
 
-    check_run_folder(sc, run_id)  # a bad folder fails now, not after Ray's start
     started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
     try:
         from .fl.runner import run_scenario

@@ -179,7 +179,7 @@ _AT_EXIT: list = []
 
 def cmd_run(args) -> int:
     from .fl.raypool import quick_shutdown, start_ray_early
-    from .scenario import load_scenario
+    from .scenario import load_scenario, validate
 
     if (args.scenario is None) == (args.resume is None):
         raise ConfigError("<command line>", "scenario", "a scenario file, or --resume RUN_DIR (not both)")
@@ -191,15 +191,19 @@ def cmd_run(args) -> int:
         if args.overrides:
             from .api import load, parse_overrides
 
-            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"))
+            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"), resolve=False)
         else:
-            sc = load_scenario(args.scenario)
+            sc = load_scenario(args.scenario, resolve=False)
         if args.rounds is not None:
             sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
         if args.backend:
             sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
         if args.output_dir is not None:
             sc = _override("--output-dir", lambda: replace(sc, output_dir=args.output_dir))
+        from .api import check_run_folder
+
+        check_run_folder(sc, args.run_id)  # a bad folder fails now, before a model file's code runs
+        sc = validate(sc)  # last: imports a model file named by the scenario (its code runs with the user's rights)
         console.print(
             f"{sc.name}: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
             f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}",
@@ -225,9 +229,8 @@ def cmd_run(args) -> int:
 
         run_dir = resume_run(args.resume, progress=progress)
     else:
-        from .api import check_run_folder, prepare_run
+        from .api import prepare_run
 
-        check_run_folder(sc, args.run_id)  # a bad folder fails now, not after Ray's start
         started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
         try:
             from .fl.runner import run_scenario

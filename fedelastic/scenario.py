@@ -416,7 +416,6 @@ def validate(scenario: Scenario) -> Scenario:
         raise ConfigError(
             src, "train.strategy", "a strategy with a rho budget for policy 'deadline_elastic'", scenario.train.strategy
         )
-    resolve_factory(scenario.model.name, context=src)
     if ".py:" in scenario.model.name:  # a model file: absolute, so that Ray workers and a resume find it
         path, _, attr = scenario.model.name.rpartition(":")
         scenario = replace(scenario, model=replace(scenario.model, name=f"{model_file(path, src)}:{attr}"))
@@ -427,8 +426,9 @@ def validate(scenario: Scenario) -> Scenario:
             raise ConfigError(src, f"device_dirs[{i}]", "an existing folder of device profiles", d)
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
-    scenario = replace(scenario, device_dirs=dirs)
-    return _resolve_traces(scenario, base)
+    scenario = _resolve_traces(replace(scenario, device_dirs=dirs), base)
+    resolve_factory(scenario.model.name, context=src)  # last: a model file's code runs only once all else passed
+    return scenario
 
 
 def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
@@ -445,14 +445,16 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
     return replace(scenario, availability=av, network=net)
 
 
-def parse_scenario(raw: dict, src: str = "<scenario>") -> Scenario:
+def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) -> Scenario:
+    """A type-checked scenario; ``resolve``: also :func:`validate` the names it refers to (which
+    imports a model file's code: without it, no file it names is read and no user code runs)."""
     scenario = from_dict(Scenario, {**raw, "source": src}, src)
-    return validate(scenario)
+    return validate(scenario) if resolve else scenario
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Load, type-check and validate a scenario file."""
+def load_scenario(path: str | Path, *, resolve: bool = True) -> Scenario:
+    """Load, type-check and (``resolve``) validate a scenario file."""
     raw = read_toml(path, "scenario")
     if "source" in raw:
         raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
-    return parse_scenario(raw, str(path))
+    return parse_scenario(raw, str(path), resolve=resolve)

@@ -30,7 +30,7 @@ from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun,
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
-from ..scenario import Scenario, is_plain_name, parse_scenario
+from ..scenario import Scenario, is_plain_name, parse_scenario, validate
 from .checkpoint import Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
@@ -493,10 +493,14 @@ def run_scenario(
     With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
     nodes and ``simulation.backend`` is not used.
     """
-    checkpoint = None
+    checkpoint = _check_resumable(Path(resume)) if resume is not None else None
+    return _start(scenario, run_id, progress, resume, checkpoint, grid)
+
+
+def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None, grid: Grid | None) -> Path:
+    """:func:`run_scenario`, its resume checked (``checkpoint``: the one in folder ``resume``)."""
     if resume is not None:
         run_dir = Path(resume)
-        checkpoint = _check_resumable(run_dir)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
         recorder.reload(lambda r: r["round"] <= checkpoint["round"])
     else:
@@ -596,7 +600,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     return run_dir
 
 
-def _check_resumable(run_dir: Path) -> dict:
+def _check_status(run_dir: Path) -> None:
+    """A run folder whose run can be resumed: config.toml, a stopped run's status, a checkpoint file."""
     if not (run_dir / "config.toml").is_file():
         raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
     status = read_status(run_dir)
@@ -604,15 +609,18 @@ def _check_resumable(run_dir: Path) -> dict:
         raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
     if status["status"] in ("completed", "completed_with_errors", "diverged"):
         raise FedelasticError(f"{run_dir}: the run already finished ({status['status']}); nothing to resume")
+
+
+def _check_resumable(run_dir: Path) -> dict:
+    _check_status(run_dir)
     return load_checkpoint(run_dir)
 
 
 def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None = None) -> Path:
     """Continue a killed or failed run from its last checkpointed round, with the scenario it was started with."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
+    checkpoint = _check_resumable(run_dir)  # all that can be checked before the config's model file runs
     raw = read_toml(run_dir / "config.toml", "run config")
     src = raw.pop("source", "") or str(run_dir / "config.toml")
-    scenario = parse_scenario(raw, src)
-    return run_scenario(scenario, progress=progress, resume=run_dir)
+    scenario = validate(parse_scenario(raw, src, resolve=False))  # the checks first, the model file's import last
+    return _start(scenario, None, progress, run_dir, checkpoint, None)

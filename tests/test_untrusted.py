@@ -1,0 +1,152 @@
+"""Run folders and scenarios from elsewhere: every check that can refuse them comes before a
+model file's code runs, and files planted in a run folder are not written through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+import fedelastic as fe
+from fedelastic.cli import main
+from fedelastic.errors import ConfigError
+from fedelastic.results import read_status
+
+from .conftest import small_scenario_dict
+
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+
+
+def f(num_classes, in_channels, input_size):
+    raise RuntimeError("never called")
+"""
+
+
+def _evil(tmp: Path) -> tuple[str, Path]:
+    """A model file that leaves a marker when imported: 'path.py:f' and the marker."""
+    marker = tmp / "imported"
+    (tmp / "evil_model.py").write_text(EVIL.format(marker=str(marker)))
+    return f"{tmp / 'evil_model.py'}:f", marker
+
+
+def _foreign_run_folder(tmp: Path, status: dict | None) -> tuple[Path, Path]:
+    name, marker = _evil(tmp)
+    folder = tmp / "elsewhere"
+    folder.mkdir()
+    raw = small_scenario_dict(tmp, model={"name": name, "options": {}})
+    (folder / "config.toml").write_text(tomli_w.dumps(raw))
+    if status is not None:
+        (folder / "status.json").write_text(json.dumps(status))
+    return folder, marker
+
+
+@pytest.mark.parametrize(
+    "status, expected",
+    [
+        ({"status": "failed"}, "no checkpoint to resume from"),
+        ({"status": "completed"}, "the run already finished"),
+        (None, "nothing to resume"),  # no status.json
+    ],
+    ids=["failed_no_checkpoint", "completed", "no_status"],
+)
+def test_resume_of_a_foreign_folder_is_refused_before_its_model_file_runs(tmp_path, capsys, status, expected):
+    folder, marker = _foreign_run_folder(tmp_path, status)
+    if status is None:
+        expected = "no checkpoint to resume from"  # 'missing' status: resumable only with a checkpoint
+    assert main(["run", "--resume", str(folder)]) == 2
+    assert expected in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_resume_with_a_garbage_checkpoint_is_refused_before_its_model_file_runs(tmp_path, capsys):
+    folder, marker = _foreign_run_folder(tmp_path, {"status": "failed"})
+    (folder / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(["run", "--resume", str(folder)]) == 2
+    assert "not a readable checkpoint" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "argv_tail, overrides, expected",
+    [
+        (["--run-id", "../outside"], {}, "--run-id"),
+        (["--run-id", "ok"], {"fleet": {"no_such_board": 1}}, "no_such_board"),
+        (["--run-id", "ok"], {"device_dirs": ["missing_dir"]}, "device_dirs[0]"),
+        (["--rounds", "0"], {}, "--rounds"),
+    ],
+    ids=["bad_run_id", "unknown_device", "missing_device_dir", "bad_rounds"],
+)
+def test_a_scenarios_model_file_runs_only_after_every_other_check(tmp_path, capsys, argv_tail, overrides, expected):
+    name, marker = _evil(tmp_path)
+    raw = small_scenario_dict(tmp_path, model={"name": name, "options": {}})
+    raw.update(overrides)
+    path = tmp_path / "scn.toml"
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["run", str(path), *argv_tail]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not marker.exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_python_api_checks_the_run_id_before_the_model_file_runs(tmp_path):
+    name, marker = _evil(tmp_path)
+    raw = small_scenario_dict(tmp_path, model={"name": name, "options": {}})
+    with pytest.raises(ConfigError, match="--run-id"):
+        fe.run(raw, run_id="a/b")
+    assert not marker.exists()
+
+
+def _replace_with_link(target: Path, outside: Path) -> None:
+    target.unlink(missing_ok=True)
+    target.symlink_to(outside)
+
+
+@pytest.mark.parametrize("planted", ["clients.csv", "rounds.csv", "rounds.parquet"])
+def test_a_link_planted_in_a_run_folder_is_not_written_through(tmp_path, planted):
+    """After round 1 a result file is replaced by a link to a file (or folder) outside output_dir:
+    no later write goes through it; the run fails naming the link."""
+    outside = tmp_path / "outside"
+    if planted.endswith(".parquet"):
+        outside.mkdir()
+    else:
+        outside.write_text("precious\n")
+    run_dirs: list[Path] = []
+
+    def plant(row: dict) -> None:
+        if row["round"] == 1:
+            run_dir = next((tmp_path / "runs" / "tiny").iterdir())
+            run_dirs.append(run_dir)
+            target = run_dir / planted
+            if target.is_dir():
+                import shutil
+
+                shutil.rmtree(target)
+            _replace_with_link(target, outside)
+
+    with pytest.raises(OSError, match="symbolic link"):
+        fe.run(small_scenario_dict(tmp_path, server={"rounds": 3}, simulation={"write_every_s": 0}),
+               run_id="planted", progress=plant)  # fmt: skip
+    status = read_status(run_dirs[0])
+    assert status["status"] == "failed" and "symbolic link" in status["error"], status
+    if outside.is_dir():
+        assert list(outside.iterdir()) == []
+    else:
+        assert outside.read_text() == "precious\n"
+
+
+def test_a_link_planted_as_errors_log_is_not_written_through(tmp_path):
+    from fedelastic.results import Recorder
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    rec = Recorder(tmp_path / "run", {})
+    _replace_with_link(tmp_path / "run" / "errors.log", outside)
+    with pytest.raises(OSError, match="symbolic link"):
+        rec.log_error("a client failed")
+    rec.close()
+    assert outside.read_text() == "precious\n"
