@@ -16,6 +16,7 @@ wrong key or type is a :class:`~fedelastic.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import copy
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ def apply_overrides(raw: dict, overrides: Mapping[str, Any], src: str = "<overri
 
 
 def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str]:
+    if not isinstance(scenario, (Scenario, str, os.PathLike, Mapping)):
+        raise ConfigError("<scenario>", "scenario", "a Scenario, a TOML file path or a dict", type(scenario).__name__)
     if isinstance(scenario, Scenario):
         raw = to_dict(scenario)
         src = raw.pop("source", "") or "<scenario>"
@@ -82,6 +85,11 @@ def load(
     """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied
     (``resolve=False``: type-checked only, no user code run; see :func:`~.scenario.parse_scenario`)."""
     raw, src = _scenario_dict(scenario)
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError("<overrides>", "overrides", "a dict of dotted scenario keys", type(overrides).__name__)
+    for key in overrides or {}:
+        if not isinstance(key, str):
+            raise ConfigError("<overrides>", repr(key), "a dotted scenario key (a string, e.g. 'train.lr')")
     dotted = {**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}}
     return parse_scenario(apply_overrides(raw, dotted, src), src, resolve=resolve)
 

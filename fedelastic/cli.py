@@ -36,6 +36,8 @@ def report(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FedelasticError(f"{run_dir}: no such run folder")
+    if read_status(run_dir)["status"] == "unreadable":
+        raise FedelasticError(f"{run_dir / 'status.json'}: {read_status(run_dir)['error']}")
     if not (run_dir / "rounds.parquet").exists():
         raise FedelasticError(f"{run_dir}: no results yet (no rounds.parquet; status: {read_status(run_dir)['status']})")
     rounds = pd.read_parquet(run_dir / "rounds.parquet")

@@ -330,6 +330,19 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _status_fault(doc) -> str:
+    """What is wrong with a parsed status.json (a key and what was expected), or '' if nothing."""
+    if not isinstance(doc, dict):
+        return f"expected a JSON object, got {type(doc).__name__}"
+    if not isinstance(doc.get("status"), str):
+        return f"key 'status': expected a string, got {doc.get('status')!r}"
+    for key in ("heartbeat", "started", "rounds_done", "pid"):
+        value = doc.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return f"key '{key}': expected a number, got {value!r}"
+    return ""
+
+
 def read_status(run_dir: str | Path) -> dict:
     """A run's status.json; a 'running' run whose process is gone, or whose heartbeat stopped, reads 'dead'."""
     path = Path(run_dir) / "status.json"
@@ -339,6 +352,9 @@ def read_status(run_dir: str | Path) -> dict:
         return {"status": "missing"}
     except (OSError, ValueError) as exc:
         return {"status": "unreadable", "error": one_line(str(exc))}
+    wrong = _status_fault(doc)
+    if wrong:
+        return {"status": "unreadable", "error": wrong}
     if doc.get("status") == "running":
         same_host = doc.get("host") == socket.gethostname()
         gone = same_host and isinstance(doc.get("pid"), int) and not _pid_alive(doc["pid"])

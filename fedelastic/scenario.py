@@ -28,6 +28,9 @@ def is_plain_name(value: str) -> bool:
     return not any(c in value for c in "/\\\0:")
 
 
+MAX_ROUNDS = 1_000_000  # a run's rounds at most (a row each in rounds.csv; a typo's 10**15 is refused)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = field(
@@ -60,6 +63,7 @@ class DataConfig:
     shift: Shift = field(default_factory=Shift, help="a parameterised domain shift of the target (see data/shifts.py)")
 
     def __post_init__(self):
+        check(self.dataset.strip() != "", "dataset", "a dataset: 'digits', 'synth_digits', a Hugging Face name or a local path")
         check(self.alpha > 0, "alpha", "a positive number")
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
         check(0 <= self.validation < 1, "validation", "a fraction in [0, 1)")
@@ -202,7 +206,7 @@ class ServerConfig:
     )
 
     def __post_init__(self):
-        check(self.rounds >= 1, "rounds", "an integer >= 1")
+        check(1 <= self.rounds <= MAX_ROUNDS, "rounds", f"an integer from 1 to {MAX_ROUNDS:,}")
         check(self.clients_per_round >= 0, "clients_per_round", "an integer >= 0")
         check(self.deadline >= 0, "deadline", "a number of seconds >= 0")
         check(0 <= self.deadline_quantile <= 1, "deadline_quantile", "a quantile in (0, 1], or 0 for none")
@@ -438,10 +442,10 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
     av, net = scenario.availability, scenario.network
     if av.model == "trace":
         av = replace(av, trace=str(base / av.trace))
-        load_availability_trace(av.trace, scenario.num_clients, av.period_s)
+        load_availability_trace(av.trace, scenario.num_clients, av.period_s, src=scenario.source or "<scenario>")
     if net.model == "trace":
         net = replace(net, trace=str(base / net.trace))
-        load_network_trace(net.trace, scenario.num_clients)
+        load_network_trace(net.trace, scenario.num_clients, src=scenario.source or "<scenario>")
     return replace(scenario, availability=av, network=net)
 
 

@@ -185,7 +185,12 @@ def _same_definition(a: type, b: type) -> bool:
 
 
 def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
-    """Class decorator: register a strategy under ``cls.name``."""
+    """Class decorator: register a strategy under ``cls.name``; anything else is a ConfigError."""
+    where = "<register_strategy>"
+    if not (isinstance(cls, type) and issubclass(cls, SelectionStrategy)):
+        raise ConfigError(where, "strategy", "a subclass of fedelastic.selection.SelectionStrategy", cls)
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name.strip():
+        raise ConfigError(where, f"{cls.__name__}.name", "a non-empty string", getattr(cls, "name", None))
     if cls.name in REGISTRY and not _same_definition(REGISTRY[cls.name], cls):
         raise ValueError(f"strategy name {cls.name!r} is already registered by {REGISTRY[cls.name].__module__}")
     if cls.probe is not None and cls.probe not in PROBES:

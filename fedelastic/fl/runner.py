@@ -504,6 +504,7 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
         recorder.reload(lambda r: r["round"] <= checkpoint["round"])
     else:
+        _ = environment(scenario).data, environment(scenario).info  # bad data or model options fail before the folder exists
         run_dir = new_run_dir(scenario, run_id)
         try:
             recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)

@@ -115,10 +115,20 @@ def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Modul
     except TypeError as exc:  # an unknown or missing option
         raise ConfigError(context, "model.options", f"options the factory {name!r} accepts ({exc})") from None
     except Exception as exc:  # noqa: BLE001 (user code)
+        options = {k: v for k, v in kwargs.items() if k not in _SET_BY_SCENARIO}
+        if options:  # e.g. width = -3: the options are the likelier fault
+            raise ConfigError(
+                context, "model.options", f"options with which the factory {name!r} builds a model ({type(exc).__name__}: {exc})", options
+            ) from None
         raise ConfigError(context, "model.name", f"a factory that builds a model ({type(exc).__name__}: {exc})", name) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
+    if next(model.parameters(), None) is None:
+        raise ConfigError(context, "model.name", "a factory whose model has parameters to train", name)
     return model
+
+
+_SET_BY_SCENARIO = ("num_classes", "in_channels", "input_size")  # what build_model's callers pass besides model.options
 
 
 def build_with_input(
