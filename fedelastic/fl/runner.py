@@ -279,7 +279,23 @@ def _require_budget(cost, config, strategy: str, src: str) -> None:
 
 
 def _preflight(scenario: Scenario, env) -> dict:
-    """Everything that can be checked before a runtime starts: sizes, data, model, profiles, weights."""
+    """Everything that can be checked before a runtime starts (:func:`check_inputs`, then the
+    starting weights); returns them."""
+    check_inputs(scenario, env)
+    src = scenario.source or "<scenario>"
+    state = initial_state(env)
+    for name, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            key = "model.weights" if scenario.model.weights else "model"
+            raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
+    warn_if_untrained_partial(env, state)  # a partial strategy from random weights ends near chance: say so
+    warm_up_writer()  # the results writer's first-use costs, at start-up rather than in round 1
+    return state
+
+
+def check_inputs(scenario: Scenario, env) -> None:
+    """The checks of data, model, strategy and profiles (all but the starting weights), made before
+    a new run's folder exists: bad input leaves nothing behind. Cached in ``env``: cheap the second time."""
     src = scenario.source or "<scenario>"
     labels = set(np.unique(env.split[0].y).tolist()) | set(np.unique(env.split[1].y).tolist())
     pre = scenario.model.pretrain
@@ -312,14 +328,6 @@ def _preflight(scenario: Scenario, env) -> dict:
                 env.profile(device).path, f"measured.{env.info.model_name}.layers.{name}",
                 f"a layer of model {env.info.model_name!r} (e.g. {sorted(layers)[:3]})", name,
             )  # fmt: skip
-    state = initial_state(env)
-    for name, value in state.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            key = "model.weights" if scenario.model.weights else "model"
-            raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
-    warn_if_untrained_partial(env, state)  # a partial strategy from random weights ends near chance: say so
-    warm_up_writer()  # the results writer's first-use costs, at start-up rather than in round 1
-    return state
 
 
 _LOADER = """
@@ -504,7 +512,7 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
         recorder.reload(lambda r: r["round"] <= checkpoint["round"])
     else:
-        _ = environment(scenario).data, environment(scenario).info  # bad data or model options fail before the folder exists
+        check_inputs(scenario, environment(scenario))  # bad data, model, options: refused before the folder exists
         run_dir = new_run_dir(scenario, run_id)
         try:
             recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)
