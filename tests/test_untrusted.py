@@ -150,3 +150,38 @@ def test_a_link_planted_as_errors_log_is_not_written_through(tmp_path):
         rec.log_error("a client failed")
     rec.close()
     assert outside.read_text() == "precious\n"
+
+
+def test_resume_refuses_a_device_profile_changed_since_the_run_started(tmp_path, capsys):
+    """A profile edited between the kill and the resume would mix two devices' figures in one run."""
+    import tomllib
+
+    from fedelastic.devices import builtin_profile_dir
+
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    board = devices / "my_board.toml"
+    raw = tomllib.loads((builtin_profile_dir() / "jetson_nano.toml").read_text())
+    raw["name"] = "my_board"
+    board.write_text(tomli_w.dumps(raw))
+    scenario = small_scenario_dict(tmp_path, server={"rounds": 3}, simulation={"write_every_s": 0},
+                                   device_dirs=[str(devices)])  # fmt: skip
+    scenario["fleet"] = {"my_board": 2, "raspberry_pi_4": 1}
+
+    def stop(row: dict) -> None:
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fe.run(scenario, run_id="stopped", progress=stop)
+    run_dir = tmp_path / "runs" / "tiny" / "stopped"
+    assert read_status(run_dir)["status"] == "failed" and (run_dir / "checkpoint.pt").exists()
+    original = board.read_text()
+    raw["power"]["train"]["value"] = raw["power"]["train"]["value"] * 10  # 10 W -> 100 W
+    board.write_text(tomli_w.dumps(raw))
+    assert main(["run", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert str(board) in err and "changed since the run started" in err, err
+    assert read_status(run_dir)["status"] == "failed"  # untouched
+    board.write_text(original)
+    assert main(["run", "--resume", str(run_dir)]) == 0

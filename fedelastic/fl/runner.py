@@ -7,6 +7,8 @@ tests and for measuring Flower/Ray's own overhead.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 import threading
@@ -516,6 +518,7 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         run_dir = new_run_dir(scenario, run_id)
         try:
             recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)
+            (run_dir / PROFILES).write_text(json.dumps(profile_hashes(scenario), indent=2))
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
@@ -609,6 +612,40 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     return run_dir
 
 
+PROFILES = "profiles.json"  # in a run folder: each device profile's file and content hash, checked on resume
+
+
+def profile_hashes(scenario: Scenario) -> dict[str, dict[str, str]]:
+    """Device name -> its profile's file and the SHA-256 of its bytes."""
+    from ..devices import get_profile
+
+    out = {}
+    for device in sorted(scenario.fleet):
+        path = Path(get_profile(device, tuple(scenario.device_dirs), context=scenario.source or "<scenario>").path)
+        out[device] = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return out
+
+
+def _check_profiles(run_dir: Path, scenario: Scenario) -> None:
+    """Refuse to resume with a device profile that changed since the run started (a run would mix two profiles)."""
+    recorded = run_dir / PROFILES
+    if not recorded.is_file():  # a run folder from before profiles were recorded
+        return
+    try:
+        then = json.loads(recorded.read_text())
+        items = [(str(device), str(doc["sha256"]), str(doc["path"])) for device, doc in then.items()]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise FedelasticError(f"{recorded}: not a profiles record (device -> {{path, sha256}})") from None
+    now = profile_hashes(scenario)
+    for device, digest, path in items:
+        if device not in now or now[device]["sha256"] != digest:
+            where = now[device]["path"] if device in now else path
+            raise FedelasticError(
+                f"{where}: device profile {device!r} changed since the run started (its hash is in {recorded}); "
+                "resuming would mix two profiles in one run: restore the file, or start a new run"
+            )
+
+
 def _check_status(run_dir: Path) -> None:
     """A run folder whose run can be resumed: config.toml, a stopped run's status, a checkpoint file."""
     if not (run_dir / "config.toml").is_file():
@@ -631,5 +668,7 @@ def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None =
     checkpoint = _check_resumable(run_dir)  # all that can be checked before the config's model file runs
     raw = read_toml(run_dir / "config.toml", "run config")
     src = raw.pop("source", "") or str(run_dir / "config.toml")
-    scenario = validate(parse_scenario(raw, src, resolve=False))  # the checks first, the model file's import last
+    scenario = parse_scenario(raw, src, resolve=False)
+    _check_profiles(run_dir, scenario)
+    scenario = validate(scenario)  # the checks first, the model file's import last
     return _start(scenario, None, progress, run_dir, checkpoint, None)
