@@ -185,3 +185,42 @@ def test_resume_refuses_a_device_profile_changed_since_the_run_started(tmp_path,
     assert read_status(run_dir)["status"] == "failed"  # untouched
     board.write_text(original)
     assert main(["run", "--resume", str(run_dir)]) == 0
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_round_0(tmp_path):
+    """Its folder holds the config, versions, profiles and a status written by the run, no
+    checkpoint and no rows: --resume runs it from round 0, to the tables of an uninterrupted run."""
+    import pandas as pd
+
+    from fedelastic.fl.checkpoint import CHECKPOINT
+
+    scenario = small_scenario_dict(tmp_path, server={"rounds": 2}, simulation={"write_every_s": 0})
+
+    def stop(row: dict) -> None:
+        raise KeyboardInterrupt  # at the initial evaluation's row
+
+    with pytest.raises(KeyboardInterrupt):
+        fe.run(scenario, run_id="early", progress=stop)
+    early = tmp_path / "runs" / "tiny" / "early"
+    for name in (CHECKPOINT, "rounds.csv", "rounds.parquet", "clients.csv", "clients.parquet"):  # as before its first write
+        target = early / name
+        if target.is_dir():
+            import shutil
+
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+    assert read_status(early)["status"] == "failed" and not (early / CHECKPOINT).exists()
+    assert main(["run", "--resume", str(early)]) == 0
+    assert main(["run", str(write(tmp_path / "whole.toml", scenario)), "--run-id", "whole"]) == 0
+    whole = tmp_path / "runs" / "tiny" / "whole"
+    for name in ("rounds", "clients"):
+        a, b = (pd.read_csv(d / f"{name}.csv") for d in (early, whole))
+        host = [c for c in a.columns if c.startswith("host_")]
+        pd.testing.assert_frame_equal(a.drop(columns=host), b.drop(columns=host))
+    assert read_status(early)["status"] == "completed"
+
+
+def write(path: Path, raw: dict) -> Path:
+    path.write_text(tomli_w.dumps(raw))
+    return path

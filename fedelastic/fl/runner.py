@@ -33,7 +33,7 @@ from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
 from ..scenario import Scenario, is_plain_name, parse_scenario, validate
-from .checkpoint import Resumable, load_checkpoint
+from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
@@ -512,7 +512,8 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
     if resume is not None:
         run_dir = Path(resume)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
-        recorder.reload(lambda r: r["round"] <= checkpoint["round"])
+        last = -1 if checkpoint is None else checkpoint["round"]  # no checkpoint: from round 0, no row kept
+        recorder.reload(lambda r: r["round"] <= last)
     else:
         check_inputs(scenario, environment(scenario))  # bad data, model, options: refused before the folder exists
         run_dir = new_run_dir(scenario, run_id)
@@ -657,8 +658,14 @@ def _check_status(run_dir: Path) -> None:
         raise FedelasticError(f"{run_dir}: the run already finished ({status['status']}); nothing to resume")
 
 
-def _check_resumable(run_dir: Path) -> dict:
+def _check_resumable(run_dir: Path) -> dict | None:
+    """The checkpoint to resume from; None for a run of ours stopped before its first checkpoint
+    (its status.json has the PID, host and start a run writes): it starts again from round 0."""
     _check_status(run_dir)
+    status = read_status(run_dir)
+    started_here = all(key in status for key in ("pid", "host", "started"))
+    if started_here and status["status"] in ("dead", "failed") and not (run_dir / CHECKPOINT).exists():
+        return None
     return load_checkpoint(run_dir)
 
 
