@@ -180,14 +180,14 @@ def check_run_folder(sc: Scenario, run_id: str | None = None) -> None:
     import os
 
     from .errors import FedelasticError
-    from .scenario import is_plain_name
+    from .scenario import PLAIN_NAME, is_plain_name
 
     src = sc.source or "<scenario>"
     names = [(src, "name", sc.name)] + ([] if run_id is None else [("<command line>", "--run-id", run_id)])
     for where, key, value in names:
         if not is_plain_name(value):
             raise ConfigError(
-                where, key, "a plain folder name (no '/', '\\', ':', leading '.' or '-', or outer spaces)", value
+                where, key, PLAIN_NAME, value
             )
     output_dir = Path(sc.output_dir)
     base = output_dir / sc.name

@@ -21,9 +21,19 @@ def _labels(classes: tuple[int, ...]) -> bool:
     return all(c >= 0 for c in classes) and len(set(classes)) == len(classes)
 
 
+MAX_NAME = 200  # characters of a name or run id (a folder name: most file systems allow 255 bytes)
+PLAIN_NAME = (
+    f"a plain folder name: printable text of at most {MAX_NAME} characters, "
+    "no '/', '\\', ':', leading '.' or '-', or outer spaces"
+)
+
+
 def is_plain_name(value: str) -> bool:
-    """One plain folder name: results built from it stay inside output_dir."""
+    """One plain folder name of printable text (no terminal escapes, no newline), at most
+    ``MAX_NAME`` characters: results built from it stay inside output_dir."""
     if not value or value != value.strip() or value in (".", "..") or value.startswith(("-", ".")):
+        return False
+    if len(value) > MAX_NAME or not value.isprintable():
         return False
     return not any(c in value for c in "/\\\0:")
 
@@ -378,7 +388,7 @@ class Scenario:
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
-        check(is_plain_name(self.name), "name", "a plain folder name (no '/', '\\', ':', leading '.' or '-')")
+        check(is_plain_name(self.name), "name", PLAIN_NAME)
         check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)")
         check(bool(self.output_dir.strip()), "output_dir", "a folder path")
         check(len(self.fleet) > 0, "fleet", "at least one device")

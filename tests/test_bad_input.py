@@ -222,3 +222,50 @@ def test_a_bad_compare_fleet_names_its_compare_key(tmp_path, capsys):
     assert main(["compare", str(path)]) == 2
     err = capsys.readouterr().err
     assert "key 'compare.fleets.odd.no_such_board'" in err, err
+
+
+# -- names, model files that exit, strategies that take a built-in's name ----------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["\u001b[31mred\u001b]0;pwn\u0007", "two\nlines", "x" * 5000], ids=["terminal_escape", "newline", "5000_chars"]
+)
+def test_a_name_must_be_plain_printable_text(tmp_path, capsys, name):
+    raw = small_scenario_dict(tmp_path, name=name)
+    err = _scenario_error(tmp_path, capsys, raw)
+    assert "key 'name'" in err and "printable text" in err and "\u001b" not in err, err
+
+
+@pytest.mark.parametrize("run_id", ["two\nlines", "\u001b]0;pwn\u0007", "y" * 300])
+def test_a_run_id_must_be_plain_printable_text(tmp_path, capsys, run_id):
+    err = _scenario_error(tmp_path, capsys, small_scenario_dict(tmp_path), "--run-id", run_id)
+    assert "key '--run-id'" in err and "\u001b" not in err, err
+
+
+def test_a_model_file_that_calls_sys_exit_is_refused(tmp_path, capsys):
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    raw = small_scenario_dict(tmp_path, model={"name": str(tmp_path / "exits.py") + ":f", "options": {}})
+    err = _scenario_error(tmp_path, capsys, raw)
+    assert "key 'model.name'" in err and "SystemExit" in err, err
+
+
+def test_a_strategy_cannot_take_a_built_in_name_before_the_built_ins_load():
+    import subprocess
+    import sys
+
+    code = (
+        "import fedelastic as fe\n"
+        "from fedelastic.errors import ConfigError\n"
+        "from fedelastic.selection import SelectionStrategy, available\n"
+        "class Mine(SelectionStrategy):\n"
+        "    name = 'full'\n"
+        "try:\n"
+        "    fe.register_strategy(Mine)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('full' in available(), 'elastic_tensor' in available())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("refused:") and "Mine.name" in lines[0] and lines[1] == "True True", out.stdout

@@ -32,7 +32,7 @@ from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun,
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
-from ..scenario import Scenario, is_plain_name, parse_scenario, validate
+from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
 from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
@@ -220,7 +220,7 @@ class RunAborted(RuntimeError):
 def check_folder_name(value: str, src: str, key: str) -> str:
     """``value`` if it is one plain folder name (so results stay inside output_dir), else a ConfigError."""
     if not is_plain_name(value):
-        raise ConfigError(src, key, "a plain folder name (no '/', '\\', ':', leading '.' or '-', or outer spaces)", value)
+        raise ConfigError(src, key, PLAIN_NAME, value)
     return value
 
 

@@ -65,7 +65,7 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
         raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # noqa: BLE001 (an import runs user code: any error means 'not importable')
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (an import runs user code: any error, or sys.exit, means 'not importable')
         raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, "a callable returning an nn.Module", name)
@@ -100,7 +100,7 @@ def _file_factory(path: str, attr: str, name: str, context: str, key: str) -> Ca
                 del sys.modules[module_name]
                 raise
         factory = getattr(module, attr) if attr.isidentifier() else None
-    except Exception as exc:  # noqa: BLE001 (the file runs user code: any error means 'not loadable')
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (the file runs user code: any error, or sys.exit, means 'not loadable')
         raise ConfigError(context, key, f"a loadable factory 'file.py:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, f"a callable {attr!r} in {file} returning an nn.Module", name)
