@@ -269,3 +269,69 @@ def test_a_strategy_cannot_take_a_built_in_name_before_the_built_ins_load():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("refused:") and "Mine.name" in lines[0] and lines[1] == "True True", out.stdout
+
+
+# -- profile import-trace ------------------------------------------------------------------------------
+
+
+def _import_trace(tmp: Path, capsys, trace: Path, *extra: str) -> str:
+    code = main(["profile", "import-trace", str(trace), "--model", "small_cnn", *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]  # progress lines aside
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _steps_only() -> list[dict]:
+    """A trace with two step regions and no layer region."""
+    return [{"name": "fedelastic::step", "ph": "X", "ts": 1000.0 * i, "dur": 900.0, "cat": "user_annotation"} for i in range(2)]
+
+
+def test_a_corrupt_gzip_trace(tmp_path, capsys):
+    import gzip
+
+    good = gzip.compress(json.dumps({"traceEvents": _steps_only()}).encode())
+    (tmp_path / "corrupt.json.gz").write_bytes(good[:10] + bytes(b ^ 0xFF for b in good[10:]))
+    (tmp_path / "cut.json.gz").write_bytes(good[: len(good) // 2])
+    for name in ("corrupt.json.gz", "cut.json.gz"):
+        line = _import_trace(tmp_path, capsys, tmp_path / name)
+        assert str(tmp_path / name) in line and "not a readable Chrome trace" in line, line
+
+
+def test_a_trace_that_is_a_list_of_numbers(tmp_path, capsys):
+    (tmp_path / "numbers.json").write_text("[1, 2, 3]")
+    line = _import_trace(tmp_path, capsys, tmp_path / "numbers.json")
+    assert str(tmp_path / "numbers.json") in line and "JSON objects" in line, line
+
+
+def test_a_trace_without_layer_regions_writes_nothing(tmp_path, capsys):
+    from fedelastic.devices import builtin_profile_dir
+
+    (tmp_path / "steps.json").write_text(json.dumps({"traceEvents": _steps_only()}))
+    board = tmp_path / "my_board.toml"
+    board.write_text((builtin_profile_dir() / "jetson_nano.toml").read_text().replace('name = "jetson_nano"', 'name = "my_board"'))
+    before = board.read_text()
+    line = _import_trace(tmp_path, capsys, tmp_path / "steps.json", "--profile", str(board))
+    assert "no layer regions" in line, line
+    assert board.read_text() == before
+
+
+def test_a_malformed_target_profile_is_named(tmp_path, capsys):
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fedelastic.models import build_model
+
+    model = build_model("small_cnn", num_classes=10, in_channels=1, input_size=8)
+    names = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function("fedelastic::step"):
+                for n in names:
+                    with record_function(f"fedelastic::{n}::fwd"):
+                        torch.ones(2).sum()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    (tmp_path / "bad.toml").write_text("name = [unclosed\n")
+    line = _import_trace(tmp_path, capsys, tmp_path / "trace.json", "--profile", str(tmp_path / "bad.toml"))
+    assert str(tmp_path / "bad.toml") in line, line
