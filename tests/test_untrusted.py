@@ -224,3 +224,21 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_round_0(tmp_path
 def write(path: Path, raw: dict) -> Path:
     path.write_text(tomli_w.dumps(raw))
     return path
+
+
+def test_an_async_run_is_refused_by_resume_and_keeps_its_status(tmp_path, capsys):
+    scenario = small_scenario_dict(tmp_path, server={"rounds": 3, "policy": "async"}, simulation={"write_every_s": 0})
+
+    def stop(row: dict) -> None:
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fe.run(scenario, run_id="async", progress=stop)
+    run_dir = tmp_path / "runs" / "tiny" / "async"
+    before = read_status(run_dir)
+    assert before["status"] == "failed"
+    assert main(["run", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "server.policy = 'async' cannot be resumed" in err and len(err.strip().splitlines()) == 1, err
+    assert read_status(run_dir) == before

@@ -676,6 +676,11 @@ def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None =
     raw = read_toml(run_dir / "config.toml", "run config")
     src = raw.pop("source", "") or str(run_dir / "config.toml")
     scenario = parse_scenario(raw, src, resolve=False)
+    if scenario.server.policy == "async":  # refused before the folder is touched: the run keeps its status
+        raise FedelasticError(
+            f"{run_dir}: a run with server.policy = 'async' cannot be resumed (the updates still in flight "
+            "are not checkpointed); start it again"
+        )
     _check_profiles(run_dir, scenario)
     scenario = validate(scenario)  # the checks first, the model file's import last
     return _start(scenario, None, progress, run_dir, checkpoint, None)
