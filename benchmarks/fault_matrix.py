@@ -1,4 +1,4 @@
-"""The fault matrix as a table: runs tests/test_faults.py (Ray cases included) and counts outcomes.
+"""The fault matrix as a table: runs the fault tests (FILES; Ray cases included) and counts outcomes.
 
 Every case of the matrix asserts its documented outcome (a one-line error naming the file and
 key, before anything runs; or the recovery: a recorded row, an honest status and exit code, a
@@ -34,6 +34,15 @@ KINDS = {  # test function -> kind of case
     "test_report_draws_empty_and_non_finite_runs": "report of empty / NaN / inf runs",
     "test_a_stopped_runtime_ends_the_server_wait_at_once": "Flower runtime stops under the server",
     "test_compare_resume_skips_finished_cells_and_resumes_a_killed_one": "comparison interrupted, then --resume",
+    # tests/test_signals.py
+    "test_a_signal_after_round_2_writes_the_rounds_marks_the_run_and_exits_with_its_code": "SIGINT / SIGTERM of the driver",
+    "test_sigterm_writes_the_rounds_kept_for_a_later_write": "SIGINT / SIGTERM of the driver",
+    "test_sigterm_on_ray_writes_the_rounds_and_exits_143": "SIGINT / SIGTERM of the driver",
+}
+FILES = ("tests/test_faults.py", "tests/test_signals.py", "tests/test_untrusted.py", "tests/test_bad_input.py")
+KIND_OF_FILE = {  # every case of these files is one kind
+    "test_untrusted": "untrusted run folder or model file (refused before its code runs)",
+    "test_bad_input": "bad input (exit 2, one line)",
 }
 
 
@@ -42,7 +51,7 @@ def main() -> None:
         report = Path(tmp) / "junit.xml"
         start = time.time()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py", f"--junitxml={report}"],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FILES, f"--junitxml={report}"],
             cwd=ROOT, capture_output=True, text=True,
         )  # fmt: skip
         total_s = time.time() - start
@@ -50,7 +59,8 @@ def main() -> None:
         rows: dict[str, dict] = {}
         for case in cases:
             func = case.get("name", "").split("[")[0]
-            kind = KINDS.get(func, func)
+            module = case.get("classname", "").rsplit(".", 1)[-1]
+            kind = KIND_OF_FILE.get(module) or KINDS.get(func, func)
             ok = not any(child.tag in ("failure", "error", "skipped") for child in case)
             row = rows.setdefault(kind, {"cases": 0, "as_documented": 0, "lost_nothing": 0, "times_s": []})
             row["cases"] += 1

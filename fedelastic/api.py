@@ -16,6 +16,7 @@ wrong key or type is a :class:`~fedelastic.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import copy
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
 from .errors import ConfigError, StopRun
-from .scenario import Scenario, parse_scenario
+from .scenario import Scenario, parse_scenario, validate
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -63,6 +64,8 @@ def apply_overrides(raw: dict, overrides: Mapping[str, Any], src: str = "<overri
 
 
 def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str]:
+    if not isinstance(scenario, (Scenario, str, os.PathLike, Mapping)):
+        raise ConfigError("<scenario>", "scenario", "a Scenario, a TOML file path or a dict", type(scenario).__name__)
     if isinstance(scenario, Scenario):
         raw = to_dict(scenario)
         src = raw.pop("source", "") or "<scenario>"
@@ -72,11 +75,23 @@ def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str
     return read_toml(scenario, "scenario"), str(scenario)
 
 
-def load(scenario: Scenario | str | Path | Mapping, overrides: Mapping[str, Any] | None = None, **kw: Any) -> Scenario:
-    """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied."""
+def load(
+    scenario: Scenario | str | Path | Mapping,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    resolve: bool = True,
+    **kw: Any,
+) -> Scenario:
+    """A validated :class:`Scenario` from an object, a file or a dict, with overrides applied
+    (``resolve=False``: type-checked only, no user code run; see :func:`~.scenario.parse_scenario`)."""
     raw, src = _scenario_dict(scenario)
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError("<overrides>", "overrides", "a dict of dotted scenario keys", type(overrides).__name__)
+    for key in overrides or {}:
+        if not isinstance(key, str):
+            raise ConfigError("<overrides>", repr(key), "a dotted scenario key (a string, e.g. 'train.lr')")
     dotted = {**(overrides or {}), **{k.replace("__", "."): v for k, v in kw.items()}}
-    return parse_scenario(apply_overrides(raw, dotted, src), src)
+    return parse_scenario(apply_overrides(raw, dotted, src), src, resolve=resolve)
 
 
 @dataclass
@@ -137,7 +152,9 @@ def run(
     """
     from .fl.raypool import quick_shutdown, start_ray_early
 
-    sc = load(scenario, overrides, **kw)
+    sc = load(scenario, overrides, resolve=False, **kw)
+    check_run_folder(sc, run_id)  # a bad folder fails now, before Ray's start and before a model file's code runs
+    sc = validate(sc)
 
     def on_round(row: dict) -> None:
         if progress is not None:
@@ -145,7 +162,6 @@ def run(
         if any([bool(cb(row)) for cb in callbacks]):  # every callback sees every round
             raise StopRun(f"a callback stopped the run after round {row['round']}")
 
-    check_run_folder(sc, run_id)  # a bad folder fails now, not after Ray's start
     started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
     try:
         from .fl.runner import run_scenario
@@ -164,14 +180,14 @@ def check_run_folder(sc: Scenario, run_id: str | None = None) -> None:
     import os
 
     from .errors import FedelasticError
-    from .scenario import is_plain_name
+    from .scenario import PLAIN_NAME, is_plain_name
 
     src = sc.source or "<scenario>"
     names = [(src, "name", sc.name)] + ([] if run_id is None else [("<command line>", "--run-id", run_id)])
     for where, key, value in names:
         if not is_plain_name(value):
             raise ConfigError(
-                where, key, "a plain folder name (no '/', '\\', ':', leading '.' or '-', or outer spaces)", value
+                where, key, PLAIN_NAME, value
             )
     output_dir = Path(sc.output_dir)
     base = output_dir / sc.name

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import ConfigError, FedelasticError, RunFailed
+from .errors import ConfigError, FedelasticError, RunFailed, Terminated
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -36,6 +36,8 @@ def report(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FedelasticError(f"{run_dir}: no such run folder")
+    if read_status(run_dir)["status"] == "unreadable":
+        raise FedelasticError(f"{run_dir / 'status.json'}: {read_status(run_dir)['error']}")
     if not (run_dir / "rounds.parquet").exists():
         raise FedelasticError(f"{run_dir}: no results yet (no rounds.parquet; status: {read_status(run_dir)['status']})")
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
@@ -179,7 +181,7 @@ _AT_EXIT: list = []
 
 def cmd_run(args) -> int:
     from .fl.raypool import quick_shutdown, start_ray_early
-    from .scenario import load_scenario
+    from .scenario import load_scenario, validate
 
     if (args.scenario is None) == (args.resume is None):
         raise ConfigError("<command line>", "scenario", "a scenario file, or --resume RUN_DIR (not both)")
@@ -191,15 +193,19 @@ def cmd_run(args) -> int:
         if args.overrides:
             from .api import load, parse_overrides
 
-            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"))
+            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"), resolve=False)
         else:
-            sc = load_scenario(args.scenario)
+            sc = load_scenario(args.scenario, resolve=False)
         if args.rounds is not None:
             sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
         if args.backend:
             sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
         if args.output_dir is not None:
             sc = _override("--output-dir", lambda: replace(sc, output_dir=args.output_dir))
+        from .api import check_run_folder
+
+        check_run_folder(sc, args.run_id)  # a bad folder fails now, before a model file's code runs
+        sc = validate(sc)  # last: imports a model file named by the scenario (its code runs with the user's rights)
         console.print(
             f"{sc.name}: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
             f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}",
@@ -225,9 +231,8 @@ def cmd_run(args) -> int:
 
         run_dir = resume_run(args.resume, progress=progress)
     else:
-        from .api import check_run_folder, prepare_run
+        from .api import prepare_run
 
-        check_run_folder(sc, args.run_id)  # a bad folder fails now, not after Ray's start
         started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
         try:
             from .fl.runner import run_scenario
@@ -489,14 +494,20 @@ app.add_typer(profile_app, name="profile")
 
 def _call(command: str, fn, **args) -> int:
     """Run one command; map its errors to one line on stderr and the exit code."""
+    from .signals import sigterm_as_interrupt
+
     try:
-        return fn(SimpleNamespace(command=command, **args)) or 0
+        with sigterm_as_interrupt():
+            return fn(SimpleNamespace(command=command, **args)) or 0
     except FedelasticError as exc:  # bad input: one line naming the file and key
         _error(str(exc))
         return 2
     except RunFailed as exc:
         _error(f"run failed: {exc}")
         return 1
+    except Terminated as exc:
+        _error(f"{exc}; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
+        return 143
     except KeyboardInterrupt:
         _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
         return 130

@@ -129,6 +129,17 @@ def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant
     return r
 
 
+def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool):
+    """A cell's validated scenario; a fault in a fleet from ``compare.fleets`` names that key."""
+    try:
+        return parse_scenario(raw, src)
+    except ConfigError as exc:
+        if not from_compare or not (exc.key == "fleet" or exc.key.startswith("fleet.")):
+            raise
+        key = f"compare.fleets.{fleet_label}{exc.key[len('fleet'):]}"
+        raise ConfigError(exc.source, key, exc.expected, exc.got) from None
+
+
 def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     """The comparison config and one validated scenario per combination."""
     cfg, combos = _combinations(raw, src)
@@ -137,7 +148,7 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     for fleet_label, fleet, variant, label in combos:
         for seed in seeds:
             r = _cell_raw(raw, fleet_label, fleet, variant, label, seed)
-            out.append(Variant(label, fleet_label, seed, parse_scenario(r, src)))
+            out.append(Variant(label, fleet_label, seed, _parse_cell(r, src, fleet_label, bool(cfg.fleets))))
     return cfg, out
 
 
@@ -161,7 +172,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
             t["data"] = {**t.get("data", {}), "validation": tune.validation}
             if tune.rounds:
                 t["server"] = {**t.get("server", {}), "rounds": tune.rounds}
-            sc = parse_scenario(t, src)
+            sc = _parse_cell(t, src, fleet_label, bool(cfg.fleets))
             sc = replace(sc, name=f"{sc.name}-tune-lr{sc.train.lr:g}-{sc.train.bn_mode}")
             out.append(TuneCell(label, fleet_label, sc.train.lr, sc.train.bn_mode, sc))
     return out

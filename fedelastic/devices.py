@@ -434,6 +434,8 @@ def profile_paths(extra_dirs: tuple[str | Path, ...] = ()) -> dict[str, Path]:
 def get_profile(name: str, extra_dirs: tuple[str | Path, ...] = (), *, context: str = "<fleet>") -> DeviceProfile:
     """Load a profile by name or by file path."""
     if name.endswith(".toml"):
+        if not Path(name).is_file():  # named by the fleet: the scenario's key, not the missing file, is at fault
+            raise ConfigError(context, f"fleet.{name}", "an existing device profile file (.toml)", name)
         return load_profile(name)
     paths = profile_paths(extra_dirs)
     if name not in paths:

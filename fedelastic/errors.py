@@ -41,6 +41,19 @@ class RunFailed(Exception):
     """
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``timeout``, systemd) in a ``fedelastic`` command: handled as Ctrl-C is.
+
+    A KeyboardInterrupt, so every path that ends a run on Ctrl-C ends it on SIGTERM too: the
+    finished rounds are written, ``status.json`` says ``failed`` ("stopped by SIGTERM"), and
+    the command exits 143.
+    """
+
+    def __init__(self, signame: str = "SIGTERM"):
+        self.signame = signame
+        super().__init__(f"stopped by {signame}")
+
+
 class StopRun(Exception):
     """Raised by a progress callback to end a run after the round it was shown (early stopping).
 

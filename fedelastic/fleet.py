@@ -239,18 +239,21 @@ TRACE_AVAILABILITY_COLUMNS = ("client_id", "start_s", "end_s")
 TRACE_NETWORK_COLUMNS = ("client_id", "uplink_bit_per_s", "downlink_bit_per_s")
 
 
-def _read_table(path: str | Path, columns: tuple[str, ...], what: str):
+def _read_table(path: str | Path, columns: tuple[str, ...], what: str, src: str | None = None, key: str = ""):
+    """The trace table at ``path``; a file that is missing or of another kind is an error naming the
+    scenario ``src`` and its ``key`` (a fault inside the file names the file and the column)."""
     import pandas as pd
 
     path = Path(path)
+    where, key = (src, key) if src else (str(path), "file")
     if not path.exists():
-        raise ConfigError(path, "", f"an existing {what} file (.csv or .parquet)")
+        raise ConfigError(where, key, f"an existing {what} file (.csv or .parquet)", str(path))
     if path.suffix == ".parquet":
         frame = pd.read_parquet(path)
     elif path.suffix == ".csv":
         frame = pd.read_csv(path)
     else:
-        raise ConfigError(path, "", f"a {what} file ending in .csv or .parquet", path.suffix)
+        raise ConfigError(where, key, f"a {what} file ending in .csv or .parquet", str(path))
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ConfigError(path, missing[0], f"columns {list(columns)} (missing)", list(frame.columns))
@@ -263,13 +266,15 @@ def _read_table(path: str | Path, columns: tuple[str, ...], what: str):
     return frame
 
 
-def load_availability_trace(path: str | Path, num_clients: int, period_s: float = 0.0) -> TraceAvailability:
+def load_availability_trace(
+    path: str | Path, num_clients: int, period_s: float = 0.0, *, src: str | None = None
+) -> TraceAvailability:
     """Read online windows from a CSV or Parquet file with columns ``client_id, start_s, end_s``.
 
     Clients are taken in sorted ``client_id`` order: partition ``p`` gets the ``p``-th one. The
     windows repeat every ``period_s`` (0: the largest ``end_s`` in the file).
     """
-    frame = _read_table(path, TRACE_AVAILABILITY_COLUMNS, "availability trace")
+    frame = _read_table(path, TRACE_AVAILABILITY_COLUMNS, "availability trace", src, "availability.trace")
     bad = frame[frame.end_s <= frame.start_s]
     if len(bad):
         raise ConfigError(path, "end_s", "end_s > start_s in every row", f"row {bad.index[0] + 2}")
@@ -410,9 +415,9 @@ def link_factors(distribution: str, num_clients: int, seed: int, sigma: float) -
     return np.random.default_rng([seed, 0x11E7]).lognormal(0.0, sigma, num_clients)
 
 
-def load_network_trace(path: str | Path, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
+def load_network_trace(path: str | Path, num_clients: int, *, src: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(uplink, downlink) in bit/s per partition, from columns ``client_id, uplink_bit_per_s, downlink_bit_per_s``."""
-    frame = _read_table(path, TRACE_NETWORK_COLUMNS, "network trace")
+    frame = _read_table(path, TRACE_NETWORK_COLUMNS, "network trace", src, "network.trace")
     if frame.client_id.duplicated().any():
         raise ConfigError(
             path, "client_id", "one row per client", frame.client_id[frame.client_id.duplicated()].iloc[0]

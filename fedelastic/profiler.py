@@ -142,8 +142,7 @@ def import_trace_into(
         The imported table, the resulting raw profile (or ``{"measured": {model: ...}}`` without
         ``profile``), and the fit (None unless ``fit``).
     """
-    import tomllib
-
+    from .config import read_toml
     from .devices import load_profile
     from .models import BUILTIN
     from .trace import import_trace
@@ -164,7 +163,7 @@ def import_trace_into(
     if profile is None:
         return table, {"measured": {model: measured_table_toml(table)}}, None
     profile = Path(profile)
-    raw = tomllib.loads(profile.read_text())
+    raw = read_toml(profile, "device profile")  # a malformed file is an error naming it
     set_measured_table(raw, model, table)
     parse_profile(raw, str(profile), stem=profile.stem)
     result = None

@@ -13,6 +13,7 @@ the rows are written behind, while a later round trains, the rounds of each
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import json
 import os
@@ -87,8 +88,28 @@ def one_line(text: str, limit: int = 300) -> str:
     return picked if len(picked) <= limit else picked[: limit - 3] + "..."
 
 
+def open_no_link(path: Path, mode: str, **kw):
+    """Open a result file of the run folder for appending (``"a"``) or rewriting in place (``"r+b"``),
+    never through a symbolic link put in its place (the link's target, outside the run folder,
+    would be written): such a link is an OSError naming the file."""
+    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "r+b": os.O_RDWR}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link in place of a result file; not written through", str(path)) from None
+        raise
+    return os.fdopen(fd, mode, **kw)
+
+
+def fresh(path: Path) -> Path:
+    """``path`` with nothing at it (a temporary file about to be written): a link put there is removed, not followed."""
+    path.unlink(missing_ok=True)
+    return path
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = fresh(path.with_name(path.name + ".tmp"))
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
@@ -154,8 +175,10 @@ class _Table:
         import pyarrow.parquet as pq
 
         self.parquet.mkdir(exist_ok=True)
+        if self.parquet.is_symlink():  # a link put in place of the folder: its parts would go elsewhere
+            raise OSError(errno.ELOOP, "a symbolic link in place of a result folder; not written through", str(self.parquet))
         final = self.parquet / f"part-{self._parts + 1:06d}.parquet"
-        tmp = self.parquet / f".{final.name}.tmp"
+        tmp = fresh(self.parquet / f".{final.name}.tmp")
         assert self.columns is not None
         values = [[row.get(c, _MISSING) for row in rows] for c in self.columns]  # DataFrame(rows, columns=...)
         signature = tuple(frozenset(map(type, column)) for column in values)
@@ -204,7 +227,7 @@ class _Table:
                 every = pd.read_parquet(self.parquet).to_dict("records") + rows
                 tmp, final = self._write_part(every, merge=True)
                 merged = True
-            with self.csv.open("a", newline="") as fh:
+            with open_no_link(self.csv, "a", newline="") as fh:
                 writer = csv.writer(fh)
                 if new:
                     writer.writerow(self.columns)
@@ -216,7 +239,7 @@ class _Table:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
             if self.csv.exists():
-                with self.csv.open("r+b") as fh:
+                with open_no_link(self.csv, "r+b") as fh:
                     fh.truncate(size)
             raise
         if merged:  # the merged part replaces the old ones: it is complete before they go
@@ -307,6 +330,19 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _status_fault(doc) -> str:
+    """What is wrong with a parsed status.json (a key and what was expected), or '' if nothing."""
+    if not isinstance(doc, dict):
+        return f"expected a JSON object, got {type(doc).__name__}"
+    if not isinstance(doc.get("status"), str):
+        return f"key 'status': expected a string, got {doc.get('status')!r}"
+    for key in ("heartbeat", "started", "rounds_done", "pid"):
+        value = doc.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return f"key '{key}': expected a number, got {value!r}"
+    return ""
+
+
 def read_status(run_dir: str | Path) -> dict:
     """A run's status.json; a 'running' run whose process is gone, or whose heartbeat stopped, reads 'dead'."""
     path = Path(run_dir) / "status.json"
@@ -316,6 +352,9 @@ def read_status(run_dir: str | Path) -> dict:
         return {"status": "missing"}
     except (OSError, ValueError) as exc:
         return {"status": "unreadable", "error": one_line(str(exc))}
+    wrong = _status_fault(doc)
+    if wrong:
+        return {"status": "unreadable", "error": wrong}
     if doc.get("status") == "running":
         same_host = doc.get("host") == socket.gethostname()
         gone = same_host and isinstance(doc.get("pid"), int) and not _pid_alive(doc["pid"])
@@ -574,7 +613,7 @@ class Recorder:
         return {"status": state, **extra, **counts}
 
     def log_error(self, text: str) -> None:
-        with (self.folder / "errors.log").open("a") as fh:
+        with open_no_link(self.folder / "errors.log", "a") as fh:
             fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{_ANSI.sub('', text).rstrip()}\n")
 
     def add_clients(self, rows: list[dict]) -> None:

@@ -21,11 +21,24 @@ def _labels(classes: tuple[int, ...]) -> bool:
     return all(c >= 0 for c in classes) and len(set(classes)) == len(classes)
 
 
+MAX_NAME = 200  # characters of a name or run id (a folder name: most file systems allow 255 bytes)
+PLAIN_NAME = (
+    f"a plain folder name: printable text of at most {MAX_NAME} characters, "
+    "no '/', '\\', ':', leading '.' or '-', or outer spaces"
+)
+
+
 def is_plain_name(value: str) -> bool:
-    """One plain folder name: results built from it stay inside output_dir."""
+    """One plain folder name of printable text (no terminal escapes, no newline), at most
+    ``MAX_NAME`` characters: results built from it stay inside output_dir."""
     if not value or value != value.strip() or value in (".", "..") or value.startswith(("-", ".")):
         return False
+    if len(value) > MAX_NAME or not value.isprintable():
+        return False
     return not any(c in value for c in "/\\\0:")
+
+
+MAX_ROUNDS = 1_000_000  # a run's rounds at most (a row each in rounds.csv; a typo's 10**15 is refused)
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,7 @@ class DataConfig:
     shift: Shift = field(default_factory=Shift, help="a parameterised domain shift of the target (see data/shifts.py)")
 
     def __post_init__(self):
+        check(self.dataset.strip() != "", "dataset", "a dataset: 'digits', 'synth_digits', a Hugging Face name or a local path")
         check(self.alpha > 0, "alpha", "a positive number")
         check(0 < self.test_fraction < 1, "test_fraction", "a fraction in (0, 1)")
         check(0 <= self.validation < 1, "validation", "a fraction in [0, 1)")
@@ -202,7 +216,7 @@ class ServerConfig:
     )
 
     def __post_init__(self):
-        check(self.rounds >= 1, "rounds", "an integer >= 1")
+        check(1 <= self.rounds <= MAX_ROUNDS, "rounds", f"an integer from 1 to {MAX_ROUNDS:,}")
         check(self.clients_per_round >= 0, "clients_per_round", "an integer >= 0")
         check(self.deadline >= 0, "deadline", "a number of seconds >= 0")
         check(0 <= self.deadline_quantile <= 1, "deadline_quantile", "a quantile in (0, 1], or 0 for none")
@@ -374,7 +388,7 @@ class Scenario:
     source: str = field("", help="the file this scenario came from (set by the loader)")
 
     def __post_init__(self):
-        check(is_plain_name(self.name), "name", "a plain folder name (no '/', '\\', ':', leading '.' or '-')")
+        check(is_plain_name(self.name), "name", PLAIN_NAME)
         check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)")
         check(bool(self.output_dir.strip()), "output_dir", "a folder path")
         check(len(self.fleet) > 0, "fleet", "at least one device")
@@ -416,7 +430,6 @@ def validate(scenario: Scenario) -> Scenario:
         raise ConfigError(
             src, "train.strategy", "a strategy with a rho budget for policy 'deadline_elastic'", scenario.train.strategy
         )
-    resolve_factory(scenario.model.name, context=src)
     if ".py:" in scenario.model.name:  # a model file: absolute, so that Ray workers and a resume find it
         path, _, attr = scenario.model.name.rpartition(":")
         scenario = replace(scenario, model=replace(scenario.model, name=f"{model_file(path, src)}:{attr}"))
@@ -427,8 +440,9 @@ def validate(scenario: Scenario) -> Scenario:
             raise ConfigError(src, f"device_dirs[{i}]", "an existing folder of device profiles", d)
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
-    scenario = replace(scenario, device_dirs=dirs)
-    return _resolve_traces(scenario, base)
+    scenario = _resolve_traces(replace(scenario, device_dirs=dirs), base)
+    resolve_factory(scenario.model.name, context=src)  # last: a model file's code runs only once all else passed
+    return scenario
 
 
 def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
@@ -438,21 +452,23 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
     av, net = scenario.availability, scenario.network
     if av.model == "trace":
         av = replace(av, trace=str(base / av.trace))
-        load_availability_trace(av.trace, scenario.num_clients, av.period_s)
+        load_availability_trace(av.trace, scenario.num_clients, av.period_s, src=scenario.source or "<scenario>")
     if net.model == "trace":
         net = replace(net, trace=str(base / net.trace))
-        load_network_trace(net.trace, scenario.num_clients)
+        load_network_trace(net.trace, scenario.num_clients, src=scenario.source or "<scenario>")
     return replace(scenario, availability=av, network=net)
 
 
-def parse_scenario(raw: dict, src: str = "<scenario>") -> Scenario:
+def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) -> Scenario:
+    """A type-checked scenario; ``resolve``: also :func:`validate` the names it refers to (which
+    imports a model file's code: without it, no file it names is read and no user code runs)."""
     scenario = from_dict(Scenario, {**raw, "source": src}, src)
-    return validate(scenario)
+    return validate(scenario) if resolve else scenario
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Load, type-check and validate a scenario file."""
+def load_scenario(path: str | Path, *, resolve: bool = True) -> Scenario:
+    """Load, type-check and (``resolve``) validate a scenario file."""
     raw = read_toml(path, "scenario")
     if "source" in raw:
         raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
-    return parse_scenario(raw, str(path))
+    return parse_scenario(raw, str(path), resolve=resolve)

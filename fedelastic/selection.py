@@ -185,9 +185,17 @@ def _same_definition(a: type, b: type) -> bool:
 
 
 def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
-    """Class decorator: register a strategy under ``cls.name``."""
+    """Class decorator: register a strategy under ``cls.name``; anything else is a ConfigError."""
+    where = "<register_strategy>"
+    if not (isinstance(cls, type) and issubclass(cls, SelectionStrategy)):
+        raise ConfigError(where, "strategy", "a subclass of fedelastic.selection.SelectionStrategy", cls)
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name.strip():
+        raise ConfigError(where, f"{cls.__name__}.name", "a non-empty string", getattr(cls, "name", None))
+    _load()  # the built-ins first: a user's class cannot take a built-in name before they load
     if cls.name in REGISTRY and not _same_definition(REGISTRY[cls.name], cls):
-        raise ValueError(f"strategy name {cls.name!r} is already registered by {REGISTRY[cls.name].__module__}")
+        raise ConfigError(
+            where, f"{cls.__name__}.name", f"a name not registered yet ({REGISTRY[cls.name].__module__} has it)", cls.name
+        )
     if cls.probe is not None and cls.probe not in PROBES:
         raise ValueError(f"strategy {cls.name!r}: probe must be one of {PROBES}")
     if not (dataclasses.is_dataclass(cls.config_cls) and cls.config_cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
@@ -214,20 +222,25 @@ def adopt(classes: dict[str, type[SelectionStrategy]]) -> None:
 
 
 _loaded = False
+_loading: list[bool] = []  # non-empty while _load runs (the modules it imports call register)
 
 
 def _load() -> None:
     global _loaded
-    if _loaded:
+    if _loaded or _loading:
         return
+    _loading.append(True)
     try:
-        importlib.import_module("fedelastic.strategies")  # where the strategies/ folder installs
-    except ModuleNotFoundError as exc:
-        if exc.name != "fedelastic.strategies":
-            raise
-        importlib.import_module("strategies")  # not installed: a source tree or a Flower app bundle
-    for ep in entry_points(group="fedelastic.strategies"):
-        ep.load()
+        try:
+            importlib.import_module("fedelastic.strategies")  # where the strategies/ folder installs
+        except ModuleNotFoundError as exc:
+            if exc.name != "fedelastic.strategies":
+                raise
+            importlib.import_module("strategies")  # not installed: a source tree or a Flower app bundle
+        for ep in entry_points(group="fedelastic.strategies"):
+            ep.load()
+    finally:
+        _loading.clear()
     _loaded = True
 
 

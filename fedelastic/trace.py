@@ -125,13 +125,22 @@ def load_trace_events(path: str | Path) -> list[dict[str, Any]]:
 
     Accepts both the object form (``{"traceEvents": [...]}``) and the bare array form.
     """
+    import zlib
+
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, EOFError, ValueError, zlib.error) as exc:  # a corrupt or cut gzip, not JSON, not UTF-8
+        raise ValueError(f"{path}: not a readable Chrome trace ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: 'traceEvents' is not a list")
+    if not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{path}: trace events that are JSON objects (got {next(e for e in events if not isinstance(e, dict))!r})")
     return events
 
 
@@ -213,7 +222,10 @@ def import_trace(
     events = load_trace_events(path)
     src = source if source is not None else Path(path).name
     if any(str(e.get("name", "")).startswith("fedelastic::") for e in events):
-        return _import_torch(events, model, batch_size, src, layers, bool(drop_last_step), strict)
+        table = _import_torch(events, model, batch_size, src, layers, bool(drop_last_step), strict)
+        if not table.layers:
+            raise ValueError(f"{path}: no layer regions ('fedelastic::<layer>::fwd|dx|dw'): nothing to measure")
+        return table
     threads = _thread_names(events)
     if "TensorFlow Ops" not in threads.values():
         raise ValueError(f"{path}: neither a TensorFlow trace ('TensorFlow Ops' thread) nor fedelastic regions")

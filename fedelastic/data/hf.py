@@ -228,6 +228,10 @@ def _check_count(partitioner, count: int, src: str) -> None:
 
 def load_npz(path: Path, d, src: str) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels of an ``.npz``: arrays named by ``data.image_column``/``label_column`` or auto-detected."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # np.load would read it as a pickle (refused) or a bare array
+        raise ConfigError(src, "data.dataset", "an .npz file (a zip of arrays, as numpy.savez writes)", str(path))
     with np.load(path) as f:
         keys = list(f.keys())
         img = d.image_column or next((k for k in IMAGE_NAMES if k in keys), "")
@@ -235,7 +239,10 @@ def load_npz(path: Path, d, src: str) -> tuple[np.ndarray, np.ndarray]:
         for key, name in (("data.image_column", img), ("data.label_column", lab)):
             if name not in keys:
                 raise ConfigError(src, key, f"an array of {path} ({', '.join(keys)})", name or "<none found>")
-        return _layout(f[img]), _labels(f[lab])
+        x, y = _layout(f[img]), _labels(f[lab])
+    if len(x) != len(y):
+        raise ConfigError(src, "data.label_column", f"one label per image in {path} ({len(x)} images in '{img}')", f"{len(y)} labels in '{lab}'")
+    return x, y
 
 
 def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Path | None = None) -> FederatedData:
@@ -257,7 +264,18 @@ def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Pa
             return FederatedData(
                 ArrayDataset(f["train_x"], f["train_y"]), ArrayDataset(f["test_x"], f["test_y"]), parts
             )
-    data = _prepare_uncached(d, num_partitions, seed, src, base)
+    try:
+        data = _prepare_uncached(d, num_partitions, seed, src, base)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (a local copy that cannot be read: bad input, in one line)
+        path = (base / d.dataset).expanduser()
+        kind = _local_kind(path)
+        if kind is None:
+            raise
+        text = " ".join(str(exc).split())[:200]
+        key = "data.image_size" if "data.image_size" in text else "data.dataset"
+        raise ConfigError(src, key, f"a readable {kind} dataset at {path} ({type(exc).__name__}: {text})", d.dataset) from None
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp.npz")
     bounds = np.concatenate([[0], np.cumsum([len(p) for p in data.partitions])])
@@ -275,7 +293,7 @@ def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Pa
 
 
 def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path) -> FederatedData:
-    from . import partition_dirichlet, partition_iid, partition_shards
+    from . import partition
 
     path = (base / d.dataset).expanduser()
     if _local_kind(path) == "npz":  # numpy only: the hand-written partitioners
@@ -283,16 +301,16 @@ def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path) -
         if d.classes:
             keep = np.isin(y, d.classes)
             x, y = x[keep], y[keep]
+        if d.partitioner not in ("iid", "shards", "dirichlet"):
+            raise ConfigError(src, "data.partitioner", "iid, dirichlet or shards for an .npz", d.partitioner)
         train_idx, test_idx = train_test_split(y, d.test_fraction, seed)
         train, test = ArrayDataset(x[train_idx], y[train_idx]), ArrayDataset(x[test_idx], y[test_idx])
-        if d.partitioner == "iid":
-            parts = partition_iid(train.y, num_partitions, seed)
-        elif d.partitioner == "shards":
-            parts = partition_shards(train.y, num_partitions, d.shards_per_partition, seed)
-        elif d.partitioner == "dirichlet":
-            parts = partition_dirichlet(train.y, num_partitions, d.alpha, seed, min_size=d.min_partition_size)
-        else:
-            raise ConfigError(src, "data.partitioner", "iid, dirichlet or shards for an .npz", d.partitioner)
+        if len(test) == 0:
+            raise ConfigError(src, "data.test_fraction", f"a fraction that leaves the server test samples of {path} ({len(y)} images)", d.test_fraction)
+        parts = partition(
+            train.y, num_partitions, d.partitioner, seed, alpha=d.alpha,
+            shards_per_partition=d.shards_per_partition, min_size=d.min_partition_size, src=src,
+        )  # fmt: skip
         return FederatedData(train, test, parts)
 
     _require_extra(src)

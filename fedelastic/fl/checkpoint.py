@@ -23,6 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from ..errors import FedelasticError
+from ..results import fresh
 from .arrays import record_from_numpy, record_to_numpy
 from .server import PartialFedAvg
 
@@ -54,7 +55,7 @@ def _set_rng_state(doc: dict) -> None:
 
 def save_checkpoint(folder: Path, doc: dict) -> None:
     path = folder / CHECKPOINT
-    tmp = folder / (CHECKPOINT + ".tmp")
+    tmp = fresh(folder / (CHECKPOINT + ".tmp"))  # a link planted there is removed, not written through
     try:
         with tmp.open("wb") as fh:
             torch.save(doc, fh)

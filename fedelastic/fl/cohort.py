@@ -44,7 +44,7 @@ from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment, freeze_heap
 from .env import warm_up as env_warm_up
 from .raypool import timeout_reason
-from .threads import KeptThread
+from .threads import STOPPING, KeptThread, wait_out
 
 # a member's state in a cohort's reply
 DONE, FAILED, TIMEOUT, UNRUN = "done", "failed", "timeout", "unrun"
@@ -121,7 +121,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
             with lock:
                 finished.append(reply)
                 started[0] = time.monotonic()
-            return not cancelled.is_set()
+            return not cancelled.is_set() and not STOPPING.is_set()
 
         crashed: list[BaseException] = []  # what stopped the training thread outside any one client
 
@@ -135,19 +135,26 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         trained = training_thread().run(partial(work, env.client_model))
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
         budget_s = timeout_s * (len(jobs) if sim.vectorize else 1)
-        while True:  # wakes only at a client's deadline, not after every client
+        try:
+            while True:  # wakes only at a client's deadline, not after every client
+                with lock:
+                    deadline = started[0] + budget_s
+                trained.wait(max(0.0, deadline - time.monotonic()))
+                with lock:  # the replies are read once, here: an abandoned thread may still report
+                    alive = not trained.is_set()
+                    if alive and time.monotonic() < started[0] + budget_s:
+                        continue  # a job finished meanwhile: the next one has its own deadline
+                    if alive:  # job len(finished) overran
+                        cancelled.set()
+                        abandoned = True
+                    final = list(finished)
+                break
+        except BaseException:  # Ctrl-C or SIGTERM: the member training now returns first (up to its deadline)
+            cancelled.set()
             with lock:
                 deadline = started[0] + budget_s
-            trained.wait(max(0.0, deadline - time.monotonic()))
-            with lock:  # the replies are read once, here: an abandoned thread may still report
-                alive = not trained.is_set()
-                if alive and time.monotonic() < started[0] + budget_s:
-                    continue  # a job finished meanwhile: the next one has its own deadline
-                if alive:  # job len(finished) overran
-                    cancelled.set()
-                    abandoned = True
-                final = list(finished)
-            break
+            wait_out(trained, deadline - time.monotonic())
+            raise
         done = len(final)
         for j, reply in enumerate(final):
             if isinstance(reply, Exception):

@@ -423,6 +423,10 @@ def start_ray(scenario) -> None:
             raise ConfigError(
                 src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address
             ) from None
+        finally:
+            from ..signals import reclaim_sigterm
+
+            reclaim_sigterm()  # ray.init's own SIGTERM handler (sys.exit) would skip the run's last writes
 
 
 def start_ray_beside(scenario, work: Callable[[], T]) -> T:

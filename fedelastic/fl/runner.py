@@ -7,6 +7,8 @@ tests and for measuring Flower/Ray's own overhead.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 import threading
@@ -26,19 +28,19 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml, to_dict
-from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, with_traceback
+from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated, with_traceback
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
-from ..scenario import Scenario, is_plain_name, parse_scenario
-from .checkpoint import Resumable, load_checkpoint
+from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
+from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main
-from .threads import KeptThread
+from .threads import STOPPING, KeptThread, wait_out
 from .untrained import warn_if_untrained_partial
 
 
@@ -59,6 +61,7 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._run = None
+        STOPPING.clear()  # a run stopped before this one in the process is over
         self._caller: KeptThread | None = None  # the thread client calls run on (threads.py)
         self.on_abandon: Callable[[], None] = lambda: None
 
@@ -102,7 +105,13 @@ class InProcessGrid(Grid):
             return box[0]
         if self._caller is None or self._caller.retired:
             self._caller = KeptThread("client-call")
-        if not self._caller.run(work).wait(max(timeout, 0.0)) or not box:
+        done = self._caller.run(work)
+        try:
+            returned = done.wait(max(timeout, 0.0))
+        except BaseException:  # Ctrl-C or SIGTERM: the call returns first, within its timeout (threads.STOPPING)
+            wait_out(done, timeout)
+            raise
+        if not returned or not box:
             self._caller.retired = True  # it goes on with the abandoned call: the next call gets a new thread
             self.on_abandon()
             return None
@@ -211,7 +220,7 @@ class RunAborted(RuntimeError):
 def check_folder_name(value: str, src: str, key: str) -> str:
     """``value`` if it is one plain folder name (so results stay inside output_dir), else a ConfigError."""
     if not is_plain_name(value):
-        raise ConfigError(src, key, "a plain folder name (no '/', '\\', ':', leading '.' or '-', or outer spaces)", value)
+        raise ConfigError(src, key, PLAIN_NAME, value)
     return value
 
 
@@ -272,7 +281,23 @@ def _require_budget(cost, config, strategy: str, src: str) -> None:
 
 
 def _preflight(scenario: Scenario, env) -> dict:
-    """Everything that can be checked before a runtime starts: sizes, data, model, profiles, weights."""
+    """Everything that can be checked before a runtime starts (:func:`check_inputs`, then the
+    starting weights); returns them."""
+    check_inputs(scenario, env)
+    src = scenario.source or "<scenario>"
+    state = initial_state(env)
+    for name, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            key = "model.weights" if scenario.model.weights else "model"
+            raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
+    warn_if_untrained_partial(env, state)  # a partial strategy from random weights ends near chance: say so
+    warm_up_writer()  # the results writer's first-use costs, at start-up rather than in round 1
+    return state
+
+
+def check_inputs(scenario: Scenario, env) -> None:
+    """The checks of data, model, strategy and profiles (all but the starting weights), made before
+    a new run's folder exists: bad input leaves nothing behind. Cached in ``env``: cheap the second time."""
     src = scenario.source or "<scenario>"
     labels = set(np.unique(env.split[0].y).tolist()) | set(np.unique(env.split[1].y).tolist())
     pre = scenario.model.pretrain
@@ -305,14 +330,6 @@ def _preflight(scenario: Scenario, env) -> dict:
                 env.profile(device).path, f"measured.{env.info.model_name}.layers.{name}",
                 f"a layer of model {env.info.model_name!r} (e.g. {sorted(layers)[:3]})", name,
             )  # fmt: skip
-    state = initial_state(env)
-    for name, value in state.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            key = "model.weights" if scenario.model.weights else "model"
-            raise ConfigError(src, key, f"starting weights with finite values (tensor {name!r} holds NaN/inf)")
-    warn_if_untrained_partial(env, state)  # a partial strategy from random weights ends near chance: say so
-    warm_up_writer()  # the results writer's first-use costs, at start-up rather than in round 1
-    return state
 
 
 _LOADER = """
@@ -486,16 +503,23 @@ def run_scenario(
     With ``grid`` (a Flower App's ServerApp passes its own), the rounds run on that grid's
     nodes and ``simulation.backend`` is not used.
     """
-    checkpoint = None
+    checkpoint = _check_resumable(Path(resume)) if resume is not None else None
+    return _start(scenario, run_id, progress, resume, checkpoint, grid)
+
+
+def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None, grid: Grid | None) -> Path:
+    """:func:`run_scenario`, its resume checked (``checkpoint``: the one in folder ``resume``)."""
     if resume is not None:
         run_dir = Path(resume)
-        checkpoint = _check_resumable(run_dir)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
-        recorder.reload(lambda r: r["round"] <= checkpoint["round"])
+        last = -1 if checkpoint is None else checkpoint["round"]  # no checkpoint: from round 0, no row kept
+        recorder.reload(lambda r: r["round"] <= last)
     else:
+        check_inputs(scenario, environment(scenario))  # bad data, model, options: refused before the folder exists
         run_dir = new_run_dir(scenario, run_id)
         try:
             recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)
+            (run_dir / PROFILES).write_text(json.dumps(profile_hashes(scenario), indent=2))
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
@@ -574,7 +598,11 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         text = "".join(traceback.format_exception(cause))
         with suppress(OSError):
             recorder.log_error(f"run failed:\n{text}")
-            reason = "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}"
+            reason = (
+                str(cause) if isinstance(cause, Terminated)
+                else "interrupted (KeyboardInterrupt)" if isinstance(cause, KeyboardInterrupt)
+                else f"{type(cause).__name__}: {cause}"
+            )  # fmt: skip
             recorder.status("failed", error=one_line(reason))
         recorder.close()
         if cause is not exc and not isinstance(exc, KeyboardInterrupt):
@@ -585,7 +613,42 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     return run_dir
 
 
-def _check_resumable(run_dir: Path) -> dict:
+PROFILES = "profiles.json"  # in a run folder: each device profile's file and content hash, checked on resume
+
+
+def profile_hashes(scenario: Scenario) -> dict[str, dict[str, str]]:
+    """Device name -> its profile's file and the SHA-256 of its bytes."""
+    from ..devices import get_profile
+
+    out = {}
+    for device in sorted(scenario.fleet):
+        path = Path(get_profile(device, tuple(scenario.device_dirs), context=scenario.source or "<scenario>").path)
+        out[device] = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return out
+
+
+def _check_profiles(run_dir: Path, scenario: Scenario) -> None:
+    """Refuse to resume with a device profile that changed since the run started (a run would mix two profiles)."""
+    recorded = run_dir / PROFILES
+    if not recorded.is_file():  # a run folder from before profiles were recorded
+        return
+    try:
+        then = json.loads(recorded.read_text())
+        items = [(str(device), str(doc["sha256"]), str(doc["path"])) for device, doc in then.items()]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise FedelasticError(f"{recorded}: not a profiles record (device -> {{path, sha256}})") from None
+    now = profile_hashes(scenario)
+    for device, digest, path in items:
+        if device not in now or now[device]["sha256"] != digest:
+            where = now[device]["path"] if device in now else path
+            raise FedelasticError(
+                f"{where}: device profile {device!r} changed since the run started (its hash is in {recorded}); "
+                "resuming would mix two profiles in one run: restore the file, or start a new run"
+            )
+
+
+def _check_status(run_dir: Path) -> None:
+    """A run folder whose run can be resumed: config.toml, a stopped run's status, a checkpoint file."""
     if not (run_dir / "config.toml").is_file():
         raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
     status = read_status(run_dir)
@@ -593,15 +656,31 @@ def _check_resumable(run_dir: Path) -> dict:
         raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
     if status["status"] in ("completed", "completed_with_errors", "diverged"):
         raise FedelasticError(f"{run_dir}: the run already finished ({status['status']}); nothing to resume")
+
+
+def _check_resumable(run_dir: Path) -> dict | None:
+    """The checkpoint to resume from; None for a run of ours stopped before its first checkpoint
+    (its status.json has the PID, host and start a run writes): it starts again from round 0."""
+    _check_status(run_dir)
+    status = read_status(run_dir)
+    started_here = all(key in status for key in ("pid", "host", "started"))
+    if started_here and status["status"] in ("dead", "failed") and not (run_dir / CHECKPOINT).exists():
+        return None
     return load_checkpoint(run_dir)
 
 
 def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None = None) -> Path:
     """Continue a killed or failed run from its last checkpointed round, with the scenario it was started with."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
+    checkpoint = _check_resumable(run_dir)  # all that can be checked before the config's model file runs
     raw = read_toml(run_dir / "config.toml", "run config")
     src = raw.pop("source", "") or str(run_dir / "config.toml")
-    scenario = parse_scenario(raw, src)
-    return run_scenario(scenario, progress=progress, resume=run_dir)
+    scenario = parse_scenario(raw, src, resolve=False)
+    if scenario.server.policy == "async":  # refused before the folder is touched: the run keeps its status
+        raise FedelasticError(
+            f"{run_dir}: a run with server.policy = 'async' cannot be resumed (the updates still in flight "
+            "are not checkpointed); start it again"
+        )
+    _check_profiles(run_dir, scenario)
+    scenario = validate(scenario)  # the checks first, the model file's import last
+    return _start(scenario, None, progress, run_dir, checkpoint, None)

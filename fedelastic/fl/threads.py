@@ -6,6 +6,18 @@ import queue
 import threading
 from collections.abc import Callable
 
+#: Set while a run is being stopped (Ctrl-C, SIGTERM): a cohort's training thread starts no further
+#: member. The stopping thread then waits for the thread's current call to return: a daemon thread
+#: still inside torch when the interpreter exits is ended mid-call, which aborts the process
+#: ("terminate called without an active exception", exit 134 instead of 130).
+STOPPING = threading.Event()
+
+
+def wait_out(done: threading.Event, timeout_s: float) -> None:
+    """After Ctrl-C or SIGTERM: let the call whose ``done`` event this is return (up to ``timeout_s``), no member started after it."""
+    STOPPING.set()
+    done.wait(max(0.0, timeout_s))
+
 
 class KeptThread:
     """A daemon thread that runs the calls given to it one after another, kept between them.

@@ -65,7 +65,7 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
         raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # noqa: BLE001 (an import runs user code: any error means 'not importable')
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (an import runs user code: any error, or sys.exit, means 'not importable')
         raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, "a callable returning an nn.Module", name)
@@ -100,7 +100,7 @@ def _file_factory(path: str, attr: str, name: str, context: str, key: str) -> Ca
                 del sys.modules[module_name]
                 raise
         factory = getattr(module, attr) if attr.isidentifier() else None
-    except Exception as exc:  # noqa: BLE001 (the file runs user code: any error means 'not loadable')
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (the file runs user code: any error, or sys.exit, means 'not loadable')
         raise ConfigError(context, key, f"a loadable factory 'file.py:callable' ({type(exc).__name__}: {exc})", name) from None
     if not callable(factory):
         raise ConfigError(context, key, f"a callable {attr!r} in {file} returning an nn.Module", name)
@@ -115,10 +115,20 @@ def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Modul
     except TypeError as exc:  # an unknown or missing option
         raise ConfigError(context, "model.options", f"options the factory {name!r} accepts ({exc})") from None
     except Exception as exc:  # noqa: BLE001 (user code)
+        options = {k: v for k, v in kwargs.items() if k not in _SET_BY_SCENARIO}
+        if options:  # e.g. width = -3: the options are the likelier fault
+            raise ConfigError(
+                context, "model.options", f"options with which the factory {name!r} builds a model ({type(exc).__name__}: {exc})", options
+            ) from None
         raise ConfigError(context, "model.name", f"a factory that builds a model ({type(exc).__name__}: {exc})", name) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(context, "model.name", "a factory that returns a torch.nn.Module", type(model).__name__)
+    if next(model.parameters(), None) is None:
+        raise ConfigError(context, "model.name", "a factory whose model has parameters to train", name)
     return model
+
+
+_SET_BY_SCENARIO = ("num_classes", "in_channels", "input_size")  # what build_model's callers pass besides model.options
 
 
 def build_with_input(
