@@ -189,6 +189,42 @@ _TOP_KEYS = {
 }
 
 
+#: What each profile key means (rendered into docs/reference/profile-keys.md by fedelastic.docgen).
+KEY_HELP: dict[str, str] = {
+    "schema_version": "2 (or 1: a v1 file has no [kernels], [uncertainty] or layout_transposes)",
+    "name": "equals the file stem",
+    "display_name": "human name, including the power mode where it matters",
+    "device_class": "one of " + ", ".join(DEVICE_CLASSES),
+    "train_dtype": "fp32, fp16 or int8: the dtype the device trains in (bytes per element and training numerics)",
+    "notes": "free text: mode chosen, assumptions, known gaps",
+    "measured": "measured per-layer tables, one per model (written by `fedelastic profile` tools, never by hand)",
+    "kernels": "fitted roofline of each kernel class (v2; see the cost model)",
+    "layout_transposes": "price the framework's layout copies around convs (v2; default false)",
+    "memory.train": "memory available to training (for MCUs, the SRAM budget)",
+    "compute.peak_fp32": "peak FP32 throughput (required when train_dtype = fp32)",
+    "compute.peak_fp16": "peak FP16 throughput (required when train_dtype = fp16)",
+    "compute.peak_int8": "peak int8 throughput (required when train_dtype = int8)",
+    "compute.mem_bandwidth": "memory bandwidth, > 0",
+    "compute.efficiency": "share of the peak that large kernels reach, in (0, 1]",
+    "compute.launch_overhead": "fixed cost added to every kernel",
+    "power.train": "whole-device draw while training",
+    "power.idle": "whole-device draw while idle (waiting for the round to end)",
+    "power.transmit": "whole-device draw while sending",
+    "power.receive": "whole-device draw while receiving",
+    "power.energy_per_mac": "dynamic energy per MAC, added on top of the state powers",
+    "power.energy_per_byte": "dynamic energy per byte moved, added on top of the state powers",
+    "network.uplink": "sustained uplink throughput, > 0",
+    "network.downlink": "sustained downlink throughput, > 0",
+    "network.latency": "paid once per transfer",
+    "availability.probability": "chance that the device is reachable in a round (the section is optional)",
+    "uncertainty.step": "relative one-sigma error of a roofline-priced step time (v2; the section is optional)",
+    "kernels.<class>.efficiency": "share of the dtype's peak the class's kernels reach",
+    "kernels.<class>.bandwidth": "effective memory bandwidth of the class's kernels",
+    "kernels.<class>.overhead": "per-kernel time on top of compute.launch_overhead",
+    "kernels.<class>.width": "output elements at which a kernel reaches half its throughput (0: always full)",
+}
+
+
 def _check_unknown(src: str, where: str, got: dict, allowed: set[str]) -> None:
     for key in got:
         if key not in allowed:
