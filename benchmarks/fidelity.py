@@ -1,9 +1,10 @@
-"""Fidelity of the cost model: predicted vs real training-step times (issue 3).
+"""Fidelity of the cost model: predicted vs real training-step times.
 
     python benchmarks/fidelity.py [--quick] [--no-write] [--out benchmarks/results/fidelity.json]
 
 Two parts, one command. Results go to ``--out`` (JSON) and, unless ``--no-write``, to the
-section "## fidelity (issue 3)" of ``benchmarks/RESULTS.md`` (only that section is replaced).
+section "## Step time: this host and the Jetson TX2" of the page ``benchmarks/studies/fidelity.md``
+(only that section is replaced; ``--kernel-aware`` writes its own section of the same page).
 
 **This host.** For each model (small project models sized so that a step takes ~20-200 ms):
 30+ selections (full training, plus random 0/1 tensor masks with a random deepest tensor; each
@@ -64,6 +65,9 @@ from fedelastic.trace import MODEL_ALIASES, import_trace, keras_scope, load_trac
 
 DATE = "2026-11-22"
 KERNEL_DATE = "2026-11-23"
+PAGE = ROOT / "benchmarks" / "studies" / "fidelity.md"  # the study page this script writes its sections into
+PAGE_TITLE = "# Fidelity of the cost model\n"
+HEAD = "## Step time: this host and the Jetson TX2"
 TX2_DATASHEET_BANDWIDTH = 59.7e9  # B/s, NVIDIA Jetson TX2 spec
 # the shared data sit beside the checkout (../shared), or beside its parent for a git worktree
 TRACES = next(
@@ -340,7 +344,7 @@ def tx2_section(log, objectives=("time", "log", "rel")) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- kernel-aware (issue 13)
+# ----------------------------------------------------------------------------- kernel-aware
 
 
 def selection_time(cost: CostModel, ratios: np.ndarray) -> float:
@@ -722,7 +726,7 @@ def pct(x: float, signed: bool = False) -> str:
 
 def markdown(res: dict, command: str) -> str:
     lines = [
-        "## fidelity (issue 3)",
+        HEAD,
         "",
         f"Command: `{command}` ({DATE}; {res['host']['machine']}, torch {torch.__version__}, 1 torch thread; "
         f"{res['wall_s']:.0f} s wall). Raw numbers: `{res['out']}`.",
@@ -830,7 +834,7 @@ def markdown(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-KERNEL_HEAD = "## fidelity: kernel-aware cost model (issue 13)"
+KERNEL_HEAD = "## Kernel-aware cost model"
 
 
 def kernel_markdown(res: dict, command: str) -> str:
@@ -1238,9 +1242,9 @@ Findings (the issue's goal is met only in part):
 """
 
 
-def write_section(path: Path, text: str, head: str = "## fidelity (issue 3)") -> None:
-    """Replace (or append) the ``head`` section of RESULTS.md, leaving the rest alone."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
+def write_section(text: str, head: str = HEAD, path: Path = PAGE) -> None:
+    """Replace (or append) the ``head`` section of the study page, leaving the rest alone."""
+    old = path.read_text() if path.exists() else PAGE_TITLE
     if head in old:
         start = old.index(head)
         nxt = old.find("\n## ", start + len(head))
@@ -1296,12 +1300,12 @@ def main() -> int:
     parser.add_argument("--skip-host", action="store_true")
     parser.add_argument("--skip-tx2", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.json")
-    parser.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
-    parser.add_argument("--from-json", type=Path, help="only re-render RESULTS.md from a saved --out file")
+    parser.add_argument("--no-write", action="store_true", help="do not touch benchmarks/studies/fidelity.md")
+    parser.add_argument("--from-json", type=Path, help="only re-render the page from a saved --out file")
     parser.add_argument(
         "--kernel-aware",
         action="store_true",
-        help="only the kernel-aware sections (issue 13): TX2 leave one out, H100 held out, elastic_layer vs tensor",
+        help="only the kernel-aware sections: TX2 leave one out, H100 held out, elastic_layer vs tensor",
     )
     args = parser.parse_args()
     if args.kernel_aware:
@@ -1311,7 +1315,7 @@ def main() -> int:
         text = markdown(res, res.get("command", "python benchmarks/fidelity.py"))
         print(text)
         if not args.no_write:
-            write_section(ROOT / "benchmarks" / "RESULTS.md", text)
+            write_section(text)
         return 0
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -1344,7 +1348,7 @@ def main() -> int:
     if text:
         print(text)
         if not args.no_write:
-            write_section(ROOT / "benchmarks" / "RESULTS.md", text)
+            write_section(text)
     log(f"done; {args.out}")
     return 0
 
@@ -1389,7 +1393,7 @@ def kernel_main(args) -> int:
     text = kernel_markdown(res, res.get("command", "python benchmarks/fidelity.py --kernel-aware"))
     print(text)
     if not args.no_write:
-        write_section(ROOT / "benchmarks" / "RESULTS.md", text, KERNEL_HEAD)
+        write_section(text, KERNEL_HEAD)
     log(f"done; {out}")
     return 0
 
