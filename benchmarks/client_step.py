@@ -14,7 +14,7 @@ its 6k-parameter CNN, batch 16, 1 epoch, SGD lr 0.05, strategy "full"), torch on
   (``time.process_time``) is less sensitive than wall time to other load on a shared machine.
 
 (A ``threads`` part measured in-process cohorts on 1 and 2 training threads; the threads were
-removed with it: benchmarks/RESULTS.md, "Client step and training threads".)
+removed with it: benchmarks/studies/throughput.md, "Tried and not kept".)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every shipped scenario and comparison, run as shipped, against chance and central training.
 
-    python benchmarks/scenarios.py                  # full size (long: see RESULTS.md "Shipped scenarios")
+    python benchmarks/scenarios.py                  # full size (long: see benchmarks/studies/shipped-scenarios.md)
     python benchmarks/scenarios.py --reduced        # a few steps of each, in-process (a minute or two)
     python benchmarks/scenarios.py --only quickstart,compare_fleets
 

@@ -156,7 +156,7 @@ def exit_code(run_dir: Path) -> int:
     if status["status"] == "diverged":
         d = status.get("divergence", {})
         console.print(
-            f"diverged in round {d.get('round')}: {d.get('reason')}; lower train.lr, or see README 'Divergence'",
+            f"diverged in round {d.get('round')}: {d.get('reason')}; lower train.lr, or see docs/reference/status.md (Divergence)",
             markup=False,
             highlight=False,
         )
@@ -281,7 +281,7 @@ def cmd_compare(args) -> int:
     code = exit_code(pd.read_csv(out / "summary.csv"))
     if code:
         console.print(
-            f"{len(lines)} seed(s) did not complete and are in no mean (exit code {code}; see README, Comparisons)",
+            f"{len(lines)} seed(s) did not complete and are in no mean (exit code {code}; see docs/howto/compare-strategies.md)",
             markup=False,
             highlight=False,
         )

@@ -3,7 +3,7 @@
 A profile is a TOML file. Every number is an inline table
 ``{ value = ..., unit = "...", source = "..." }``; the loader checks the unit against the
 quantity's dimension, converts to SI and keeps the source. Unknown keys are errors.
-The schema is documented in the README ("Device profiles").
+Every key is listed in docs/reference/profile-keys.md (generated from :data:`KEY_HELP` by fedelastic.docgen).
 
 Schema v2 adds two optional sections: ``[kernels.<class>]``, the fitted roofline of each kernel
 class (:data:`KERNEL_CLASSES`; see :mod:`fedelastic.costmodel`), and ``[uncertainty]``, the

@@ -59,7 +59,7 @@ def package_versions() -> dict[str, str]:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Timeout)\w*)(:.*)?$")
 HEARTBEAT_S = 10.0  # status.json's heartbeat period while a run is alive
-# final states, and the exit code of `fedelastic run` for each (see README "Run status")
+# final states, and the exit code of `fedelastic run` for each (see docs/reference/status.md)
 FINAL_STATES = ("completed", "completed_with_errors", "failed", "diverged")
 
 

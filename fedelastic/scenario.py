@@ -134,7 +134,7 @@ class TrainConfig:
     local_epochs: int = field(1, help="passes over the client's data per round")
     max_steps: int = field(0, help="cap on local steps per round (0: no cap)")
     batch_size: int = field(16, help="local batch size")
-    lr: float = field(0.05, help="SGD learning rate (measured: RESULTS.md 'Default training settings')")
+    lr: float = field(0.05, help="SGD learning rate (measured: benchmarks/studies/training-defaults.md)")
     momentum: float = field(0.9, help="SGD momentum")
     weight_decay: float = field(5e-4, help="SGD weight decay")
     numerics: Literal["device", "fp32"] = field(
@@ -157,8 +157,8 @@ class TrainConfig:
         "train",
         help="'train' (default): a BatchNorm with a trained tensor uses batch statistics, averaged by FedAvg; "
         "'frozen': BatchNorm always in inference mode, gamma/beta trainable (the seed methods', on large "
-        "well-converged pretrained models at small lr: it diverged on the shipped small models, see RESULTS.md "
-        "'Default training settings'); 'auto': 'frozen' when the run starts from pretrained weights "
+        "well-converged pretrained models at small lr: it diverged on the shipped small models, see "
+        "benchmarks/studies/training-defaults.md); 'auto': 'frozen' when the run starts from pretrained weights "
         "(model.pretrain or model.weights), 'train' from the factory's initialisation",
     )
 

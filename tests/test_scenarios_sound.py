@@ -2,7 +2,7 @@
 rejected as non-finite or fails, no client reports a non-finite loss, and no run diverges or fails.
 
 The shrinking is ``benchmarks/scenarios.py --reduced``'s (1-4 rounds of 3 local steps, one
-pretraining epoch, 3,000 generated images, in-process); the full-size figures are in RESULTS.md.
+pretraining epoch, 3,000 generated images, in-process); the full-size figures are in benchmarks/studies/shipped-scenarios.md.
 """
 
 from __future__ import annotations
