@@ -66,6 +66,7 @@ def run_one(sc, out: Path, seed: int) -> dict:
         "peak_over_memory": float((clients.emulated_peak_memory_bytes / clients.device_memory_bytes).max()),
         "fits_fraction": float(clients.fits.mean()),
         "rejected": int((clients.status == "rejected").sum()),
+        "idle_share": idle_share(clients),
         "collapse_round": summary["collapse"]["rounds"][0] if summary.get("collapse") else np.nan,
         "run_dir": str(run_dir),
     }
@@ -74,6 +75,19 @@ def run_one(sc, out: Path, seed: int) -> dict:
         row[f"after_shift{j}"] = s["accuracy_after_shift"]
         row[f"recover_s_shift{j}"] = s["time_to_recover_s"] if s["time_to_recover_s"] is not None else np.nan
     return row
+
+
+def idle_share(clients: pd.DataFrame) -> float:
+    """Share of the fitting client-rounds that ran no step (e.g. a selection with nothing in it)."""
+    rows = clients[(clients["round"] > 0) & clients.fits]
+    return float((rows.steps == 0).mean()) if len(rows) else float("nan")
+
+
+def fill_idle_share(rows: list[dict]) -> None:
+    """``idle_share`` for rows from a runs.csv written before the column existed, from their run folders."""
+    for r in rows:
+        if pd.isna(r.get("idle_share", np.nan)) and Path(str(r.get("run_dir", ""))).is_dir():
+            r["idle_share"] = idle_share(pd.read_parquet(Path(r["run_dir"]) / "clients.parquet"))
 
 
 def paired(runs: pd.DataFrame, fleet: str, a: str, b: str, metric: str) -> dict | None:
@@ -143,6 +157,7 @@ TABLE = {
     "train_clock_s": "training clock (s)",
     "energy_j": "energy (J)",
     "fits_fraction": "fits",
+    "idle_share": "idle client-rounds",
 }
 
 
@@ -262,6 +277,9 @@ def main() -> None:
         rows = pd.read_csv(out / "runs.csv").to_dict("records")
         have = {(r["fleet"], r["strategy"], int(r["seed"])) for r in rows}
         variants = [v for v in variants if (v.fleet, v.strategy, v.seed) not in have]
+    fill_idle_share(rows)
+    if rows:
+        pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
     for i, v in enumerate(variants):
         row = {
             "fleet": v.fleet,
