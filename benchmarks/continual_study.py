@@ -308,6 +308,8 @@ def main() -> None:
             ("elastic_tensor", "full"),
             ("elastic_tensor", "static_elastic"),
             ("elastic_tensor", "random_budget"),
+            ("random_budget", "full"),
+            ("static_elastic", "full"),
             ("tinytrain", "last_layer"),
             ("tinytrain", "sparse_update"),
         ]
