@@ -327,7 +327,7 @@ def main() -> None:
     ]
     lines = [
         f"Command: `python benchmarks/continual_study.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; "
-        f"{len(runs)} runs, {time.perf_counter() - start:.0f} s wall)",
+        f"{len(runs)} runs, {len(variants)} of them run by this call in {time.perf_counter() - start:.0f} s wall)",
         "",
         markdown(table.reset_index()),
         "",
