@@ -37,7 +37,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fedelastic.compare import USED, expand  # noqa: E402
+from fedelastic.compare import USED, ci95, expand  # noqa: E402
 from fedelastic.fl.runner import run_scenario  # noqa: E402
 from fedelastic.results import read_status  # noqa: E402
 
@@ -65,6 +65,9 @@ def run_one(sc, out: Path, seed: int) -> dict:
         "energy_j": float(rounds.total_energy_j.iloc[-1]),
         "peak_over_memory": float((clients.emulated_peak_memory_bytes / clients.device_memory_bytes).max()),
         "fits_fraction": float(clients.fits.mean()),
+        "rejected": int((clients.status == "rejected").sum()),
+        "idle_share": idle_share(clients),
+        "collapse_round": summary["collapse"]["rounds"][0] if summary.get("collapse") else np.nan,
         "run_dir": str(run_dir),
     }
     for s in summary["shifts"]:
@@ -72,6 +75,19 @@ def run_one(sc, out: Path, seed: int) -> dict:
         row[f"after_shift{j}"] = s["accuracy_after_shift"]
         row[f"recover_s_shift{j}"] = s["time_to_recover_s"] if s["time_to_recover_s"] is not None else np.nan
     return row
+
+
+def idle_share(clients: pd.DataFrame) -> float:
+    """Share of the fitting client-rounds that ran no step (e.g. a selection with nothing in it)."""
+    rows = clients[(clients["round"] > 0) & clients.fits]
+    return float((rows.steps == 0).mean()) if len(rows) else float("nan")
+
+
+def fill_idle_share(rows: list[dict]) -> None:
+    """``idle_share`` for rows from a runs.csv written before the column existed, from their run folders."""
+    for r in rows:
+        if pd.isna(r.get("idle_share", np.nan)) and Path(str(r.get("run_dir", ""))).is_dir():
+            r["idle_share"] = idle_share(pd.read_parquet(Path(r["run_dir"]) / "clients.parquet"))
 
 
 def paired(runs: pd.DataFrame, fleet: str, a: str, b: str, metric: str) -> dict | None:
@@ -132,6 +148,73 @@ def verdicts(runs: pd.DataFrame, pairs: list[dict]) -> list[str]:
     return out
 
 
+TABLE = {
+    "final_accuracy": "final acc.",
+    "average_accuracy": "average acc.",
+    "forgetting": "forgetting",
+    "after_shift1": "acc. after shift 1",
+    "after_shift2": "acc. after shift 2",
+    "train_clock_s": "training clock (s)",
+    "energy_j": "energy (J)",
+    "fits_fraction": "fits",
+    "idle_share": "idle client-rounds",
+}
+
+
+def ci_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (fleet, strategy): used / run, then each metric's mean +/- 95% t half-width over the used seeds."""
+    rows = []
+    for (fleet, strategy), g in runs.groupby(["fleet", "strategy"], sort=False):
+        done = g[g.status == USED]
+        row = {"fleet": fleet, "strategy": strategy, "used": f"{len(done)}/{len(g)}"}
+        for col, name in TABLE.items():
+            if col not in g or done.empty:
+                row[name] = "n/a"
+                continue
+            v = done[col].astype(float).dropna().to_numpy()
+            half = ci95(v)
+            row[name] = f"{v.mean():.3f}" + ("" if np.isnan(half) else f" ± {half:.3f}")
+        rows.append(row)
+    return pd.DataFrame(rows).set_index(["fleet", "strategy"])
+
+
+def collapsed(runs: pd.DataFrame) -> list[str]:
+    if "collapse_round" not in runs:
+        return []
+    hit = runs[runs.collapse_round.notna()]
+    return [
+        f"COLLAPSED: {r.fleet} / {r.strategy} / seed {r.seed}: predictions collapsed to one class from round "
+        f"{int(r.collapse_round)} (continual.json)"
+        for r in hit.itertuples()
+    ]
+
+
+def central_references(variants, out: Path) -> list[str]:
+    """``full``'s starting weights trained centrally on every sample its clients received (per seed)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from scenarios import central_accuracy  # noqa: PLC0415
+
+    path = out / "central.csv"
+    rows = pd.read_csv(path).to_dict("records") if path.is_file() else []  # seeds already trained centrally
+    seen = {int(r["seed"]) for r in rows}
+    for v in variants:
+        if v.strategy != "full" or v.seed in seen:
+            continue
+        seen.add(v.seed)
+        rows.append({"seed": v.seed, **central_accuracy(v.scenario, 3000)})
+        print(f"central reference, seed {v.seed}: {rows[-1]}", flush=True)
+    if not rows:
+        return []
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "central.csv", index=False)
+    acc = df.central_accuracy.to_numpy(float)
+    return [
+        f"Central reference (full's starting weights, trained centrally on every sample the clients received, "
+        f"{int(df.central_samples.iloc[0])} samples, at most 3,000 steps, evaluated on the final tasks): "
+        f"final accuracy {acc.mean():.3f} ± {ci95(acc):.3f} over {len(acc)} seeds"
+    ]
+
+
 def markdown(df: pd.DataFrame) -> str:
     head = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "---|" * len(df.columns)
@@ -165,6 +248,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.0, help="local learning rate (0: the file's)")
+    ap.add_argument("--resume", action="store_true", help="keep --out-dir's runs.csv and run only what it lacks")
+    ap.add_argument("--central", action="store_true", help="also train full centrally per seed (central.csv)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "continual_study"))
     args = ap.parse_args()
     path = ROOT / "benchmarks" / "continual_study.toml"
@@ -187,6 +272,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows, start = [], time.perf_counter()
+    all_variants = variants
+    if args.resume and (out / "runs.csv").is_file():  # keep the runs already there; run only the missing ones
+        rows = pd.read_csv(out / "runs.csv").to_dict("records")
+        have = {(r["fleet"], r["strategy"], int(r["seed"])) for r in rows}
+        variants = [v for v in variants if (v.fleet, v.strategy, v.seed) not in have]
+    fill_idle_share(rows)
+    if rows:
+        pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
     for i, v in enumerate(variants):
         row = {
             "fleet": v.fleet,
@@ -215,6 +308,8 @@ def main() -> None:
             ("elastic_tensor", "full"),
             ("elastic_tensor", "static_elastic"),
             ("elastic_tensor", "random_budget"),
+            ("random_budget", "full"),
+            ("static_elastic", "full"),
             ("tinytrain", "last_layer"),
             ("tinytrain", "sparse_update"),
         ]
@@ -224,21 +319,22 @@ def main() -> None:
     pd.DataFrame(pairs).to_csv(out / "paired.csv", index=False)
     done = runs[runs.status == USED]  # diverged, failed or errored runs are listed below, never averaged
     plot(done, out / "continual_study.png")
-    table = done.drop(columns=["run_dir", "seed", "status", "why"]).groupby(["fleet", "strategy"]).mean().round(3)
-    used = runs.groupby(["fleet", "strategy"]).status.apply(lambda s: f"{int((s == USED).sum())}/{len(s)}")
-    table.insert(0, "used", used.reindex(table.index))
-    table = table.reindex(used.index).assign(used=used)
+    table = ci_table(runs)
+    central = central_references(all_variants, out) if args.central else []
     not_used = [
         f"NOT USED: {r.fleet} / {r.strategy} / seed {r.seed}: {r.status} {r.why}"
         for r in runs[runs.status != USED].itertuples()
     ]
     lines = [
         f"Command: `python benchmarks/continual_study.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}; "
-        f"{len(runs)} runs, {time.perf_counter() - start:.0f} s wall)",
+        f"{len(runs)} runs, {len(variants)} of them run by this call in {time.perf_counter() - start:.0f} s wall)",
         "",
         markdown(table.reset_index()),
         "",
         *not_used,
+        *collapsed(runs),
+        "",
+        *central,
         "",
         *[f"- {v}" for v in verdicts(runs, pairs)],
     ]
