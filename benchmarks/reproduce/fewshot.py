@@ -132,7 +132,8 @@ def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: t
         return {**row, "accuracy": acc, "max_class_share": share, "fits": True, "diverged": False, "steps": 0}
     info = describe(model, torch.zeros(1, *shape), model_name="mcu_net")
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    for device, where in ((arm["device"], "device"), (mcu_device(arm["profile"], float("inf")), "host reference")):
+    for device, place in ((arm["device"], "device"), (mcu_device(arm["profile"], float("inf")), "host reference")):
+        where = place
         model.load_state_dict(snapshot)
         cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
         epochs = -(-steps * batch // len(train[1]))
@@ -216,10 +217,10 @@ def gain(out: dict, a: str, b: str) -> dict:
 STATE: dict = {}  # the pretrained weights, set by the caller (setup)
 
 
-def setup() -> dict:
+def setup(pretrain_epochs: int = 15) -> dict:
     d = load_data()
     STATE.clear()
-    STATE.update(pretrained(d))
+    STATE.update(pretrained(d, pretrain_epochs))
     model, _ = new_model()
     model.load_state_dict(STATE)
     d["source_accuracy"] = accuracy(model, d["src_x"], d["src_y"])[0]

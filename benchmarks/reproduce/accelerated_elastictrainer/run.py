@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     for m in models:
         for rho, g in m["rhos"].items():
             s = g["per_seed"]
-            mean = lambda strat, k: np.mean([r[strat][k] for r in s])  # noqa: E731
+
+            def mean(strat: str, k: str, s: list = s) -> float:
+                return float(np.mean([r[strat][k] for r in s]))
+
             print(f"| {m['model']} | {rho} | {mean('elastic_tensor', 'tensors'):.0f} / {mean('elastic_tensor', 'layers'):.0f} | "
                   f"{mean('elastic_layer', 'tensors'):.0f} / {mean('elastic_layer', 'layers'):.0f} | "
                   f"{mean('elastic_tensor', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "

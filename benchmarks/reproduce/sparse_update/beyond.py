@@ -60,7 +60,7 @@ def main() -> None:
     sns.heatmap(grid * 100, annot=labels, fmt="", cmap="viridis", cbar_kws={"label": "% of parameters Sparse Update trains"}, ax=ax)
     ax.set_xlabel("input size (pixels, square), mcu_net width 16, batch 1")
     ax.set_ylabel("device (its own training memory)")
-    ax.set_title("Sparse Update across a mixed fleet: 0% = nothing fits, not even the forward")
+    ax.set_title("Sparse Update across a mixed fleet (0%: nothing trainable fits the device)")
     fig.tight_layout()
     fig.savefig(HERE / "beyond.png", dpi=120)
     for r in rows:

@@ -61,16 +61,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per run (batch 10)")
+    ap.add_argument("--pretrain-epochs", type=int, default=15)
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
     args = ap.parse_args(argv)
     start = time.time()
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
-    rows = emulate.run()
+    rows = emulate.run() if not args.skip_emulation else []
     doc["emulated"] = rows
     print(emulate.table(rows), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup()
+        d = fs.setup(args.pretrain_epochs)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -53,19 +52,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--val-episodes", type=int, default=5)
     ap.add_argument("--episodes", type=int, default=10, help="test episodes per seed")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--pretrain-epochs", type=int, default=15)
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
     args = ap.parse_args(argv)
     start = time.time()
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
-    rows = emulate.run()
+    rows = emulate.run() if not args.skip_emulation else []
     doc["emulated"] = rows
     print(emulate.table(rows), flush=True)
-    sweep = emulate.batch_sweep()
+    sweep = emulate.batch_sweep() if not args.skip_emulation else []
     doc["batch_sweep"] = sweep
     print(emulate.sweep_table(sweep), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup()
+        d = fs.setup(args.pretrain_epochs)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 
