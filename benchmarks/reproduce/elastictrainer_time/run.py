@@ -52,7 +52,11 @@ from fedelastic.models import describe_model  # noqa: E402
 from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
 from fedelastic.trace import project_layer_names  # noqa: E402
 
-TRACES = ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2"
+# ../shared next to the checkout (a worktree sits one level deeper: the first ancestor that has it)
+TRACES = next(
+    (p / "shared" / "data" / "measured" / "jetson_tx2" for p in ROOT.parents if (p / "shared" / "data" / "measured").is_dir()),
+    ROOT.parent / "shared" / "data" / "measured" / "jetson_tx2",
+)
 MODELS = {"resnet50": "resnet50", "mobilenetv2": "mobilenetv2", "vit_b16": "vit"}  # project name -> trace file
 RHOS = (0.4, 0.5, 0.6)
 BATCH, CLASSES, SIZE = 4, 200, 224

@@ -1,0 +1,227 @@
+"""Shared pieces of the TinyTrain and Sparse Update reproductions: data, a pretrained ``mcu_net``,
+few-shot episodes and transfer runs with fedelastic's own trainer, under an MCU memory budget.
+
+Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.py`` by path.
+
+* Data: 12,000 SynthDigits images (32x32 RGB). Source: digits 0-4 of the first 8,000, clean.
+  Target pool: digits 5-9 of the last 4,000 (new classes), rotated 90 degrees (a new domain),
+  relabelled 0-4.
+* Pretraining: ``mcu_net`` (width 16) with 5 outputs on the source, BatchNorm on batch statistics,
+  AdamW 1e-3, cosine, 15 epochs, batch 64, one torch thread; cached under ``$FEDELASTIC_CACHE`` (or
+  ``~/.cache/fedelastic``). A model below ``MIN_SOURCE_ACCURACY`` on its source is refused.
+* Head: for each task the 5-way head is re-initialised from the training images' class means of the
+  penultimate features (``W = 2 p``, ``b = -|p|^2``: nearest-prototype logits), so "none" is a
+  ProtoNet-style classifier on the pretrained features.
+* Training: :func:`fedelastic.training.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
+  BatchNorm frozen). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
+  micro-batches of 1: with BatchNorm frozen the gradient is the same as the host's batch). An arm whose
+  selection does not fit is recorded as not fitting, with the trainer's reason, and (if asked) run
+  again on an unconstrained device as a host reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.data import ArrayDataset, synth  # noqa: E402
+from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
+from fedelastic.devices import Quantity, load_profile  # noqa: E402
+from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.selection import make_strategy  # noqa: E402
+from fedelastic.training import train_local  # noqa: E402
+
+WIDTH, SIZE, WAYS = 16, 32, 5
+MIN_SOURCE_ACCURACY = 0.8
+LRS = (0.01, 0.03, 0.1)
+torch.set_num_threads(1)  # a shared 2-core host
+
+
+def load_data() -> dict[str, np.ndarray]:
+    x, y = synth.load(30000, seed=0)  # cached; generated in blocks, so its first 12,000 are generate(12000)'s
+    x, y = x[:12000], y[:12000]
+    x = x.astype(np.float32) / 255.0
+    src = np.flatnonzero(y[:8000] < 5)
+    tgt = 8000 + np.flatnonzero(y[8000:] >= 5)
+    return {"src_x": x[src], "src_y": y[src].astype(np.int64),
+            "tgt_x": apply_shift(x[tgt], Shift(rotation=90.0), seed=1), "tgt_y": (y[tgt] - 5).astype(np.int64)}  # fmt: skip
+
+
+def new_model() -> tuple[torch.nn.Module, tuple]:
+    return build_with_input("mcu_net", num_classes=WAYS, input_size=SIZE, in_channels=3, width=WIDTH)
+
+
+def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(accuracy, largest share of predictions in one class)."""
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(torch.from_numpy(x[i : i + 500])).argmax(1) for i in range(0, len(x), 500)]).numpy()
+    counts = np.bincount(pred, minlength=WAYS)
+    return float((pred == y).mean()), float(counts.max() / counts.sum())
+
+
+def pretrained(d: dict, epochs: int = 15) -> dict:
+    cache = Path(os.environ.get("FEDELASTIC_CACHE", Path.home() / ".cache" / "fedelastic")) / "reproduce"
+    path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    torch.manual_seed(0)
+    model, _ = new_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
+    n = len(d["src_y"])
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * (n // 64))
+    x, y = torch.from_numpy(d["src_x"]), torch.from_numpy(d["src_y"])
+    rng = np.random.default_rng(0)
+    for _ in range(epochs):
+        model.train()
+        order = torch.from_numpy(rng.permutation(n))
+        for i in range(0, n - 63, 64):
+            idx = order[i : i + 64]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+            sched.step()
+    acc, _ = accuracy(model, d["src_x"], d["src_y"])
+    if acc < MIN_SOURCE_ACCURACY:
+        raise SystemExit(f"pretraining reached {acc:.3f} on its source, below {MIN_SOURCE_ACCURACY}: not a pretrained model")
+    cache.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, path)
+    return state
+
+
+def prototype_head(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> None:
+    """Set the last Linear to nearest-prototype logits of the penultimate features of ``x``."""
+    model.eval()
+    with torch.no_grad():
+        feats = model[:-1](torch.from_numpy(x))
+        protos = torch.stack([feats[torch.from_numpy(y == c)].mean(0) for c in range(WAYS)])
+        model[-1].weight.copy_(2 * protos)
+        model[-1].bias.copy_(-(protos**2).sum(1))
+
+
+def mcu_device(profile: str, memory_kib: float | None):
+    """``profile`` with its training memory set to ``memory_kib`` KiB (None: the profile's; inf: unconstrained)."""
+    device = load_profile(ROOT / "device_profiles" / f"{profile}.toml")
+    if memory_kib is None:
+        return device
+    return dataclasses.replace(device, memory_train_bytes=Quantity(memory_kib * 1024, "set by the reproduction"))
+
+
+def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: tuple, steps: int, batch: int) -> dict:
+    """One adaptation: prototype head from ``train``, then ``steps`` steps of ``arm``; scored on ``test``."""
+    torch.manual_seed(seed)
+    model, shape = new_model()
+    model.load_state_dict(state)
+    prototype_head(model, *train)
+    before, _ = accuracy(model, *test)
+    row = {"arm": arm["label"], "lr": lr, "seed": seed, "before": before}
+    if arm["strategy"] == "none":
+        acc, share = before, accuracy(model, *test)[1]
+        return {**row, "accuracy": acc, "max_class_share": share, "fits": True, "diverged": False, "steps": 0}
+    info = describe(model, torch.zeros(1, *shape), model_name="mcu_net")
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    for device, place in ((arm["device"], "device"), (mcu_device(arm["profile"], float("inf")), "host reference")):
+        where = place
+        model.load_state_dict(snapshot)
+        cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
+        epochs = -(-steps * batch // len(train[1]))
+        r = train_local(model, info, make_strategy(arm["strategy"], arm.get("options", {})), cost,
+                        ArrayDataset(*train), epochs=epochs, batch_size=batch, lr=lr, momentum=0.9,
+                        weight_decay=5e-4, max_steps=steps, seed=seed, bn_mode="frozen", lr_schedule="cosine")  # fmt: skip
+        if r.fits or not arm.get("reference", False):
+            break
+        row["device_reason"] = r.reason
+    acc, share = accuracy(model, *test)
+    return {**row, "accuracy": acc, "max_class_share": share, "fits": bool(r.fits), "run_on": where,
+            "reason": r.reason, "diverged": bool(not np.isfinite(r.train_loss) or share > 0.9) if r.fits else False,
+            "steps": r.steps, "peak_memory_kib": r.peak_memory_bytes / 1024, "trained_fraction":
+            float(np.mean(r.ratios > 0)) if r.ratios is not None else 0.0, "emulated_s": r.train_time_s}  # fmt: skip
+
+
+def episode(d: dict, seed: int, shots: int, queries: int) -> tuple[tuple, tuple]:
+    """A 5-way ``shots``-shot episode of the target pool: (train x, y), (query x, y)."""
+    rng = np.random.default_rng(seed)
+    tr, te = [], []
+    for c in range(WAYS):
+        idx = rng.permutation(np.flatnonzero(d["tgt_y"] == c))
+        tr.append(idx[:shots])
+        te.append(idx[shots : shots + queries])
+    tr, te = np.concatenate(tr), np.concatenate(te)
+    return (d["tgt_x"][tr], d["tgt_y"][tr]), (d["tgt_x"][te], d["tgt_y"][te])
+
+
+def ci95(v: list[float]) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print) -> dict:
+    """Per arm: the best lr on ``tasks('val', i)``, then every seed's ``tasks('test', seed)`` list at it.
+
+    ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``.
+    """
+    out: dict = {}
+    for arm in arms:
+        t0 = time.time()
+        if arm["strategy"] == "none":
+            lr, tuning = 0.0, []
+        else:
+            tuning = []
+            for lr in LRS:
+                rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
+                ok = [r["accuracy"] for r in rows if not r["diverged"]]
+                tuning.append({"lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"), "diverged": len(rows) - len(ok)})
+            usable = [t for t in tuning if np.isfinite(t["mean"])] or tuning
+            lr = max(usable, key=lambda t: (t["mean"], -t["lr"]))["lr"]
+        runs = []
+        for seed in seeds:
+            runs += [dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed) for tr, te, st, b, ts in tasks("test", seed)]
+        per_seed = []
+        for seed in seeds:
+            ok = [r["accuracy"] for r in runs if r["seed_group"] == seed and not r["diverged"]]
+            per_seed.append(float(np.mean(ok)) if ok else float("nan"))
+        out[arm["label"]] = {"lr": lr, "tuning": tuning, "runs": runs, "per_seed": per_seed,
+                             "mean": float(np.nanmean(per_seed)), "ci95": ci95(per_seed),
+                             "diverged": sum(r["diverged"] for r in runs), "n": len(runs),
+                             "fits_device": all(r["fits"] for r in runs),
+                             "reason": next((r.get("device_reason", "") for r in runs if r.get("device_reason")), ""),
+                             "peak_memory_kib": float(np.mean([r.get("peak_memory_kib", 0.0) for r in runs])),
+                             "trained_fraction": float(np.mean([r.get("trained_fraction", 0.0) for r in runs])),
+                             "wall_s": time.time() - t0}  # fmt: skip
+        log(f"  {arm['label']}: lr {lr}, mean {out[arm['label']]['mean']:.3f} ± {out[arm['label']]['ci95']:.3f} "
+            f"per seed {np.round(per_seed, 3).tolist()}, diverged {out[arm['label']]['diverged']}, "
+            f"fits device {out[arm['label']]['fits_device']}, {time.time() - t0:.0f} s")  # fmt: skip
+    return out
+
+
+def gain(out: dict, a: str, b: str) -> dict:
+    """``a - b`` in points: mean over seeds and the 95% interval of the per-seed paired differences."""
+    diff = [100 * (x - y) for x, y in zip(out[a]["per_seed"], out[b]["per_seed"])]
+    m, h = float(np.mean(diff)), ci95(diff)
+    return {"mean": m, "lo": m - h, "hi": m + h, "per_seed": diff}
+
+
+STATE: dict = {}  # the pretrained weights, set by the caller (setup)
+
+
+def setup(pretrain_epochs: int = 15) -> dict:
+    d = load_data()
+    STATE.clear()
+    STATE.update(pretrained(d, pretrain_epochs))
+    model, _ = new_model()
+    model.load_state_dict(STATE)
+    d["source_accuracy"] = accuracy(model, d["src_x"], d["src_y"])[0]
+    return d
