@@ -72,8 +72,8 @@ def _cluster_nodes(address: str) -> list[str]:
     import sys
 
     code = (
-        "import json, ray; ray.init(address=%r, logging_level='ERROR');"
-        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']])); ray.shutdown()" % address
+        f"import json, ray; ray.init(address={address!r}, logging_level='ERROR');"
+        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']])); ray.shutdown()"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # noqa: S603
     return json.loads(out.stdout.strip().splitlines()[-1])
