@@ -46,6 +46,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import ConfigError
+from ..runtime.orphans import alive as _alive
+from ..runtime.orphans import descendants
+from ..runtime.orphans import descendants as _descendants  # noqa: F401 (tests)
 
 T = TypeVar("T")
 
@@ -314,45 +317,10 @@ def _node_processes(kind: str | None = None) -> list[subprocess.Popen]:
     return [p for p in (getattr(info, "process", None) for info in infos) if isinstance(p, subprocess.Popen)]
 
 
-def _descendants(roots: list[int]) -> dict[int, str]:
-    """pid -> start time of every live descendant of ``roots`` (and the roots); {} without /proc."""
-    children: dict[int, list[int]] = {}
-    started: dict[int, str] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return {}
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":  # an exited process not yet reaped is gone already
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            started[int(entry)] = fields[19]
-    found: dict[int, str] = {}
-    stack = [r for r in roots if r in started]
-    while stack:
-        pid = stack.pop()
-        if pid not in found:
-            found[pid] = started[pid]
-            stack.extend(children.get(pid, ()))
-    return found
-
-
-def _alive(procs: dict[int, str]) -> dict[int, str]:
-    """The processes of ``procs`` still running (same pid and start time, not a zombie)."""
-    left = {}
-    for pid, start in procs.items():
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and fields[19] == start:
-            left[pid] = start
-    return left
+def ray_processes() -> dict[int, str]:
+    """pid -> start time of every live process of the local cluster this process started (workers
+    and agents included); {} when it started none."""
+    return descendants([p.pid for p in _node_processes()])
 
 
 #: Ray's settings for a local cluster this process starts (``ray.init(_system_config=...)``): a
@@ -640,7 +608,7 @@ def quick_shutdown(wait_s: float = 3.0) -> None:
     _EARLY.clear()
     if not ray.is_initialized():
         return
-    ours = _descendants([p.pid for p in _node_processes()])
+    ours = ray_processes()
     stop_autoscaler()
     ray.shutdown()
     deadline = time.monotonic() + wait_s

@@ -32,6 +32,7 @@ from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun,
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
+from ..runtime import orphans
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
 from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
@@ -458,17 +459,24 @@ def _run_ray(
     app = ServerApp()
 
     nodes = scenario.num_clients
+    sends = [0]
+
+    def record_early() -> None:  # the workers and agents Ray starts with the first rounds
+        sends[0] += 1
+        if sends[0] <= 2:
+            _record_ray(recorder.folder)
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            guarded = GuardedGrid(grid, stop, on_sent=recorder.hand_over)
+            guarded = GuardedGrid(grid, stop, on_sent=lambda: (recorder.hand_over(), record_early()))
             server(CohortGrid(guarded, environment(scenario), nodes) if cohort else guarded)
         finally:
             stop.set()  # the runtime's workers stop waiting on hung clients
             notify_pushed()  # and the dispatch loop sees the end now, not at its next sweep
 
     start_ray(scenario)
+    _record_ray(recorder.folder)  # the cluster's processes, for the next run to clean up after a kill -9
     cohort = sim.node_mode == "cohort"
     if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
         nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
@@ -485,6 +493,16 @@ def _run_ray(
     finally:
         stop.set()
         quick_shutdown()
+        orphans.forget(recorder.folder)  # the cluster is down: nothing left to clean up
+
+
+def _record_ray(run_dir: Path) -> None:
+    """Record the processes of the local Ray cluster this process started in ``run_dir`` (none: nothing)."""
+    from .raypool import ray_processes
+
+    procs = ray_processes()
+    if procs:
+        orphans.record(run_dir, procs)
 
 
 def run_scenario(
@@ -509,6 +527,7 @@ def run_scenario(
 
 def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None, grid: Grid | None) -> Path:
     """:func:`run_scenario`, its resume checked (``checkpoint``: the one in folder ``resume``)."""
+    orphans.clean_all_leftovers(Path(scenario.output_dir))  # Ray processes a killed run of ours left running
     if resume is not None:
         run_dir = Path(resume)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
