@@ -125,6 +125,7 @@ def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_run_does(make_scenario, monkeypatch):
     """The actors made as Ray came up (warmed with the driver's model description) are the ones
     Flower's pool runs the clients on, and the tables equal the in-process run's."""
@@ -209,6 +210,7 @@ def test_the_light_client_actor_runs_an_app_as_flowers_does(actor):
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_a_light_actors_worker_never_imports_flowers_simulation_package():
     """Ray ships the light class by value: its worker imports flwr.clientapp, not flwr.simulation
     (whose package brings Flower's CLI, SQL state and web stack), and a failing app is Flower's

@@ -40,12 +40,14 @@ import socket
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import ConfigError
+from ..runtime import patches
 from ..runtime.orphans import alive as _alive
 from ..runtime.orphans import descendants
 from ..runtime.orphans import descendants as _descendants  # noqa: F401 (tests)
@@ -341,7 +343,7 @@ def ray_init_args(sim) -> dict:
     args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
         args["address"] = sim.ray_address
-    elif _starts_local_cluster():
+    elif _starts_local_cluster() and patches.active("ray"):
         args["_system_config"] = dict(LOCAL_SYSTEM_CONFIG)
     return args
 
@@ -380,10 +382,13 @@ def start_ray(scenario) -> None:
     import ray
 
     sim, src = scenario.simulation, scenario.source or "<scenario>"
+    patches.configure(sim.patches)
     if not ray.is_initialized():
         probe(sim.ray_address, src)
         try:
-            with no_autoscaler(), no_dashboard(), prompt_node_wait():  # used only when ray.init starts a local cluster
+            # Ray 2.55's "Tip" about a future default (accelerator env vars, which no client here uses): this one only
+            warnings.filterwarnings("ignore", "Tip: In future versions of Ray", FutureWarning, "ray._private.worker")
+            with _ray_start_patches():
                 ray.init(**ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
             from ..results import one_line
@@ -395,6 +400,17 @@ def start_ray(scenario) -> None:
             from ..signals import reclaim_sigterm
 
             reclaim_sigterm()  # ray.init's own SIGTERM handler (sys.exit) would skip the run's last writes
+
+
+@contextmanager
+def _ray_start_patches() -> Iterator[None]:
+    """:func:`no_autoscaler`, :func:`no_dashboard` and :func:`prompt_node_wait` where Ray's patches
+    are active (they act only when ``ray.init`` starts a local cluster)."""
+    if not patches.active("ray"):
+        yield
+        return
+    with no_autoscaler(), no_dashboard(), prompt_node_wait():
+        yield
 
 
 def start_ray_beside(scenario, work: Callable[[], T]) -> T:
@@ -470,6 +486,8 @@ def early_start(scenario) -> None:
     """Flower's client actors created now (``runner.start_actors_early``), so that they import the
     runtime and build their data while the driver sets the run up. Best effort: an error leaves
     the actors to Flower, which creates them when the simulation starts."""
+    if not patches.active("flwr"):  # Flower's own build makes its own actors
+        return
     try:
         from .runner import start_actors_early
 
@@ -678,7 +696,14 @@ def _is_cohort_reply(message) -> bool:
 
 @contextmanager
 def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -> Iterator[_Settings]:
-    """Use the crash-tolerant ``process_message`` for simulations started inside this block."""
+    """Use the crash-tolerant ``process_message`` for simulations started inside this block (where
+    Flower's patches are active; else Flower's own, and ``retries``/``timeout_s`` do not apply)."""
+    _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
+    if not patches.active("flwr"):
+        _kill(_EARLY.pop("actors", []))
+        _EARLY.clear()
+        yield _SETTINGS
+        return
     try:
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
     except ImportError:  # a Flower without this module: nothing to patch
@@ -688,7 +713,6 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
 
     original, terminate, auto = RayBackend.process_message, RayBackend.terminate, auto_init.enable_auto_connect
     build = RayBackend.build
-    _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
     RayBackend.process_message = _process_message
     RayBackend.terminate = _terminate(terminate)
     if _same_build(build):  # Flower's build as this module knows it: actor_class()'s actors, the early ones first
@@ -697,7 +721,8 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
         _kill(_EARLY.pop("actors", []))
         _EARLY.clear()
     # a worker thread still waiting after ray.shutdown() must not start a new local Ray (whose agents outlive us)
-    auto_init.enable_auto_connect = False
+    if patches.active("ray"):
+        auto_init.enable_auto_connect = False
     try:
         yield _SETTINGS
     finally:

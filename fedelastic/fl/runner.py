@@ -558,10 +558,23 @@ def _flwr_quiet():
     before = logger.level
     if before < logging.WARNING:
         logger.setLevel(logging.WARNING)
+    logger.addFilter(_not_run_simulation_banner)
     try:
         yield
     finally:
         logger.setLevel(before)
+        logger.removeFilter(_not_run_simulation_banner)
+
+
+def _not_run_simulation_banner(record: logging.LogRecord) -> bool:
+    """False for Flower's four-line notice that ``run_simulation`` is deprecated (the runtime
+    fedelastic drives; ``flwr run`` runs fedelastic as a Flower App): every other record passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        str(record.msg).startswith("DEPRECATED FEATURE")
+        and bool(args)
+        and str(args[0]).startswith("The `run_simulation` function is deprecated")
+    )
 
 
 def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, progress: Callable, grid: Grid | None) -> Path:
