@@ -175,7 +175,9 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         wrap(server, "discover_partitions", "driver: partition query (workers start)")
         wrap(RayBackend, "build", "driver: Flower creates the actors")
         wrap(runner.GuardedGrid, "send_and_receive", "grid: send_and_receive")
-        wrap(raypool, "_call_client", "ray: call")
+        import fedelastic.runtime.backend as backend
+
+        wrap(backend, "_call_client", "ray: call")
         if hasattr(runner, "_LOADER"):  # worker-side stamps through the shipped app's loader
             source = runner._LOADER + _WORKER_TRACE
 

@@ -6,8 +6,8 @@ import warnings
 import pytest
 
 from fedelastic.fl import raypool
-from fedelastic.fl.dispatch import fast_dispatch
 from fedelastic.runtime import patches
+from fedelastic.runtime.dispatch import fast_dispatch
 
 
 @pytest.fixture(autouse=True)

@@ -33,11 +33,11 @@ from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
 from ..runtime import orphans
+from ..runtime.dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
 from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
 from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
 from .server import server_main

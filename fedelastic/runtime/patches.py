@@ -39,30 +39,30 @@ class Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("flwr", "RayBackend.process_message", "fl/raypool.py:_process_message",
+    Patch("flwr", "RayBackend.process_message", "runtime/backend.py:_process_message",
           "one dead actor process poisons its pool: every later job sent to it fails with ActorDiedError "
           "(flwrlabs/flower#2758, #4277 'All the actors in your pool crashed'); a hung client is waited for "
           "without limit"),
-    Patch("flwr", "RayBackend.terminate", "fl/raypool.py:_terminate",
+    Patch("flwr", "RayBackend.terminate", "runtime/backend.py:_terminate",
           "exit_actor() runs each worker's interpreter teardown and ray.shutdown waits on the autoscaler "
           "monitor: seconds at the end of every run (no upstream issue found)"),
-    Patch("flwr", "RayBackend.build", "fl/raypool.py:_build",
+    Patch("flwr", "RayBackend.build", "runtime/backend.py:_build",
           "the pool creates its actors only when the simulation starts, and unpickling Flower's actor class "
           "imports flwr.simulation (CLI, SQL, web stack) in every worker (no upstream issue found)"),
-    Patch("flwr", "vce_api.add_messages_to_queue", "fl/dispatch.py:fast_dispatch",
+    Patch("flwr", "vce_api.add_messages_to_queue", "runtime/dispatch.py:fast_dispatch",
           "O(nodes^2) polling of the in-memory LinkState every 0.1 s (no upstream issue found)"),
-    Patch("flwr", "vce_api.put_message_into_state", "fl/dispatch.py:_storing_replies",
+    Patch("flwr", "vce_api.put_message_into_state", "runtime/dispatch.py:_storing_replies",
           "the ServerApp's pull loop polls for replies instead of being woken (no upstream issue found)"),
-    Patch("flwr", "vce_api.Queue", "fl/dispatch.py:StoppableQueue",
+    Patch("flwr", "vce_api.Queue", "runtime/dispatch.py:StoppableQueue",
           "worker and reply threads wait out Queue.get(timeout=1.0) after the run ended"),
-    Patch("ray", "services.get_node", "fl/raypool.py:prompt_node_wait",
+    Patch("ray", "services.get_node", "runtime/raystart.py:prompt_node_wait",
           "ray.init polls the GCS node table once a second for its raylet (no upstream issue found)"),
-    Patch("ray", "parameter.RayParams", "fl/raypool.py:no_autoscaler",
+    Patch("ray", "parameter.RayParams", "runtime/raystart.py:no_autoscaler",
           "ray.init has no argument for `ray start --no-monitor`: a one-machine cluster runs an autoscaler"),
-    Patch("ray", "Node.start_api_server", "fl/raypool.py:no_dashboard",
+    Patch("ray", "Node.start_api_server", "runtime/raystart.py:no_dashboard",
           "include_dashboard=False still starts the dashboard's head process for usage stats and waits for it "
           "(ray-project/ray#31465, #26042)"),
-    Patch("ray", "auto_init_hook.enable_auto_connect", "fl/raypool.py:resilient_actors",
+    Patch("ray", "auto_init_hook.enable_auto_connect", "runtime/backend.py:resilient_actors",
           "a thread touching Ray after ray.shutdown() starts a new local cluster whose agents outlive the run"),
 )  # fmt: skip
 

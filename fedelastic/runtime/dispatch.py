@@ -168,7 +168,7 @@ def _linear_dispatch(original):
 def fast_dispatch() -> Iterator[None]:
     """Use the linear dispatch loop for simulations started inside this block (when Flower's
     patches are active: :func:`fedelastic.runtime.patches.active`)."""
-    from ..runtime.patches import active
+    from .patches import active
 
     if not active("flwr"):
         yield
