@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="the cluster head's CPUs (the local path uses all)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` or a scheduler: the cluster is still stopped
     runs: dict[str, list[dict]] = {"local": [], "cluster": []}
     with tempfile.TemporaryDirectory() as out, LocalCluster(head_cpus=a.cpus, worker_cpus=()) as cluster:
         for i in range(a.pairs):

@@ -333,39 +333,13 @@ def check_inputs(scenario: Scenario, env) -> None:
             )  # fmt: skip
 
 
-_LOADER = """
-def driver_code_first(root, paths):
-    import sys
-
-    if "fedelastic" not in sys.modules:  # this worker's first fedelastic: the driver's code goes first
-        sys.path[:] = [root] + [p for p in paths if p != root] + [p for p in sys.path if p != root and p not in paths]
-
-
-def load_with_driver_code(root, paths, key, payload):
-    driver_code_first(root, paths)
-    from fedelastic.fl.raypool import unpickled_app
-
-    return unpickled_app(root, key, payload)
-
-
-def warm_with_driver_code(root, paths, payload):
-    driver_code_first(root, paths)
-    try:
-        import pickle
-
-        pickle.loads(payload)()
-    except Exception:  # best effort: the worker's first call builds what is missing, and reports its errors
-        pass
-"""
-
-
 def _loader(name: str = "load_with_driver_code"):
-    """A worker-side function of :data:`_LOADER` (the loader of :class:`ShippedClientApp`, or the
-    warm-up of :func:`start_actors_early`), built outside any importable module so that Ray ships
-    it by value (unpickling it imports no fedelastic)."""
-    namespace: dict = {"__name__": "fedelastic_ray_loader"}
-    exec(compile(_LOADER, "<fedelastic ray loader>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace[name]
+    """A worker-side function of :mod:`fedelastic.runtime.shipped_loader` (the loader of
+    :class:`ShippedClientApp`, or the warm-up of :func:`start_actors_early`), which Ray ships by
+    value (unpickling it imports no fedelastic)."""
+    from ..runtime.shipped_loader import by_value
+
+    return by_value(name)
 
 
 def _driver_paths() -> tuple[str, list[str]]:

@@ -60,44 +60,6 @@ def timeout_reason(timeout_s: float) -> str:
 
 _EARLY: dict = {}  # actors created as soon as Ray was up ("actors"), with the resources they reserve ("resources")
 
-#: Flower 1.41's client actor (``flwr.simulation.ray_transport.ray_actor``: ``ClientAppActor`` and
-#: its base's ``run`` and ``terminate``), method for method, built outside any importable module
-#: (as ``runner._loader`` is) so that Ray ships the class by value. A worker unpickling Flower's
-#: own class imports its module, hence the package ``flwr.simulation``, whose ``__init__``
-#: imports Flower's CLI, SQL state and web stack (sqlalchemy, alembic, fastapi...): ~0.45 s and
-#: ~85,000 objects per worker that a client never uses (issue 10). Unpickling this copy imports
-#: ``flwr.clientapp`` only. :func:`actor_class` uses it only while its methods compile to the same
-#: code as Flower's.
-_ACTOR_SOURCE = """
-from logging import WARNING
-
-import ray
-from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
-from flwr.supercore import log
-
-
-class VirtualClientEngineActor:
-    def terminate(self):
-        log(WARNING, "Manually terminating %s", self.__class__.__name__)
-        ray.actor.exit_actor()
-
-    def run(self, client_app_fn, message, cid, context):
-        try:
-            app = client_app_fn()
-            out_message = app(message=message, context=context)
-        except LoadClientAppError as load_ex:
-            raise load_ex
-        except Exception as ex:
-            raise ClientAppException(str(ex)) from ex
-        return cid, out_message, context
-
-
-class ClientAppActor(VirtualClientEngineActor):
-    def __init__(self, on_actor_init_fn=None):
-        super().__init__()
-        if on_actor_init_fn:
-            on_actor_init_fn()
-"""
 _ACTOR_METHODS = ("__init__", "run", "terminate")
 _ACTORS: list = []  # the Ray actor class actor_class() chose, once per process
 
@@ -117,10 +79,14 @@ def _same_code(ours, theirs) -> bool:
 
 
 def light_actor():
-    """The plain class of :data:`_ACTOR_SOURCE`'s ``ClientAppActor`` (not yet a Ray actor class)."""
-    namespace: dict = {"__name__": "fedelastic_ray_actor"}
-    exec(compile(_ACTOR_SOURCE, "<fedelastic ray actor>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace["ClientAppActor"]
+    """The plain class of :mod:`.shipped_actor`'s ``ClientAppActor`` (not yet a Ray actor class), its
+    module registered with Ray's cloudpickle to be shipped by value."""
+    from ray import cloudpickle
+
+    from . import shipped_actor
+
+    cloudpickle.register_pickle_by_value(shipped_actor)
+    return shipped_actor.ClientAppActor
 
 
 def actor_class():

@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _ancestors() -> set[int]:
+    """This process and its ancestors."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
 def _ray_cli(*args: str) -> list[str]:
     """Ray's CLI run by this interpreter (a venv's ``bin/ray`` need not be on PATH)."""
     return [sys.executable, "-c", "from ray.scripts.scripts import main; main()", *args]
@@ -65,9 +77,9 @@ class LocalCluster:
 
     def processes(self) -> dict[int, str]:
         """pid -> start time of every live process of this cluster."""
-        roots = []
+        roots, mine = [], _ancestors()  # not this process, nor a shell that named the folder to start it
         for entry in os.listdir("/proc"):
-            if entry.isdigit():
+            if entry.isdigit() and int(entry) not in mine:
                 try:
                     cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
                 except OSError:
