@@ -467,7 +467,7 @@ def _run_ray(
     finally:
         stop.set()
         quick_shutdown()
-        orphans.forget(recorder.folder)  # the cluster is down: nothing left to clean up
+        orphans.stop_recorded(recorder.folder)  # what Ray's own shutdown left (patches off), then the record
 
 
 def _record_ray(run_dir: Path) -> None:

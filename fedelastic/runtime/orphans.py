@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 RECORD = "ray_processes.json"
@@ -73,6 +74,27 @@ def record(run_dir: Path, procs: dict[int, str]) -> None:
     tmp = path.with_name(RECORD + ".tmp")
     tmp.write_text(json.dumps({"driver": me, "processes": merged}))
     os.replace(tmp, path)
+
+
+def stop_recorded(run_dir: Path, wait_s: float = 3.0) -> None:
+    """At the end of this driver's run: wait up to ``wait_s`` for the recorded processes to exit
+    (Ray's workers exit on their own a moment after ``ray.shutdown``), kill those still running,
+    and remove the record. Only a record of this driver is acted on."""
+    path = Path(run_dir) / RECORD
+    doc = _read(path)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
+    procs = doc.get("processes")
+    if doc.get("driver") == me and isinstance(procs, dict):
+        left = {int(p): s for p, s in procs.items() if str(p).isdigit()}
+        deadline = time.monotonic() + wait_s
+        while (left := alive(left)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    forget(run_dir)
 
 
 def forget(run_dir: Path) -> None:
