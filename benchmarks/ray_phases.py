@@ -161,10 +161,12 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         import flwr.simulation
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
+        import fedelastic.fl.rayrun as rayrun
         import fedelastic.fl.runner as runner
         import fedelastic.fl.server as server
 
         wrap(runner, "start_ray", "driver: ray.init")
+        wrap(rayrun, "start_ray", "driver: ray.init")
         wrap(runner, "_start_ray", "driver: ray.init")  # code before issue 10's changes (for comparisons)
         if not hasattr(raypool, "quick_shutdown"):
             import ray
@@ -187,6 +189,7 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
                 return namespace[name]
 
             runner._loader = loader
+            rayrun._loader = loader
 
     wrap(api, "prepare_run", "driver: imports and data beside ray.init")
     start = getattr(raypool, "start_ray", None)

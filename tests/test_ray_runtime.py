@@ -18,7 +18,7 @@ from ray import cloudpickle
 import fedelastic
 from fedelastic.fl.client import make_client_app
 from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler, no_dashboard
-from fedelastic.fl.runner import ShippedClientApp
+from fedelastic.fl.rayrun import ShippedClientApp
 from fedelastic.runtime.dispatch import StoppableQueue, fast_dispatch
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ from ..runtime.raystart import _ray_start_patches, no_autoscaler, no_dashboard, 
 T = TypeVar("T")
 
 
-_APPS: dict[str, object] = {}  # in a worker: the ClientApp it runs (fl/runner.ShippedClientApp)
+_APPS: dict[str, object] = {}  # in a worker: the ClientApp it runs (fl/rayrun.ShippedClientApp)
 
 
 def unpickled_app(root: str, key: str, payload: bytes):
@@ -113,7 +113,7 @@ def ray_init_args(sim) -> dict:
     :data:`LOCAL_SYSTEM_CONFIG` for a local cluster (a running cluster keeps its own settings).
 
     No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
-    those ``ray.init`` starts (``runner.ShippedClientApp`` puts the driver's code first instead).
+    those ``ray.init`` starts (``rayrun.ShippedClientApp`` puts the driver's code first instead).
     """
     args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
@@ -247,13 +247,13 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
 
 
 def early_start(scenario) -> None:
-    """Flower's client actors created now (``runner.start_actors_early``), so that they import the
+    """Flower's client actors created now (``rayrun.start_actors_early``), so that they import the
     runtime and build their data while the driver sets the run up. Best effort: an error leaves
     the actors to Flower, which creates them when the simulation starts."""
     if not patches.active("flwr"):  # Flower's own build makes its own actors
         return
     try:
-        from .runner import start_actors_early
+        from .rayrun import start_actors_early
 
         start_actors_early(scenario)
     except Exception:  # noqa: BLE001,S110 (the run meets the error again and reports it)

@@ -1,4 +1,4 @@
-"""The worker-side loader of ``runner.ShippedClientApp`` and the warm-up of the early actors,
+"""The worker-side loader of ``fl.rayrun.ShippedClientApp`` and the warm-up of the early actors,
 shipped to Ray's workers by value (this module is registered with Ray's cloudpickle by
 :func:`by_value`): unpickling them imports no fedelastic, so that the driver's code can go first
 on the worker's path before any fedelastic is imported there."""
