@@ -14,7 +14,7 @@ numbers from the same invocation):
 (b) ``ray``: ``run_scenario`` with backend "ray" (Flower's simulation engine on Ray).
 (c) ``inprocess``: ``run_scenario`` with backend "inprocess" (same apps, no Ray).
 (d) ``ray-flower-dispatch``: (b) with Flower's own message dispatch loop instead of the
-    engine's linear one (fedelastic/fl/dispatch.py), to show what that fix is worth.
+    engine's linear one (fedelastic/runtime/dispatch.py), to show what that fix is worth.
 (e) ``ray-polling``: (b) as before issue 10: the dispatch loop not woken by a push (it sweeps
     every 0.1 s) and the ServerApp pulling replies every 0.05 s instead of 0.01 s.
 

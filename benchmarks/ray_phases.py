@@ -161,10 +161,12 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         import flwr.simulation
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
+        import fedelastic.fl.rayrun as rayrun
         import fedelastic.fl.runner as runner
         import fedelastic.fl.server as server
 
         wrap(runner, "start_ray", "driver: ray.init")
+        wrap(rayrun, "start_ray", "driver: ray.init")
         wrap(runner, "_start_ray", "driver: ray.init")  # code before issue 10's changes (for comparisons)
         if not hasattr(raypool, "quick_shutdown"):
             import ray
@@ -175,7 +177,9 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         wrap(server, "discover_partitions", "driver: partition query (workers start)")
         wrap(RayBackend, "build", "driver: Flower creates the actors")
         wrap(runner.GuardedGrid, "send_and_receive", "grid: send_and_receive")
-        wrap(raypool, "_call_client", "ray: call")
+        import fedelastic.runtime.backend as backend
+
+        wrap(backend, "_call_client", "ray: call")
         if hasattr(runner, "_LOADER"):  # worker-side stamps through the shipped app's loader
             source = runner._LOADER + _WORKER_TRACE
 
@@ -185,6 +189,7 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
                 return namespace[name]
 
             runner._loader = loader
+            rayrun._loader = loader
 
     wrap(api, "prepare_run", "driver: imports and data beside ray.init")
     start = getattr(raypool, "start_ray", None)

@@ -13,6 +13,7 @@ The ServerApp owns the run's Recorder: the run folder is written as ``fedelastic
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from logging import INFO
@@ -45,16 +46,17 @@ def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_
 
 
 def _log_round(row: dict) -> None:
+    """One INFO line per round on Flower's logger, which ``flwr run --stream`` shows.
+
+    The run keeps Flower's own INFO lines off (``runner._flwr_quiet`` sets the ``flwr`` logger to
+    WARNING), so this record goes straight to the logger's handlers, past its level.
+    """
     accuracy = row["test_accuracy"]
     shown = "-" if accuracy != accuracy else f"{accuracy:.4f}"  # NaN: not evaluated (server.evaluate_every)
-    log(
-        INFO,
-        "[fedelastic] round %d: test accuracy %s, simulated time %.1f s, energy %.1f J",
-        row["round"],
-        shown,
-        row["sim_time_s"],
-        row["total_energy_j"],
-    )
+    logger = logging.getLogger("flwr")
+    args = (row["round"], shown, row["sim_time_s"], row["total_energy_j"])
+    text = "[fedelastic] round %d: test accuracy %s, simulated time %.1f s, energy %.1f J"
+    logger.handle(logger.makeRecord(logger.name, INFO, __file__, 0, text, args, None))
 
 
 def check_federation_size(grid: Grid, scenario: Scenario, settle_s: float = 2.0) -> None:

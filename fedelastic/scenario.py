@@ -307,6 +307,11 @@ class SimulationConfig:
     client_retries: int = field(1, help="retries of a client whose process died (Ray), on a fresh worker")
     max_failure_rate: float = field(0.0, help="fraction of client results that may fail before the exit code says so")
     allow_empty_rounds: bool = field(False, help="a round in which no client trained is not an error")
+    patches: bool = field(
+        True,
+        help="fedelastic's patches of private Flower and Ray code (faster start and stop, retries and timeouts "
+        "of Ray clients); false runs Flower's and Ray's own code (also: FEDELASTIC_PATCHES=0)",
+    )
     node_mode: Literal["cohort", "per_client"] = field(
         "cohort",
         help="'cohort': each Flower node trains a share of a round's virtual clients per call (fast); "

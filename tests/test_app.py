@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -67,7 +68,17 @@ def test_module_level_apps_run_a_scenario_like_fedelastic_run(tmp_path):
     grid = InProcessGrid(client_app, 4)
     for ctx in grid.contexts.values():
         ctx.run_config = dict(run_config)
-    server_app(grid=grid, context=Context(0, 0, {}, RecordDict(), dict(run_config)))
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("flwr").addHandler(handler)  # where `flwr run --stream` reads the ServerApp's lines
+    try:
+        server_app(grid=grid, context=Context(0, 0, {}, RecordDict(), dict(run_config)))
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert [m.split(":")[0] for m in seen if m.startswith("[fedelastic] round")] == [
+        "[fedelastic] round 0", "[fedelastic] round 1", "[fedelastic] round 2"
+    ]  # fmt: skip
 
     (run_dir,) = (tmp_path / "app-runs" / "tiny").iterdir()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
@@ -139,6 +150,7 @@ def test_flwr_run_runs_the_app_on_a_local_simulation_federation(tmp_path):
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, log
         assert "Starting local SuperLink" in log, log
+        assert "[fedelastic] round 2: test accuracy" in log, log  # per-round progress reaches --stream
     finally:
         left = _processes_with(marker)
         for pid in left:

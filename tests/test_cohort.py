@@ -377,6 +377,7 @@ def net(num_classes, in_channels, input_size, size=0):
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make_scenario, tmp_path, monkeypatch):
     (tmp_path / "exit_models.py").write_text(EXIT_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))

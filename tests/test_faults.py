@@ -528,6 +528,7 @@ def test_checkpoint_is_loaded_with_weights_only(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers(tmp_path, monkeypatch, capsys):
     """Issue 11's reproduction (a forward that calls os._exit(1) once) and issue 14's hung client, in one Ray run.
 

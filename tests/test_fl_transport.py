@@ -9,7 +9,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedelastic.fl.arrays import from_numpy, record_from_numpy, record_to_numpy, record_to_torch, to_numpy
-from fedelastic.fl.dispatch import _linear_dispatch, fast_dispatch
+from fedelastic.runtime.dispatch import _linear_dispatch, fast_dispatch
 
 _RNG = np.random.default_rng(0)
 ARRAYS = [

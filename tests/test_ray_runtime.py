@@ -17,9 +17,9 @@ from ray import cloudpickle
 
 import fedelastic
 from fedelastic.fl.client import make_client_app
-from fedelastic.fl.dispatch import StoppableQueue, fast_dispatch
 from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler, no_dashboard
-from fedelastic.fl.runner import ShippedClientApp
+from fedelastic.fl.rayrun import ShippedClientApp
+from fedelastic.runtime.dispatch import StoppableQueue, fast_dispatch
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent
 
@@ -280,7 +280,7 @@ def _store_all(loop, items):
 def test_the_reply_loop_stores_what_flowers_stores_and_wakes_the_pull_loop():
     from flwr.server.superlink.fleet.vce import vce_api
 
-    from fedelastic.fl import dispatch
+    from fedelastic.runtime import dispatch
 
     items = [f"reply-{i}" for i in range(5)]
     assert _store_all(dispatch._storing_replies, items) == _store_all(vce_api.put_message_into_state, items) == items
@@ -300,7 +300,7 @@ def test_another_flowers_reply_loop_is_left_in_place(monkeypatch):
     """Only the exact loop _storing_replies copies is replaced (a loop with another signature would break)."""
     from flwr.server.superlink.fleet.vce import vce_api
 
-    from fedelastic.fl import dispatch
+    from fedelastic.runtime import dispatch
 
     def newer_loop(state, queue, f_stop, metrics):  # a later Flower's loop, say
         pass

@@ -10,6 +10,7 @@ import pytest
 from fedelastic import api
 from fedelastic.errors import ConfigError, FedelasticError
 from fedelastic.fl import raypool
+from fedelastic.runtime import backend
 
 
 def _no_ray_start(monkeypatch) -> list:
@@ -116,7 +117,7 @@ def test_prompt_node_wait_leaves_a_ray_without_the_function_alone(monkeypatch):
 def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch):
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
-    assert raypool._same_build(RayBackend.build)  # Flower 1.41's, as pinned
+    assert raypool._same_build(RayBackend.build)  # Flower 1.42.0's, as pinned
 
     def other_build(self, app_fn):  # a Flower whose build does something else
         self.pool = None
@@ -125,6 +126,7 @@ def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_run_does(make_scenario, monkeypatch):
     """The actors made as Ray came up (warmed with the driver's model description) are the ones
     Flower's pool runs the clients on, and the tables equal the in-process run's."""
@@ -133,8 +135,8 @@ def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_
     from .test_simulation import _frames
 
     taken: list[int] = []
-    real = raypool.early_actors
-    monkeypatch.setattr(raypool, "early_actors", lambda resources: taken.append(len(out := real(resources))) or out)
+    real = backend.early_actors
+    monkeypatch.setattr(backend, "early_actors", lambda resources: taken.append(len(out := real(resources))) or out)
     ray_sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1})
     on_ray = api.run(ray_sc, run_id="ray")
     assert not ray.is_initialized()
@@ -180,9 +182,9 @@ def test_the_light_client_actor_compiles_to_flowers_own_methods():
 def test_a_flower_whose_actor_differs_keeps_its_own_actor_class(monkeypatch):
     from flwr.simulation.ray_transport.ray_actor import ClientAppActor
 
-    monkeypatch.setattr(raypool, "_ACTORS", [])
-    assert raypool.actor_class() is not ClientAppActor  # Flower 1.41's, as pinned: the light copy
-    monkeypatch.setattr(raypool, "_ACTORS", [])
+    monkeypatch.setattr(backend, "_ACTORS", [])
+    assert raypool.actor_class() is not ClientAppActor  # Flower 1.42.0's, as pinned: the light copy
+    monkeypatch.setattr(backend, "_ACTORS", [])
     monkeypatch.setattr(_flower_actor(), "run", lambda self, *a: None)  # a Flower whose run does something else
     assert raypool.actor_class() is ClientAppActor
 
@@ -209,6 +211,7 @@ def test_the_light_client_actor_runs_an_app_as_flowers_does(actor):
 
 
 @pytest.mark.ray
+@pytest.mark.patched
 def test_a_light_actors_worker_never_imports_flowers_simulation_package():
     """Ray ships the light class by value: its worker imports flwr.clientapp, not flwr.simulation
     (whose package brings Flower's CLI, SQL state and web stack), and a failing app is Flower's

@@ -10,11 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -32,13 +30,14 @@ from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun,
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
+from ..runtime import orphans
+from ..runtime.dispatch import notify_pushed, replies_may_wait, wait_for_replies
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
 from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .dispatch import fast_dispatch, notify_pushed, replies_may_wait, wait_for_replies
 from .env import environment
-from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray, start_ray_beside
+from .raypool import start_ray_beside
 from .server import server_main
 from .threads import STOPPING, KeptThread, wait_out
 from .untrained import warn_if_untrained_partial
@@ -332,113 +331,6 @@ def check_inputs(scenario: Scenario, env) -> None:
             )  # fmt: skip
 
 
-_LOADER = """
-def driver_code_first(root, paths):
-    import sys
-
-    if "fedelastic" not in sys.modules:  # this worker's first fedelastic: the driver's code goes first
-        sys.path[:] = [root] + [p for p in paths if p != root] + [p for p in sys.path if p != root and p not in paths]
-
-
-def load_with_driver_code(root, paths, key, payload):
-    driver_code_first(root, paths)
-    from fedelastic.fl.raypool import unpickled_app
-
-    return unpickled_app(root, key, payload)
-
-
-def warm_with_driver_code(root, paths, payload):
-    driver_code_first(root, paths)
-    try:
-        import pickle
-
-        pickle.loads(payload)()
-    except Exception:  # best effort: the worker's first call builds what is missing, and reports its errors
-        pass
-"""
-
-
-def _loader(name: str = "load_with_driver_code"):
-    """A worker-side function of :data:`_LOADER` (the loader of :class:`ShippedClientApp`, or the
-    warm-up of :func:`start_actors_early`), built outside any importable module so that Ray ships
-    it by value (unpickling it imports no fedelastic)."""
-    namespace: dict = {"__name__": "fedelastic_ray_loader"}
-    exec(compile(_LOADER, "<fedelastic ray loader>", "exec"), namespace)  # noqa: S102 (fixed source above)
-    return namespace[name]
-
-
-def _driver_paths() -> tuple[str, list[str]]:
-    """The folder the driver's fedelastic is in, and the driver's ``sys.path``."""
-    import fedelastic
-
-    return str(Path(fedelastic.__file__).resolve().parent.parent), [p for p in sys.path if p]
-
-
-class ShippedClientApp(ClientApp):
-    """The ClientApp as Ray ships it to its workers: with the driver's code path, unpickled once per worker.
-
-    Ray puts the driver's working directory and script folder first on every worker's path, so a
-    folder holding another copy of fedelastic would shadow the one the driver runs. Unpickling
-    this app first puts the driver's fedelastic folder, then the driver's own ``sys.path``, ahead
-    of the worker's, imports fedelastic from there, and only then unpickles the app (whose
-    functions import the rest). This needs no Ray ``runtime_env``, so the workers ``ray.init``
-    starts are used as they are rather than replaced by fresh ones (issue 10: about a second of
-    start-up). Flower pickles the app with every call; the pickled app is made once, and each
-    worker keeps the app it unpickled.
-    """
-
-    def __init__(self, app: ClientApp):
-        self.__dict__.update(app.__dict__)
-        self._root, self._paths = _driver_paths()
-        self._payload: bytes | None = None
-        self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
-
-    def __reduce__(self):
-        if self._payload is None:
-            from ray import cloudpickle
-
-            plain = ClientApp.__new__(ClientApp)
-            own = ("_root", "_paths", "_payload", "_key")
-            plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
-            self._payload = cloudpickle.dumps(plain)
-        return (_loader(), (self._root, self._paths, self._key, self._payload))
-
-
-def client_resources(sim) -> dict:
-    """What each of Flower's client actors reserves on Ray (``simulation.num_cpus_per_client``, no GPU)."""
-    return {"num_cpus": sim.num_cpus_per_client, "num_gpus": 0.0}
-
-
-def start_actors_early(scenario: Scenario) -> int:
-    """Create Flower's client actors now, Ray being up, rather than when the simulation starts;
-    returns how many (issue 10).
-
-    Each actor, as it is created, puts the driver's code first on its path (as
-    :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,
-    with the driver's model description (:func:`env.warm_worker`), while the driver sets the run
-    up. Flower's Ray backend then takes these actors (``raypool.early_actors``) instead of
-    creating its own. Call it after the runtime's imports and the data (``api.prepare_run``).
-    """
-    from ray import cloudpickle
-
-    from .. import models, selection
-    from .env import warm_worker
-
-    env = environment(scenario)
-    warm = partial(warm_worker, scenario, selection.plugins(), models.user_entries(), env.info)
-    root, paths = _driver_paths()
-    init = partial(_loader("warm_with_driver_code"), root, paths, cloudpickle.dumps(warm))
-    return create_early_actors(client_resources(scenario.simulation), init)
-
-
-def ray_workers(cpus_per_client: float) -> int:
-    """How many client workers Flower's Ray backend starts: per Ray node, its CPUs over a client's (at least 1)."""
-    import ray
-
-    total = sum(int(n["Resources"].get("CPU", 0) / cpus_per_client) for n in ray.nodes() if n.get("Resources"))
-    return max(1, total)
-
-
 def _preflight_beside_ray(scenario: Scenario, env) -> dict:
     """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
 
@@ -446,45 +338,6 @@ def _preflight_beside_ray(scenario: Scenario, env) -> dict:
     not been started (:func:`raypool.start_ray_beside`).
     """
     return start_ray_beside(scenario, lambda: _preflight(scenario, env))
-
-
-def _run_ray(
-    scenario: Scenario, server: Callable[[Grid], None], client_app: ClientApp, stop: threading.Event, recorder: Recorder
-) -> None:
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-
-    sim = scenario.simulation
-    app = ServerApp()
-
-    nodes = scenario.num_clients
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        try:
-            guarded = GuardedGrid(grid, stop, on_sent=recorder.hand_over)
-            server(CohortGrid(guarded, environment(scenario), nodes) if cohort else guarded)
-        finally:
-            stop.set()  # the runtime's workers stop waiting on hung clients
-            notify_pushed()  # and the dispatch loop sees the end now, not at its next sweep
-
-    start_ray(scenario)
-    cohort = sim.node_mode == "cohort"
-    if cohort:  # one Flower node per Ray worker (or simulation.cohorts), each training a share of every round
-        nodes = cohort_count(scenario, ray_workers(sim.num_cpus_per_client))
-    try:
-        with fast_dispatch(), resilient_actors(retries=sim.client_retries, timeout_s=sim.timeout_s, stop=stop) as pool:
-            recorder.notes["actors_replaced"] = 0
-            run_simulation(
-                server_app=app,
-                client_app=ShippedClientApp(client_app),
-                num_supernodes=nodes,
-                backend_config={"client_resources": client_resources(sim)},
-            )
-            recorder.notes["actors_replaced"] = pool.replaced  # dead or hung workers replaced by fresh ones
-    finally:
-        stop.set()
-        quick_shutdown()
 
 
 def run_scenario(
@@ -509,6 +362,7 @@ def run_scenario(
 
 def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None, grid: Grid | None) -> Path:
     """:func:`run_scenario`, its resume checked (``checkpoint``: the one in folder ``resume``)."""
+    orphans.clean_all_leftovers(Path(scenario.output_dir))  # Ray processes a killed run of ours left running
     if resume is not None:
         run_dir = Path(resume)
         recorder = Recorder(run_dir, {}, resume=True, planned_rounds=scenario.server.rounds)
@@ -539,10 +393,23 @@ def _flwr_quiet():
     before = logger.level
     if before < logging.WARNING:
         logger.setLevel(logging.WARNING)
+    logger.addFilter(_not_run_simulation_banner)
     try:
         yield
     finally:
         logger.setLevel(before)
+        logger.removeFilter(_not_run_simulation_banner)
+
+
+def _not_run_simulation_banner(record: logging.LogRecord) -> bool:
+    """False for Flower's four-line notice that ``run_simulation`` is deprecated (the runtime
+    fedelastic drives; ``flwr run`` runs fedelastic as a Flower App): every other record passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        str(record.msg).startswith("DEPRECATED FEATURE")
+        and bool(args)
+        and str(args[0]).startswith("The `run_simulation` function is deprecated")
+    )
 
 
 def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, progress: Callable, grid: Grid | None) -> Path:
@@ -586,7 +453,9 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             finally:
                 local.close()
         else:
-            _run_ray(scenario, server, client_app, stop, recorder)
+            from .rayrun import run_on_ray
+
+            run_on_ray(scenario, server, client_app, stop, recorder)
         if failure:
             raise failure[0]
         done = max((r["round"] for r in recorder.rounds.rows), default=0)

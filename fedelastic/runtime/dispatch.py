@@ -166,7 +166,13 @@ def _linear_dispatch(original):
 
 @contextmanager
 def fast_dispatch() -> Iterator[None]:
-    """Use the linear dispatch loop for simulations started inside this block."""
+    """Use the linear dispatch loop for simulations started inside this block (when Flower's
+    patches are active: :func:`fedelastic.runtime.patches.active`)."""
+    from .patches import active
+
+    if not active("flwr"):
+        yield
+        return
     try:
         from flwr.server.superlink.fleet.vce import vce_api
     except ImportError:  # a Flower without this module: nothing to patch
