@@ -32,7 +32,7 @@ PARTS = (
     ("configure_train", "fl/server.py", "configure_train"),
     ("aggregate_train", "fl/server.py", "aggregate_train"),
     ("  _failures (decode, NaN checks)", "fl/server.py", "_failures"),
-    ("  aggregate_partial", "fl/aggregate.py", "aggregate_partial"),
+    ("  aggregate_partial", "sim/aggregate.py", "aggregate_partial"),
     ("  Recorder.add_clients", "results.py", "add_clients"),
     ("evaluate (server)", "fl/server.py", "evaluate"),
     ("  evaluate_model (test set)", "training.py", "evaluate_model"),

@@ -77,11 +77,11 @@ def worker_bare(sc) -> dict:
     """(a): the clients' work in one plain loop, mirroring ``fedelastic.fl.client.client_train``."""
     import torch
 
-    from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.env import environment
     from fedelastic.fl.server import PartialFedAvg
     from fedelastic.pretrain import initial_state
+    from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
 
     t0 = time.perf_counter()
     env = environment(sc)

@@ -274,7 +274,7 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
 # -- aggregation: bit for bit the arithmetic of before ---------------------------------------------
 
 
-def _old_value_and_weight(upd, name, current):  # fedelastic/fl/aggregate.py at b83672d
+def _old_value_and_weight(upd, name, current):  # fedelastic/sim/aggregate.py at b83672d
     value = np.asarray(upd.arrays[name], dtype=np.float64)
     w = np.full(current.shape, float(upd.weight))
     if name in upd.channel_masks:
@@ -320,7 +320,7 @@ def _old_aggregate_buffered(global_state, updates, bases, discounts):
 
 
 def test_aggregation_is_bit_for_bit_the_old_arithmetic():
-    from fedelastic.fl.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
+    from fedelastic.sim.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
 
     rng = np.random.default_rng(7)
     shapes = {"conv": (6, 3, 3, 3), "bias": (6,), "fc": (10, 24), "half": (4, 4)}

@@ -3,8 +3,8 @@
 * Sampling is reproducible: nodes are sorted by partition id (asked once with a query message)
   and sampled with the run's own seeded RNG; replies are sorted by partition id.
 * Aggregation averages each element only over the clients that trained it
-  (:func:`~fedelastic.fl.aggregate.aggregate_partial`).
-* The simulated clock (:mod:`fedelastic.fl.clock`) places every client's download, local
+  (:func:`~fedelastic.sim.aggregate.aggregate_partial`).
+* The simulated clock (:mod:`fedelastic.sim.clock`) places every client's download, local
   training and upload, with its own links (:mod:`fedelastic.fleet`), on one timeline. Under
   ``policy = "wait_all"`` a round lasts as long as its slowest client; deadline policies close it
   at the deadline; ``overcommit`` at the K-th arrival; ``async`` runs FedBuff. Clients that
@@ -47,11 +47,12 @@ from ..fleet import (
 )
 from ..results import Recorder
 from ..scenario import Scenario
+from ..sim.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
+from ..sim.clock import EXTRA, LATE, NO_UPDATE, Arrival, Trip, run_async, staleness_weight, sync_round
+from ..sim.records import COUNTED, FAILED, REJECTED, ClientRecord, RoundRecord, RoundSummary, idle_rows, summarize
 from ..training import evaluate_model, evaluate_predictions, torch_threads
-from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .client import METRIC_KEYS
-from .clock import COUNTED, EXTRA, LATE, NO_UPDATE, Arrival, Trip, run_async, staleness_weight, sync_round
 from .env import RunEnvironment, environment, freeze_heap
 from .raypool import timeout_reason
 
@@ -261,69 +262,6 @@ def trip_energy_j(cost: CostModel, trip: Trip, until_s: float, metrics: dict) ->
     return cost.energy_j(train, up, down, metrics["emulated-macs"] * share(train, trip.train_s), moved)
 
 
-# numeric columns of a client row (NaN in the row of a client that failed)
-_CLIENT_FIGURES = (
-    "num_examples",
-    "steps",
-    "selections",
-    "train_loss",
-    "fraction_params_trained",
-    "emulated_train_time_s",
-    "emulated_train_time_band_s",
-    "emulated_overhead_time_s",
-    "emulated_probe_time_s",
-    "probes",
-    "emulated_comm_time_s",
-    "emulated_energy_j",
-    "emulated_idle_energy_j",
-    "emulated_peak_memory_bytes",
-    "emulated_probe_peak_memory_bytes",
-    "device_memory_bytes",
-    "emulated_bytes_up",
-    "emulated_bytes_down",
-    "emulated_macs",
-    "host_wall_s",
-)
-# the client's trip on the simulated clock (NaN where it has none)
-_CLOCK_FIGURES = (
-    "rho",
-    "step_cap",
-    "model_version",
-    "staleness",
-    "dispatch_s",
-    "start_s",
-    "finish_s",
-    "arrival_s",
-    "wasted_energy_j",
-    "uplink_bit_per_s",
-    "downlink_bit_per_s",
-    "battery_fraction",
-)
-
-# a round's summary (PartialFedAvg._summary); round 0 (the initial model) has these values, typed
-# as every later round's (ints, floats), so the rounds table keeps one schema from its first row
-_ROUND_ZERO = {
-    "clients": 0,
-    "clients_failed": 0,
-    "clients_unavailable": 0,
-    "clients_not_fitting": 0,
-    "clients_rejected": 0,
-    "clients_no_steps": 0,
-    "round_time_s": 0.0,
-    "mean_train_loss": 0.0,
-    "round_energy_j": 0.0,
-    "max_peak_memory_bytes": 0.0,
-    "policy": "",
-    "round_start_s": 0.0,
-    "deadline_s": float("nan"),
-    "clients_counted": 0,
-    "clients_late": 0,
-    "clients_offline": 0,
-    "clients_too_slow": 0,
-    "mean_staleness": float("nan"),
-    "wasted_energy_j": 0.0,
-}
-REJECTED = "rejected"  # a client row's status: it trained and sent a non-finite update, which was not used
 
 
 class PartialFedAvg(FedAvg):
@@ -331,7 +269,7 @@ class PartialFedAvg(FedAvg):
 
     Synchronous policies run in Flower's round loop (:meth:`start`); ``policy = "async"`` runs
     FedBuff's loop (:meth:`run_buffered`). Either way the clients are reached only with Flower
-    messages, and every reply becomes a :class:`~fedelastic.fl.clock.Trip` on the clock.
+    messages, and every reply becomes a :class:`~fedelastic.sim.clock.Trip` on the clock.
     """
 
     def __init__(self, env: RunEnvironment, node_of_partition: dict[int, int], recorder: Recorder, progress: Callable):
@@ -345,7 +283,7 @@ class PartialFedAvg(FedAvg):
         self.sim_time_s = 0.0
         self.total_energy_j = 0.0
         self._arrays: ArrayRecord | None = None
-        self._round: dict = {**_ROUND_ZERO, "policy": self.policy}  # round 0: the initial model
+        self._round = RoundSummary(policy=self.policy)  # round 0: the initial model
         self._round_start = time.perf_counter()
         self._unavailable = 0
         self._warned_no_steps = False
@@ -458,72 +396,54 @@ class PartialFedAvg(FedAvg):
             status = "too_slow"
         elif not metrics["fits"]:
             status = "not_fitting"
-        counted = status == "counted"
-        return {
-            "round": rnd,
-            "partition_id": pid,
-            "device": device,
-            "device_class": profile.device_class,
-            "strategy": self.sc.train.strategy,
-            "fits": bool(metrics["fits"]),
-            "num_examples": int(metrics["num-examples"]),
-            "steps": int(metrics["steps"]),
-            "selections": int(metrics["selections"]),
-            "train_loss": metrics["train-loss"],
-            "fraction_params_trained": metrics["fraction-params-trained"],
-            "emulated_train_time_s": trip.train_s,
-            "emulated_train_time_band_s": metrics["emulated-train-time-band-s"],
-            "emulated_overhead_time_s": metrics["emulated-overhead-time-s"],
-            "emulated_probe_time_s": metrics["emulated-probe-time-s"],
-            "probes": int(metrics["probes"]),
-            "emulated_comm_time_s": trip.down_s + trip.up_s,
-            "emulated_energy_j": energy,
-            "emulated_idle_energy_j": idle,
-            "emulated_peak_memory_bytes": metrics["emulated-peak-memory-bytes"],
-            "emulated_probe_peak_memory_bytes": metrics["emulated-probe-peak-memory-bytes"],
-            "device_memory_bytes": profile.memory_train_bytes.value,
-            "emulated_bytes_up": metrics["emulated-bytes-up"],
-            "emulated_bytes_down": metrics["emulated-bytes-down"],
-            "emulated_macs": metrics["emulated-macs"],
-            "host_wall_s": metrics["host-wall-s"],
-            "policy": self.policy,
-            "status": status,
-            "counted": counted,
-            "rho": rho,
-            "step_cap": cap,
-            "model_version": trip.version,
-            "staleness": staleness,
-            "dispatch_s": trip.dispatch_s,
-            "start_s": trip.start_s,
-            "finish_s": trip.finish_s,
-            "arrival_s": trip.arrival_s if trip.completes else float("nan"),
-            "wasted_energy_j": 0.0 if counted else energy,
-            "uplink_bit_per_s": self.fleet.up_bps[pid],
-            "downlink_bit_per_s": self.fleet.down_bps[pid],
-            "battery_fraction": self.fleet.battery_fraction(pid, trip.dispatch_s),
-            "fits_reason": reason,
-            "error": error,
-        }
+        counted = status == COUNTED
+        return ClientRecord(
+            rnd, pid, device, profile.device_class, self.sc.train.strategy, bool(metrics["fits"]),
+            num_examples=int(metrics["num-examples"]),
+            steps=int(metrics["steps"]),
+            selections=int(metrics["selections"]),
+            train_loss=metrics["train-loss"],
+            fraction_params_trained=metrics["fraction-params-trained"],
+            emulated_train_time_s=trip.train_s,
+            emulated_train_time_band_s=metrics["emulated-train-time-band-s"],
+            emulated_overhead_time_s=metrics["emulated-overhead-time-s"],
+            emulated_probe_time_s=metrics["emulated-probe-time-s"],
+            probes=int(metrics["probes"]),
+            emulated_comm_time_s=trip.down_s + trip.up_s,
+            emulated_energy_j=energy,
+            emulated_idle_energy_j=idle,
+            emulated_peak_memory_bytes=metrics["emulated-peak-memory-bytes"],
+            emulated_probe_peak_memory_bytes=metrics["emulated-probe-peak-memory-bytes"],
+            device_memory_bytes=profile.memory_train_bytes.value,
+            emulated_bytes_up=metrics["emulated-bytes-up"],
+            emulated_bytes_down=metrics["emulated-bytes-down"],
+            emulated_macs=metrics["emulated-macs"],
+            host_wall_s=metrics["host-wall-s"],
+            policy=self.policy,
+            status=status,
+            counted=counted,
+            rho=rho,
+            step_cap=cap,
+            model_version=trip.version,
+            staleness=staleness,
+            dispatch_s=trip.dispatch_s,
+            start_s=trip.start_s,
+            finish_s=trip.finish_s,
+            arrival_s=trip.arrival_s if trip.completes else float("nan"),
+            wasted_energy_j=0.0 if counted else energy,
+            uplink_bit_per_s=self.fleet.up_bps[pid],
+            downlink_bit_per_s=self.fleet.down_bps[pid],
+            battery_fraction=self.fleet.battery_fraction(pid, trip.dispatch_s),
+            fits_reason=reason,
+            error=error,
+        )  # fmt: skip
 
-    def _failed_row(self, rnd: int, pid: int, reason: str) -> dict:
+    def _failed_row(self, rnd: int, pid: int, reason: str) -> ClientRecord:
         """A failed client is a row too: nothing is silently dropped."""
         log(WARNING, "client %s failed: %s", pid, reason)
         device = self.env.devices[pid] if pid >= 0 else ""
-        return {
-            "round": rnd,
-            "partition_id": pid,
-            "device": device,
-            "device_class": self.env.profile(device).device_class if device else "",
-            "strategy": self.sc.train.strategy,
-            "fits": False,
-            **dict.fromkeys(_CLIENT_FIGURES, float("nan")),
-            "policy": self.policy,
-            "status": "failed",
-            "counted": False,
-            **dict.fromkeys(_CLOCK_FIGURES, float("nan")),
-            "fits_reason": "",
-            "error": reason,
-        }
+        device_class = self.env.profile(device).device_class if device else ""
+        return ClientRecord.failed(rnd, pid, device, device_class, self.sc.train.strategy, self.policy, reason)
 
     def _failures(
         self, replies: list[Message], sampled: list[int]
@@ -559,11 +479,8 @@ class PartialFedAvg(FedAvg):
         every = dict(m.content["metrics"].items())
         return {k: every[k] for k in METRIC_KEYS}
 
-    def _summary(self, rows: list[dict], failed: int, start_s: float, end_s: float) -> dict:
-        fitted = [r for r in rows if r["fits"] and r["status"] != "too_slow"]
-        status = [r["status"] for r in rows]
-        counted = [r for r in rows if r["counted"]]
-        idle = [r for r in fitted if r["steps"] == 0 and r["status"] == COUNTED]  # counted, yet trained nothing
+    def _summary(self, rows: list[ClientRecord], failed: int, start_s: float, end_s: float) -> RoundSummary:
+        idle = idle_rows(rows)
         if idle and not self._warned_no_steps:
             self._warned_no_steps = True
             first = idle[0]
@@ -571,31 +488,10 @@ class PartialFedAvg(FedAvg):
                 WARNING,
                 "%d client(s) in round %d trained nothing (0 steps), e.g. partition %d on %s: %s; "
                 "they count as 'trained nothing', not as trained (warned once per run)",
-                len(idle), first["round"], first["partition_id"], first["device"],
-                first["fits_reason"] or "no trainable step fits its budget",
+                len(idle), first.round, first.partition_id, first.device,
+                first.fits_reason or "no trainable step fits its budget",
             )  # fmt: skip
-        losses = [r["train_loss"] for r in fitted if r["steps"] and r["status"] != REJECTED]
-        return {
-            "clients": len(rows) + failed,
-            "clients_failed": failed,
-            "clients_unavailable": self._unavailable,
-            "clients_not_fitting": status.count("not_fitting"),
-            "clients_rejected": status.count(REJECTED),
-            "clients_no_steps": len(idle),
-            "round_time_s": float(end_s - start_s),  # plain floats, as round 0's (one Parquet schema)
-            "mean_train_loss": float(np.nanmean(losses)) if losses else float("nan"),
-            "round_energy_j": float(sum(r["emulated_energy_j"] + r["emulated_idle_energy_j"] for r in rows)),
-            "max_peak_memory_bytes": float(max((r["emulated_peak_memory_bytes"] for r in rows), default=0.0)),
-            "policy": self.policy,
-            "round_start_s": start_s,
-            "deadline_s": float(self._deadline) if self._deadline is not None else float("nan"),
-            "clients_counted": len(counted),
-            "clients_late": status.count("late") + status.count("extra"),
-            "clients_offline": status.count("offline"),
-            "clients_too_slow": status.count("too_slow"),
-            "mean_staleness": float(np.mean([r["staleness"] for r in counted])) if counted else float("nan"),
-            "wasted_energy_j": float(sum(r["wasted_energy_j"] for r in rows)),
-        }
+        return summarize(rows, failed, self._unavailable, self.policy, start_s, end_s, self._deadline)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -622,21 +518,21 @@ class PartialFedAvg(FedAvg):
             rows.append(self._row(server_round, r, trip, state, energy, idle, 0, _fits_reason(m), error))
             self.fleet.drain(trip.partition_id, end, energy + idle)
         self.recorder.add_clients(
-            rows + [self._failed_row(server_round, p, why) for p, why in sorted(failures.items())]
+            [r.row() for r in rows] + [self._failed_row(server_round, p, why).row() for p, why in sorted(failures.items())]
         )
         assert self._arrays is not None
         current = record_to_numpy(self._arrays)
-        counted = [(m, arrays, row) for (m, arrays), row in zip(ok, rows) if row["counted"]]
+        counted = [(m, arrays, row) for (m, arrays), row in zip(ok, rows) if row.counted]
         updates = [self._update(m, arrays) for m, arrays, _ in counted]
         if self.sc.server.fednova and (self.policy == "deadline_fewer_steps" or self.sc.server.min_rho > 0):
             updates = fednova_rescale(
-                current, updates, [row["steps"] for _, _, row in counted], set(self.env.info.tensor_names)
+                current, updates, [int(row.steps) for _, _, row in counted], set(self.env.info.tensor_names)
             )
         new_state = aggregate_partial(current, updates)
         self._norm = weight_norm(new_state, self._params)
         self.sim_time_s = float(end)  # plain floats: the checkpoint keeps them (torch weights_only load)
         self._round = self._summary(rows, len(failures), start, end)
-        self.total_energy_j += float(self._round["round_energy_j"])
+        self.total_energy_j += float(self._round.round_energy_j)
         return record_from_numpy(new_state), MetricRecord({"round-time-s": end - start})
 
     def _divergence(self, server_round: int, arrays: ArrayRecord, test_loss: float, predicted, actual) -> str:
@@ -646,16 +542,16 @@ class PartialFedAvg(FedAvg):
         if predicted is not None and not self.detector.classes:
             self.detector.classes = len(predicted)  # the loss floor ln(classes)
         r = self._round
-        trained = r["clients_counted"] + r["clients_rejected"]
+        trained = r.clients_counted + r.clients_rejected
         # the mean over the updates used (NaN: none trained a step; a client's non-finite loss is a rejection)
-        loss = r["mean_train_loss"] if server_round and not math.isnan(r["mean_train_loss"]) else None
+        loss = r.mean_train_loss if server_round and not math.isnan(r.mean_train_loss) else None
         reason = self.detector.observe(
             server_round,
             train_loss=loss,
             test_loss=test_loss if server_round == 0 else None,
             norm=self._norm,
             trained=trained,
-            rejected=r["clients_rejected"],
+            rejected=r.clients_rejected,
             predicted=predicted,
             actual=actual,
         )
@@ -675,7 +571,7 @@ class PartialFedAvg(FedAvg):
         states = {0: record_to_numpy(initial_arrays)}
         version, last_t, dispatched = 0, 0.0, 0
         replies: dict[Trip, tuple[dict, Message, dict[str, np.ndarray], str]] = {}  # str: why it was rejected
-        pending: list[dict] = []  # rows since the last aggregation
+        pending: list[ClientRecord] = []  # rows since the last aggregation
         failures = 0
 
         def pick(t: float, busy: frozenset[int], free: int) -> tuple[list[int], float]:
@@ -753,12 +649,12 @@ class PartialFedAvg(FedAvg):
             for old in [k for k in states if k not in in_use]:
                 del states[old]
             rows = pending + rows
-            self.recorder.add_clients(rows)
+            self.recorder.add_clients([r.row() for r in rows])
             pending.clear()
             self._deadline = None
-            failed = sum(r["status"] == "failed" for r in rows)
-            self._round = self._summary([r for r in rows if r["status"] != "failed"], failed, last_t, t)
-            self.total_energy_j += float(self._round["round_energy_j"])
+            failed = sum(r.status == FAILED for r in rows)
+            self._round = self._summary([r for r in rows if r.status != FAILED], failed, last_t, t)
+            self.total_energy_j += float(self._round.round_energy_j)
             self.sim_time_s, last_t, version = float(t), t, v
             self.evaluate(v, record_from_numpy(states[v]))
             self._round_start = time.perf_counter()
@@ -774,9 +670,9 @@ class PartialFedAvg(FedAvg):
         )
         if pending:  # updates still in flight or buffered at the end: their work so far is wasted
             for row in pending:
-                row["round"] = version
-            self.recorder.add_clients(pending)
-            self.total_energy_j += float(sum(r["emulated_energy_j"] for r in pending if r["status"] != "failed"))
+                row.round = version
+            self.recorder.add_clients([r.row() for r in pending])
+            self.total_energy_j += float(sum(r.emulated_energy_j for r in pending if r.status != FAILED))
         assert end == self.sim_time_s
 
     def configure_evaluate(
@@ -817,18 +713,19 @@ class PartialFedAvg(FedAvg):
                 held = self.env.data.validation_set
                 val["val_accuracy"], val["val_loss"] = evaluate_model(model, held.x, held.y)
         diverged = self._divergence(server_round, arrays, loss, predicted, actual)
-        row = {
-            "round": server_round,
-            "strategy": self.sc.train.strategy,
-            "sim_time_s": self.sim_time_s,
-            "test_accuracy": accuracy,
-            "test_loss": loss,
+        record = RoundRecord(
+            round=server_round,
+            strategy=self.sc.train.strategy,
+            sim_time_s=self.sim_time_s,
+            test_accuracy=accuracy,
+            test_loss=loss,
             **val,
-            "total_energy_j": self.total_energy_j,
-            **self._round,
-            "host_wall_s": time.perf_counter() - self._round_start if server_round else 0.0,
-            "divergence": diverged,
-        }
+            total_energy_j=self.total_energy_j,
+            summary=self._round,
+            host_wall_s=time.perf_counter() - self._round_start if server_round else 0.0,
+            divergence=diverged,
+        )
+        row = record.row()
         first = self.detector.first
         if first is not None and self.recorder.divergence is None:
             self.recorder.divergence = first.to_dict()
