@@ -209,6 +209,14 @@ class ServerConfig:
     staleness: Literal["inverse_sqrt", "none"] = field(
         "inverse_sqrt", help="policy 'async': weight of an update s versions old: 1/sqrt(1+s), or 1"
     )
+    aggregator: str = field(
+        "fedavg",
+        help="server aggregation: 'fedavg' (partial-aware FedAvg), 'fedprox' (clients add a proximal term), "
+        "'fedadam' or 'fedyogi' (server optimizers over the averaged update), or a registered one",
+    )
+    aggregator_options: dict[str, Any] = field(
+        default_factory=dict, help="the aggregator's options: fedprox 'mu'; fedadam/fedyogi 'eta', 'beta_1', 'beta_2', 'tau'"
+    )
     evaluate_every: int = field(
         1,
         help="evaluate the global model on the test set after rounds that are multiples of this, the initial "
@@ -418,6 +426,18 @@ class Scenario:
         return to_dict(self)
 
 
+def _check_aggregator(scenario: Scenario, src: str) -> None:
+    """``server.aggregator`` is registered, its options known; combinations that would ignore it are refused."""
+    from .sim.aggregators import make_aggregator
+
+    server = scenario.server
+    make_aggregator(server, (), src)
+    if server.aggregator not in ("fedavg", "fedprox") and server.policy == "async":
+        raise ConfigError(src, "server.aggregator", "'fedavg' or 'fedprox' with policy 'async' (FedBuff's own step)", server.aggregator)
+    if server.aggregator == "fedprox" and scenario.simulation.vectorize:
+        raise ConfigError(src, "server.aggregator", "not 'fedprox' with simulation.vectorize (no proximal term there)", server.aggregator)
+
+
 def validate(scenario: Scenario) -> Scenario:
     """Check the names a scenario refers to: strategy and options, model, devices."""
     from .devices import get_profile
@@ -425,6 +445,7 @@ def validate(scenario: Scenario) -> Scenario:
     from .selection import make_strategy
 
     src = scenario.source or "<scenario>"
+    _check_aggregator(scenario, src)
     strategy = make_strategy(scenario.train.strategy, scenario.train.options, src=src)
     if scenario.server.policy == "deadline_elastic" and not hasattr(strategy.config, "rho"):
         raise ConfigError(

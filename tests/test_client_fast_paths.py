@@ -271,9 +271,9 @@ def test_a_0d_tensor_averaged_stays_a_0d_array():
 
 @pytest.mark.parametrize("checked_max", [1 << 22, 7])  # whole stacks, and chunks of one or two replies
 def test_grouped_finiteness_check_is_the_per_tensor_check(monkeypatch, checked_max):
-    import fedelastic.fl.server as server
+    import fedelastic.sim.engine as engine
 
-    monkeypatch.setattr(server, "_CHECKED_MAX", checked_max)
+    monkeypatch.setattr(engine, "_CHECKED_MAX", checked_max)
     rng = np.random.default_rng(4)
     replies = []
     for i in range(30):
@@ -292,9 +292,9 @@ def test_grouped_finiteness_check_is_the_per_tensor_check(monkeypatch, checked_m
             arrays = dict(reversed(list(arrays.items())))  # another order of the same tensors
         replies.append(arrays)
     expected = [{k for k, v in a.items() if v.dtype.kind == "f" and not np.isfinite(v).all()} for a in replies]
-    assert server.nonfinite_tensors(replies) == expected
+    assert engine.nonfinite_tensors(replies) == expected
     assert any(expected) and not all(expected)
-    assert server.nonfinite_tensors([]) == []
+    assert engine.nonfinite_tensors([]) == []
 
 
 def test_a_rejected_update_names_its_first_nonfinite_tensor(monkeypatch):

@@ -68,10 +68,12 @@ def test_async_aggregations_follow_evaluate_every(make_scenario):
     assert rounds.loc[rounds.test_accuracy.isna(), "round"].tolist() == [1, 3]
 
 
-def test_a_resumed_run_evaluates_the_same_rounds(make_scenario, monkeypatch):
+# fedadam: its moments are checkpointed, so that a resumed run steps exactly as an uninterrupted one
+@pytest.mark.parametrize("aggregator", [{}, {"aggregator": "fedadam", "aggregator_options": {"eta": 0.001, "tau": 0.001}}])
+def test_a_resumed_run_evaluates_the_same_rounds(make_scenario, monkeypatch, aggregator):
     import fedelastic.fl.server as server
 
-    sc = make_scenario(server={"rounds": 5, "evaluate_every": 2})
+    sc = make_scenario(server={"rounds": 5, "evaluate_every": 2, **aggregator})
     whole = run_scenario(sc, run_id="whole")
     original = server.PartialFedAvg.aggregate_train
 
