@@ -174,22 +174,18 @@ class TrainConfig:
         check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
 
 
-POLICIES = ("wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async")
-DEADLINE_POLICIES = ("deadline_drop", "deadline_fewer_steps", "deadline_elastic")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     rounds: int = field(5, help="federated rounds (aggregations, for policy 'async')")
     clients_per_round: int = field(0, help="clients sampled each round (0: all)")
-    policy: Literal["wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async"] = (
-        field(
-            "wait_all",
-            help="how rounds end: 'wait_all' (the slowest sets the pace), 'deadline_drop' (late updates discarded), "
-            "'deadline_fewer_steps' (each client runs the full-training steps that fit; FedNova-normalised), "
-            "'deadline_elastic' (each client gets its own rho for the train strategy), 'overcommit' (sample "
-            "`overcommit` x clients_per_round, keep the first arrivals), 'async' (FedBuff)",
-        )
+    policy: str = field(
+        "wait_all",
+        help="how rounds end: 'wait_all' (the slowest sets the pace), 'deadline_drop' (late updates discarded), "
+        "'deadline_fewer_steps' (each client runs the full-training steps that fit; FedNova-normalised), "
+        "'deadline_elastic' (each client gets its own rho for the train strategy), 'overcommit' (sample "
+        "`overcommit` x clients_per_round, keep the first arrivals), 'async' (FedBuff), or a registered policy",
     )
     deadline: float = field(0.0, help="round deadline in simulated seconds (0: none; or give deadline_quantile)")
     deadline_quantile: float = field(
@@ -234,9 +230,12 @@ class ServerConfig:
             "deadline",
             "either deadline or deadline_quantile, not both",
         )
-        if self.policy in DEADLINE_POLICIES:
+        from .sim.policies import POLICIES
+
+        check(self.policy in POLICIES, "policy", f"one of {sorted(POLICIES)}")
+        if POLICIES[self.policy].deadline == "required":
             check(has_deadline, "deadline", f"a deadline > 0 or a deadline_quantile for policy {self.policy!r}")
-        elif self.policy != "overcommit":
+        elif POLICIES[self.policy].deadline == "none":
             check(not has_deadline, "deadline", f"no deadline with policy {self.policy!r} (use a deadline_* policy)")
         check(self.overcommit >= 1, "overcommit", "a factor >= 1")
         check(0 <= self.min_rho <= 1, "min_rho", "a number in [0, 1]")

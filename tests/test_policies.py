@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedelastic.scenario import POLICIES as SCENARIO_POLICIES
 from fedelastic.sim.clock import Trip
 from fedelastic.sim.policies import POLICIES, Assignment, make_policy
 
@@ -89,9 +88,9 @@ def test_policy_on_a_hand_built_fleet(case):
     assert policy.renormalises() == case.renormalises
 
 
-def test_every_scenario_policy_is_a_registered_class_with_a_test_row():
-    assert set(POLICIES) == set(SCENARIO_POLICIES)
-    assert {c.policy for c in CASES} == set(POLICIES)
+def test_every_registered_policy_has_a_test_row():
+    builtin = {"wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async"}
+    assert {c.policy for c in CASES} == set(POLICIES) == builtin
 
 
 def test_async_concurrency_buffer_and_staleness_discount():
@@ -101,3 +100,29 @@ def test_async_concurrency_buffer_and_staleness_discount():
     assert policy.discount()(3) == pytest.approx(0.5)  # 1 / sqrt(1 + 3)
     flat = make_policy(SimpleNamespace(policy="async", concurrency=4, buffer_size=2, staleness="none"))
     assert (flat.concurrency(6, 10), flat.buffer_size(4), flat.discount()(3)) == (4, 2, 1.0)
+
+
+def test_a_registered_policy_is_a_scenario_value_and_an_unknown_one_a_config_error(tmp_path):
+    from fedelastic.errors import ConfigError
+    from fedelastic.scenario import parse_scenario
+    from fedelastic.sim.policies import Policy, register
+
+    from .conftest import small_scenario_dict
+
+    @register
+    class FirstHalf(Policy):  # a user's policy: the round closes at the first half of the arrivals
+        name = "first_half"
+        deadline = "optional"
+
+        def close(self, trips, start_s, deadline_s, k):
+            return super().close(trips, start_s, deadline_s, max(1, len(trips) // 2))
+
+    try:
+        sc = parse_scenario(small_scenario_dict(tmp_path, server={"policy": "first_half", "deadline": 5.0}), src="p.toml")
+        assert make_policy(sc.server).name == "first_half"
+    finally:
+        del POLICIES["first_half"]
+    with pytest.raises(ConfigError, match=r"server\.policy"):
+        parse_scenario(small_scenario_dict(tmp_path, server={"policy": "first_half"}), src="p.toml")
+    with pytest.raises(ConfigError, match=r"server\.deadline"):  # deadline_drop requires one
+        parse_scenario(small_scenario_dict(tmp_path, server={"policy": "deadline_drop"}), src="p.toml")

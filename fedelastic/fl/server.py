@@ -35,11 +35,10 @@ from ..scenario import Scenario
 from ..sim.aggregators import make_aggregator
 from ..sim.callbacks import CallbackList, ContinualReport, ResultsWriter, RoundEnd
 from ..sim.engine import Reply, RoundEngine, nonfinite_reason, nonfinite_tensors
-from ..sim.records import ClientRecord, RoundRecord
+from ..sim.records import METRIC_KEYS, ClientRecord, RoundRecord
 from ..training import evaluate_model, evaluate_predictions, torch_threads
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .checkpoint import Checkpointer
-from .client import METRIC_KEYS
 from .env import RunEnvironment, environment, freeze_heap
 from .raypool import timeout_reason
 

@@ -7,8 +7,8 @@ A policy is one class with a registered name (``server.policy``). The engine ask
 * :meth:`Policy.close`: given every reply's trip, when the round ends and which updates count;
 * :meth:`Policy.renormalises`: whether updates made with cut step counts are FedNova-normalised.
 
-A deadline (``server.deadline`` or ``server.deadline_quantile``) is set by the scenario; a policy
-that ignores it (``wait_all``) passes None to :func:`~fedelastic.sim.clock.sync_round`. Clients are
+A deadline (``server.deadline`` or ``server.deadline_quantile``) is set by the scenario, where the
+policy's :attr:`Policy.deadline` says whether it is refused, optional or required. Clients are
 described by :class:`ClientTimes` (their full-training times), so a policy can be tested on a
 hand-built fleet. ``async`` (FedBuff) uses the same protocol for its dispatches and runs the
 engine's asynchronous loop instead of rounds.
@@ -49,7 +49,7 @@ class Policy:
     """The default, ``wait_all``: every sampled client trains fully and the round waits for all of them."""
 
     name: ClassVar[str] = "wait_all"
-    uses_deadline: ClassVar[bool] = False  # whether close() honours the round's deadline
+    deadline: ClassVar[str] = "none"  # the scenario's deadline: "none" (refused), "optional" or "required"
 
     def __init__(self, server: Any = None):
         self.server = server  # the scenario's [server] table (None in tests: its defaults)
@@ -62,7 +62,7 @@ class Policy:
 
     def close(self, trips: Sequence[Trip], start_s: float, deadline_s: float | None, k: int) -> tuple[float, dict]:
         """End of the round and each trip's status (see :func:`~fedelastic.sim.clock.sync_round`)."""
-        return sync_round(trips, start_s, deadline_s if self.uses_deadline else None)
+        return sync_round(trips, start_s, deadline_s if self.deadline != "none" else None)
 
     def renormalises(self) -> bool:
         """Whether the clients' step counts may differ by the policy's doing (FedNova, ``server.fednova``)."""
@@ -86,7 +86,7 @@ class DeadlineDrop(Policy):
     """Every client trains fully; updates arriving after the deadline are dropped."""
 
     name = "deadline_drop"
-    uses_deadline = True
+    deadline = "required"
 
 
 @register
@@ -133,7 +133,7 @@ class Overcommit(Policy):
     """Sample ``server.overcommit`` x k clients; the round closes at the k-th counted arrival (or a deadline)."""
 
     name = "overcommit"
-    uses_deadline = True  # optional for this policy
+    deadline = "optional"
 
     def sample_size(self, k: int, n: int) -> int:
         return min(n, math.ceil(k * float(getattr(self.server, "overcommit", 1.3))))

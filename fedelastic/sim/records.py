@@ -14,6 +14,32 @@ import numpy as np
 
 NAN = float("nan")
 
+# The wire: every client's reply carries exactly these metric keys (Flower aborts on keys that differ
+# between clients); a ClientRecord is made from them (fedelastic.sim.engine.RoundEngine.record).
+METRIC_KEYS = (
+    "num-examples",
+    "partition-id",
+    "fits",
+    "steps",
+    "selections",
+    "train-loss",
+    "fraction-params-trained",
+    "emulated-train-time-s",
+    "emulated-train-time-band-s",
+    "emulated-overhead-time-s",
+    "emulated-probe-time-s",
+    "probes",
+    "emulated-comm-time-s",
+    "emulated-energy-j",
+    "emulated-peak-memory-bytes",
+    "emulated-probe-peak-memory-bytes",
+    "emulated-bytes-up",
+    "emulated-bytes-down",
+    "emulated-macs",
+    "host-wall-s",
+    "too-slow",
+)
+
 # a client row's status
 COUNTED = "counted"  # its update was aggregated
 REJECTED = "rejected"  # it trained and sent a non-finite update, which was not used
