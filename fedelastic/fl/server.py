@@ -1,14 +1,14 @@
-"""The server side: a FedAvg subclass that averages partial updates and keeps a simulated clock.
+"""The server side in Flower: a thin strategy around the round engine (:mod:`fedelastic.sim.engine`).
 
-* Sampling is reproducible: nodes are sorted by partition id (asked once with a query message)
-  and sampled with the run's own seeded RNG; replies are sorted by partition id.
-* Aggregation averages each element only over the clients that trained it
-  (:func:`~fedelastic.sim.aggregate.aggregate_partial`).
-* The simulated clock (:mod:`fedelastic.sim.clock`) places every client's download, local
-  training and upload, with its own links (:mod:`fedelastic.fleet`), on one timeline. Under
-  ``policy = "wait_all"`` a round lasts as long as its slowest client; deadline policies close it
-  at the deadline; ``overcommit`` at the K-th arrival; ``async`` runs FedBuff. Clients that
-  wait idle are charged idle power; work whose update is not used is counted as wasted energy.
+* Nodes are sorted by partition id (asked once with a query message); replies are sorted by it.
+* :meth:`PartialFedAvg.configure_train` encodes the engine's plan (the sampled clients, each
+  one's rho and step cap) into Flower messages; :meth:`PartialFedAvg.aggregate_train` decodes the
+  replies (arrays, masks, figures, NaN/inf checks) into the engine's ``settle``, which closes the
+  round on the simulated clock and aggregates with the run's aggregator (``server.aggregator``).
+* :meth:`PartialFedAvg.evaluate` evaluates the global model and hands the round's row to the
+  callbacks (:mod:`fedelastic.sim.callbacks`): the results writer, the checkpoint, progress,
+  user callbacks; any of them may stop the run.
+* ``policy = "async"`` runs the engine's FedBuff loop, its clients reached the same way.
 """
 
 from __future__ import annotations
