@@ -128,7 +128,7 @@ def worker_fl(sc) -> dict:
     import pandas as pd
 
     import fedelastic.fl.server as server
-    import fedelastic.sim.engine as engine
+    import fedelastic.sim.aggregators as aggregators
     from fedelastic.fl.runner import run_scenario
 
     timers = Timers()
@@ -136,7 +136,7 @@ def worker_fl(sc) -> dict:
     timers.wrap(server, "discover_partitions", "server.discover_partitions (query all nodes)")
     timers.wrap(server.PartialFedAvg, "configure_train", "server.configure_train")
     timers.wrap(server.PartialFedAvg, "aggregate_train", "server.aggregate_train (incl. deserialise + record)")
-    timers.wrap(engine, "aggregate_partial", "server.aggregate_partial")
+    timers.wrap(aggregators, "aggregate_partial", "server.aggregate_partial")
     timers.wrap(server.PartialFedAvg, "evaluate", "server.evaluate (test set + record)")
     if sc.simulation.backend == "ray":
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
