@@ -32,19 +32,20 @@ PARTS = (
     ("configure_train", "fl/server.py", "configure_train"),
     ("aggregate_train", "fl/server.py", "aggregate_train"),
     ("  _failures (decode, NaN checks)", "fl/server.py", "_failures"),
-    ("  aggregate_partial", "fl/aggregate.py", "aggregate_partial"),
+    ("  settle (engine)", "sim/engine.py", "settle"),
+    ("  aggregate_partial", "sim/aggregate.py", "aggregate_partial"),
     ("  Recorder.add_clients", "results.py", "add_clients"),
     ("evaluate (server)", "fl/server.py", "evaluate"),
     ("  evaluate_model (test set)", "training.py", "evaluate_model"),
     ("  Recorder.add_round", "results.py", "add_round"),
-    ("checkpoint evaluate (all of it)", "fl/checkpoint.py", "evaluate"),
+    ("  Checkpointer.on_round_end", "fl/checkpoint.py", "on_round_end"),
     ("  save_checkpoint", "fl/checkpoint.py", "save_checkpoint"),
     ("_Table.append (both tables)", "results.py", "append"),
     ("Recorder.flush (waiting for the writer)", "results.py", "flush"),
     ("os.fsync", "~", "<built-in method posix.fsync>"),
 )
-# the driver's whole work: the Resumable strategy's three entry points (Flower's loop calls them)
-TOTAL = (("fl/checkpoint.py", "configure_train"), ("fl/checkpoint.py", "aggregate_train"), ("fl/checkpoint.py", "evaluate"))
+# the driver's whole work: the server strategy's three entry points (Flower's loop calls them)
+TOTAL = (("fl/server.py", "configure_train"), ("fl/server.py", "aggregate_train"), ("fl/server.py", "evaluate"))
 
 
 def _timed(cls, name: str, times: list[float], t: dict) -> None:
@@ -103,10 +104,10 @@ def main() -> None:
 
     spent: dict[str, list[float]] = {}
     if args.timers:
-        from fedelastic.fl.checkpoint import Resumable
+        from fedelastic.fl.server import PartialFedAvg
 
         for name in ("configure_train", "aggregate_train", "evaluate"):
-            _timed(Resumable, name, spent.setdefault(name, []), t)
+            _timed(PartialFedAvg, name, spent.setdefault(name, []), t)
     api.run(sc, progress=progress)
     rounds = args.rounds
     import fedelastic

@@ -77,11 +77,11 @@ def worker_bare(sc) -> dict:
     """(a): the clients' work in one plain loop, mirroring ``fedelastic.fl.client.client_train``."""
     import torch
 
-    from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.env import environment
     from fedelastic.fl.server import PartialFedAvg
     from fedelastic.pretrain import initial_state
+    from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
 
     t0 = time.perf_counter()
     env = environment(sc)
@@ -128,6 +128,7 @@ def worker_fl(sc) -> dict:
     import pandas as pd
 
     import fedelastic.fl.server as server
+    import fedelastic.sim.aggregators as aggregators
     from fedelastic.fl.runner import run_scenario
 
     timers = Timers()
@@ -135,7 +136,7 @@ def worker_fl(sc) -> dict:
     timers.wrap(server, "discover_partitions", "server.discover_partitions (query all nodes)")
     timers.wrap(server.PartialFedAvg, "configure_train", "server.configure_train")
     timers.wrap(server.PartialFedAvg, "aggregate_train", "server.aggregate_train (incl. deserialise + record)")
-    timers.wrap(server, "aggregate_partial", "server.aggregate_partial")
+    timers.wrap(aggregators, "aggregate_partial", "server.aggregate_partial")
     timers.wrap(server.PartialFedAvg, "evaluate", "server.evaluate (test set + record)")
     if sc.simulation.backend == "ray":
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend

@@ -41,6 +41,7 @@ torch.set_num_threads(1)
 import peers
 from fedelastic import api
 import fedelastic.fl.checkpoint as checkpoint
+import fedelastic.fl.server as server
 import fedelastic.fl.cohort as cohort
 import fedelastic.fl.runner as runner
 import fedelastic.results as results
@@ -77,13 +78,13 @@ def job(owner, name, tag):
     setattr(owner, name, timed)
 
 
-stamp(checkpoint.Resumable, "configure_train", "configure")
+stamp(server.PartialFedAvg, "configure_train", "configure")
 stamp(cohort.CohortGrid, "_train", "pack")
 stamp(runner.InProcessGrid, "send_and_receive", "call")
 stamp(cohort, "cohort_train", "cohort")
 stamp(cohort, "train_cohort", "train")
-stamp(checkpoint.Resumable, "aggregate_train", "aggregate")
-stamp(checkpoint.Resumable, "evaluate", "evaluate")
+stamp(server.PartialFedAvg, "aggregate_train", "aggregate")
+stamp(server.PartialFedAvg, "evaluate", "evaluate")
 job(results._Table, "append", "append")
 job(results.Recorder, "_write_status", "status")
 job(checkpoint, "save_checkpoint", "checkpoint")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
-from .errors import ConfigError, StopRun
+from .errors import ConfigError
 from .scenario import Scenario, parse_scenario, validate
 
 if TYPE_CHECKING:
@@ -130,7 +130,9 @@ class RunResult:
 
 def stop_at_accuracy(target: float) -> Callable[[dict], bool]:
     """A callback that stops the run at the first round whose test accuracy reaches ``target``."""
-    return lambda row: row["round"] > 0 and row["test_accuracy"] >= target
+    from .sim.callbacks import StopAtAccuracy
+
+    return StopAtAccuracy(target)
 
 
 def run(
@@ -148,7 +150,9 @@ def run(
     a later round trains, within ``simulation.write_every_s``, and all of them before ``run`` returns). Each of ``callbacks``
     is called the same way (log to TensorBoard, W&B, ...); one that returns a true value stops
     the run after that round (early stopping, e.g. :func:`stop_at_accuracy`): the round is kept,
-    the run ends normally and its status records ``stopped_after_round``.
+    the run ends normally and its status records ``stopped_after_round``. A callback may also be an
+    object with ``on_run_start(run)``, ``on_round_end(end) -> bool`` and ``on_run_end(run, outcome)``
+    (:class:`fedelastic.sim.callbacks.Callback`).
     """
     from .fl.raypool import quick_shutdown, start_ray_early
 
@@ -156,11 +160,9 @@ def run(
     check_run_folder(sc, run_id)  # a bad folder fails now, before Ray's start and before a model file's code runs
     sc = validate(sc)
 
-    def on_round(row: dict) -> None:
-        if progress is not None:
-            progress(row)
-        if any([bool(cb(row)) for cb in callbacks]):  # every callback sees every round
-            raise StopRun(f"a callback stopped the run after round {row['round']}")
+    from .sim.callbacks import CallbackList
+
+    on_round = CallbackList([progress, *callbacks])  # every callback sees every round
 
     started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
     try:

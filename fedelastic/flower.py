@@ -3,7 +3,7 @@
 * :class:`PartialAwareFedAvg`: Flower's ``FedAvg`` (same arguments) that accepts partial updates,
   a client sending only the tensors it trained, plus optional 0/1 output-channel masks, and
   averages each element over the clients that trained it
-  (:func:`fedelastic.fl.aggregate.aggregate_partial`).
+  (:func:`fedelastic.sim.aggregate.aggregate_partial`).
 * :func:`device_comm_mod`: a ClientApp Mod, like Flower's ``arrays_size_mod``, that prices the
   arrays a client receives and sends on an emulated device's link and adds the figures to the
   reply's metrics.
@@ -32,7 +32,7 @@ from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consis
 from flwr.supercore import log
 
 from .devices import DeviceProfile, get_profile
-from .fl.aggregate import ClientUpdate, aggregate_partial
+from .sim.aggregate import ClientUpdate, aggregate_partial
 
 
 def _to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:

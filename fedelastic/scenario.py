@@ -174,22 +174,18 @@ class TrainConfig:
         check(self.bn_mode in ("auto", "frozen", "train"), "bn_mode", "one of ['auto', 'frozen', 'train']")
 
 
-POLICIES = ("wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async")
-DEADLINE_POLICIES = ("deadline_drop", "deadline_fewer_steps", "deadline_elastic")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     rounds: int = field(5, help="federated rounds (aggregations, for policy 'async')")
     clients_per_round: int = field(0, help="clients sampled each round (0: all)")
-    policy: Literal["wait_all", "deadline_drop", "deadline_fewer_steps", "deadline_elastic", "overcommit", "async"] = (
-        field(
-            "wait_all",
-            help="how rounds end: 'wait_all' (the slowest sets the pace), 'deadline_drop' (late updates discarded), "
-            "'deadline_fewer_steps' (each client runs the full-training steps that fit; FedNova-normalised), "
-            "'deadline_elastic' (each client gets its own rho for the train strategy), 'overcommit' (sample "
-            "`overcommit` x clients_per_round, keep the first arrivals), 'async' (FedBuff)",
-        )
+    policy: str = field(
+        "wait_all",
+        help="how rounds end: 'wait_all' (the slowest sets the pace), 'deadline_drop' (late updates discarded), "
+        "'deadline_fewer_steps' (each client runs the full-training steps that fit; FedNova-normalised), "
+        "'deadline_elastic' (each client gets its own rho for the train strategy), 'overcommit' (sample "
+        "`overcommit` x clients_per_round, keep the first arrivals), 'async' (FedBuff), or a registered policy",
     )
     deadline: float = field(0.0, help="round deadline in simulated seconds (0: none; or give deadline_quantile)")
     deadline_quantile: float = field(
@@ -209,6 +205,14 @@ class ServerConfig:
     staleness: Literal["inverse_sqrt", "none"] = field(
         "inverse_sqrt", help="policy 'async': weight of an update s versions old: 1/sqrt(1+s), or 1"
     )
+    aggregator: str = field(
+        "fedavg",
+        help="server aggregation: 'fedavg' (partial-aware FedAvg), 'fedprox' (clients add a proximal term), "
+        "'fedadam' or 'fedyogi' (server optimizers over the averaged update), or a registered one",
+    )
+    aggregator_options: dict[str, Any] = field(
+        default_factory=dict, help="the aggregator's options: fedprox 'mu'; fedadam/fedyogi 'eta', 'beta_1', 'beta_2', 'tau'"
+    )
     evaluate_every: int = field(
         1,
         help="evaluate the global model on the test set after rounds that are multiples of this, the initial "
@@ -226,9 +230,12 @@ class ServerConfig:
             "deadline",
             "either deadline or deadline_quantile, not both",
         )
-        if self.policy in DEADLINE_POLICIES:
+        from .sim.policies import POLICIES
+
+        check(self.policy in POLICIES, "policy", f"one of {sorted(POLICIES)}")
+        if POLICIES[self.policy].deadline == "required":
             check(has_deadline, "deadline", f"a deadline > 0 or a deadline_quantile for policy {self.policy!r}")
-        elif self.policy != "overcommit":
+        elif POLICIES[self.policy].deadline == "none":
             check(not has_deadline, "deadline", f"no deadline with policy {self.policy!r} (use a deadline_* policy)")
         check(self.overcommit >= 1, "overcommit", "a factor >= 1")
         check(0 <= self.min_rho <= 1, "min_rho", "a number in [0, 1]")
@@ -423,6 +430,18 @@ class Scenario:
         return to_dict(self)
 
 
+def _check_aggregator(scenario: Scenario, src: str) -> None:
+    """``server.aggregator`` is registered, its options known; combinations that would ignore it are refused."""
+    from .sim.aggregators import make_aggregator
+
+    server = scenario.server
+    make_aggregator(server, (), src)
+    if server.aggregator not in ("fedavg", "fedprox") and server.policy == "async":
+        raise ConfigError(src, "server.aggregator", "'fedavg' or 'fedprox' with policy 'async' (FedBuff's own step)", server.aggregator)
+    if server.aggregator == "fedprox" and scenario.simulation.vectorize:
+        raise ConfigError(src, "server.aggregator", "not 'fedprox' with simulation.vectorize (no proximal term there)", server.aggregator)
+
+
 def validate(scenario: Scenario) -> Scenario:
     """Check the names a scenario refers to: strategy and options, model, devices."""
     from .devices import get_profile
@@ -430,6 +449,7 @@ def validate(scenario: Scenario) -> Scenario:
     from .selection import make_strategy
 
     src = scenario.source or "<scenario>"
+    _check_aggregator(scenario, src)
     strategy = make_strategy(scenario.train.strategy, scenario.train.options, src=src)
     if scenario.server.policy == "deadline_elastic" and not hasattr(strategy.config, "rho"):
         raise ConfigError(

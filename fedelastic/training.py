@@ -556,6 +556,7 @@ def train_local(
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
     prepared: Prepared | None = None,
+    proximal_mu: float = 0.0,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
@@ -563,6 +564,7 @@ def train_local(
     ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
     steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
     ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
+    ``proximal_mu``: FedProx's proximal term ``mu/2 ||w - w_start||^2`` added to the loss (0: none).
     """
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
@@ -574,6 +576,7 @@ def train_local(
         prepared = Prepared(model, info)
     params = prepared.params
     opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
+    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None  # FedProx: the global weights
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
     # the weights a selection that does not fit rolls back to, taken before the first step that such a
     # selection could follow (see fail); None while no step ran
@@ -665,6 +668,9 @@ def train_local(
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        for p, p0 in zip(params, anchor or ()):  # the proximal term's gradient mu (w - w_start)
+            if p.grad is not None:
+                p.grad.add_(p.detach() - p0, alpha=proximal_mu)
         applied.step(opt)
         losses.append(loss.item())
         result.train_time_s += step_time

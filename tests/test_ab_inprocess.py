@@ -47,7 +47,7 @@ def test_the_working_tree_against_head_ends_on_one_model(tmp_path):
 
 
 def test_a_patch_that_changes_the_average_is_reported(tmp_path):
-    path = "fedelastic/fl/aggregate.py"
+    path = "fedelastic/sim/aggregate.py"
     old = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{path}"], capture_output=True, text=True, check=True).stdout
     line = "        new_state[name] = merged.astype(current.dtype, copy=False)\n"
     assert line in old

@@ -1,6 +1,6 @@
 import numpy as np
 
-from fedelastic.fl.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
+from fedelastic.sim.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 
 
 def test_hand_computed_partial_average():

@@ -9,11 +9,11 @@ from flwr.app import Array, ConfigRecord, Message, MessageType
 
 from fedelastic.costmodel import CostModel
 from fedelastic.devices import get_profile
-from fedelastic.fl.aggregate import ClientUpdate, aggregate_partial
 from fedelastic.fl.arrays import config_record, from_numpy, to_numpy
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
 from fedelastic.selection import Selection
+from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
 from fedelastic.training import LocalResult, _add_to_union, _Applied, ordered_params
 
 
@@ -213,7 +213,7 @@ def test_stacked_sums_add_in_the_loops_order(monkeypatch, stack_max):
     sequential sum rounds away one by one and a pairwise sum adds up first), -0.0 in every update
     of one element, float32/float64/int64 updates, a 0-d tensor and 40 clients: bit for bit the
     per-element sums in Python floats, in client order."""
-    import fedelastic.fl.aggregate as aggregate
+    import fedelastic.sim.aggregate as aggregate
 
     monkeypatch.setattr(aggregate, "_STACKED_MAX", stack_max)
     rng = np.random.default_rng(11)
@@ -236,7 +236,7 @@ def test_stacked_sums_add_in_the_loops_order(monkeypatch, stack_max):
 
 
 def test_stacked_sums_refuse_a_shape_as_the_loop_does():
-    from fedelastic.fl.aggregate import aggregate_partial
+    from fedelastic.sim.aggregate import aggregate_partial
 
     with pytest.raises(ValueError, match="tensor 'w': update shape"):
         aggregate_partial({"w": np.zeros(3)}, [ClientUpdate(1, {"w": np.zeros(3)}), ClientUpdate(1, {"w": np.zeros(4)})])
@@ -271,9 +271,9 @@ def test_a_0d_tensor_averaged_stays_a_0d_array():
 
 @pytest.mark.parametrize("checked_max", [1 << 22, 7])  # whole stacks, and chunks of one or two replies
 def test_grouped_finiteness_check_is_the_per_tensor_check(monkeypatch, checked_max):
-    import fedelastic.fl.server as server
+    import fedelastic.sim.engine as engine
 
-    monkeypatch.setattr(server, "_CHECKED_MAX", checked_max)
+    monkeypatch.setattr(engine, "_CHECKED_MAX", checked_max)
     rng = np.random.default_rng(4)
     replies = []
     for i in range(30):
@@ -292,9 +292,9 @@ def test_grouped_finiteness_check_is_the_per_tensor_check(monkeypatch, checked_m
             arrays = dict(reversed(list(arrays.items())))  # another order of the same tensors
         replies.append(arrays)
     expected = [{k for k, v in a.items() if v.dtype.kind == "f" and not np.isfinite(v).all()} for a in replies]
-    assert server.nonfinite_tensors(replies) == expected
+    assert engine.nonfinite_tensors(replies) == expected
     assert any(expected) and not all(expected)
-    assert server.nonfinite_tensors([]) == []
+    assert engine.nonfinite_tensors([]) == []
 
 
 def test_a_rejected_update_names_its_first_nonfinite_tensor(monkeypatch):

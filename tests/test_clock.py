@@ -7,7 +7,6 @@ import pandas as pd
 import pytest
 
 from fedelastic.errors import ConfigError
-from fedelastic.fl.clock import Trip, run_async, staleness_weight, sync_round
 from fedelastic.fleet import (
     SessionAvailability,
     TraceAvailability,
@@ -20,6 +19,7 @@ from fedelastic.fleet import (
     load_network_trace,
     local_steps,
 )
+from fedelastic.sim.clock import Trip, run_async, staleness_weight, sync_round
 
 # three clients dispatched at t = 100: (down, train, up) seconds
 A = Trip(0, 100.0, 1.0, 4.0, 1.0)  # arrives 106

@@ -68,10 +68,12 @@ def test_async_aggregations_follow_evaluate_every(make_scenario):
     assert rounds.loc[rounds.test_accuracy.isna(), "round"].tolist() == [1, 3]
 
 
-def test_a_resumed_run_evaluates_the_same_rounds(make_scenario, monkeypatch):
+# fedadam: its moments are checkpointed, so that a resumed run steps exactly as an uninterrupted one
+@pytest.mark.parametrize("aggregator", [{}, {"aggregator": "fedadam", "aggregator_options": {"eta": 0.001, "tau": 0.001}}])
+def test_a_resumed_run_evaluates_the_same_rounds(make_scenario, monkeypatch, aggregator):
     import fedelastic.fl.server as server
 
-    sc = make_scenario(server={"rounds": 5, "evaluate_every": 2})
+    sc = make_scenario(server={"rounds": 5, "evaluate_every": 2, **aggregator})
     whole = run_scenario(sc, run_id="whole")
     original = server.PartialFedAvg.aggregate_train
 
@@ -274,7 +276,7 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
 # -- aggregation: bit for bit the arithmetic of before ---------------------------------------------
 
 
-def _old_value_and_weight(upd, name, current):  # fedelastic/fl/aggregate.py at b83672d
+def _old_value_and_weight(upd, name, current):  # fedelastic/sim/aggregate.py at b83672d
     value = np.asarray(upd.arrays[name], dtype=np.float64)
     w = np.full(current.shape, float(upd.weight))
     if name in upd.channel_masks:
@@ -320,7 +322,7 @@ def _old_aggregate_buffered(global_state, updates, bases, discounts):
 
 
 def test_aggregation_is_bit_for_bit_the_old_arithmetic():
-    from fedelastic.fl.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
+    from fedelastic.sim.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
 
     rng = np.random.default_rng(7)
     shapes = {"conv": (6, 3, 3, 3), "bias": (6,), "fc": (10, 24), "half": (4, 4)}

@@ -356,7 +356,7 @@ def _inject(kind: str, monkeypatch) -> None:
     import numpy as np
 
     import fedelastic.fl.client as client
-    import fedelastic.fl.server as server
+    import fedelastic.sim.aggregators as aggregators
 
     if kind == "nan":
         real = client.train_local
@@ -369,8 +369,8 @@ def _inject(kind: str, monkeypatch) -> None:
 
         monkeypatch.setattr(client, "train_local", nan_for_partition_1)
     if kind == "global-nan":
-        real_agg = server.aggregate_partial
-        monkeypatch.setattr(server, "aggregate_partial", lambda cur, ups: {k: v * np.nan for k, v in real_agg(cur, ups).items()})
+        real_agg = aggregators.aggregate_partial
+        monkeypatch.setattr(aggregators, "aggregate_partial", lambda cur, ups: {k: v * np.nan for k, v in real_agg(cur, ups).items()})
 
 
 @pytest.mark.parametrize("case", FAULTS, ids=[c.id for c in FAULTS])

@@ -20,23 +20,21 @@ def _run(make_scenario, run_id, **overrides):
 
 
 def test_late_updates_are_never_aggregated(make_scenario, monkeypatch):
-    import fedelastic.fl.server as server
+    from fedelastic.sim.engine import RoundEngine
 
-    aggregated = []
-    real = server.PartialFedAvg._update
+    aggregated, now = [], []
+    real_update, real_settle = RoundEngine.update, RoundEngine.settle
 
-    def spy(self, m, *decoded):
-        aggregated.append((self._round_now, self.partition_of_node[m.metadata.src_node_id]))
-        return real(self, m, *decoded)
+    def settle_spy(self, rnd, *args):
+        now.append(rnd)
+        return real_settle(self, rnd, *args)
 
-    real_configure = server.PartialFedAvg.configure_train
+    def spy(reply):
+        aggregated.append((now[-1], reply.pid))
+        return real_update(reply)
 
-    def configure(self, rnd, *args):
-        self._round_now = rnd
-        return real_configure(self, rnd, *args)
-
-    monkeypatch.setattr(server.PartialFedAvg, "_update", spy)
-    monkeypatch.setattr(server.PartialFedAvg, "configure_train", configure)
+    monkeypatch.setattr(RoundEngine, "update", staticmethod(spy))
+    monkeypatch.setattr(RoundEngine, "settle", settle_spy)
     server_cfg = {"rounds": 2, "policy": "deadline_drop", "deadline_quantile": 0.5}
     clients, rounds = _run(make_scenario, "drop", server=server_cfg)
     late = clients[clients.status == "late"]
@@ -314,11 +312,11 @@ def test_recharging_brings_clients_back_on_schedule(make_scenario):
 
 
 def test_fednova_normalisation_can_be_switched_off(make_scenario, monkeypatch):
-    import fedelastic.fl.server as server
+    import fedelastic.sim.engine as engine
 
     calls = []
-    real = server.fednova_rescale
-    monkeypatch.setattr(server, "fednova_rescale", lambda *a: calls.append(1) or real(*a))
+    real = engine.fednova_rescale
+    monkeypatch.setattr(engine, "fednova_rescale", lambda *a: calls.append(1) or real(*a))
     cfg = {"rounds": 1, "policy": "deadline_fewer_steps", "deadline_quantile": 0.5}
     _run(make_scenario, "nova", server=cfg)
     assert calls == [1]

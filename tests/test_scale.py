@@ -108,9 +108,10 @@ def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path, node_mode: st
     strategies: list = []
     seen: dict[int, dict] = {}
 
-    def strategy_cls(*args, **kwargs):
-        strategies.append(fl_server.PartialFedAvg(*args, **kwargs))
-        return strategies[0]
+    class Capture:  # a callback: it sees the server strategy as the run starts
+        def on_run_start(self, run) -> None:
+            strategies.append(run)
+            unbounded.add(id(run.client_states))  # per client, as the nodes' own states (kept for the checkpoint)
 
     def parts() -> dict[str, int]:
         folder = tmp_path / "run" / "clients.parquet"
@@ -132,7 +133,7 @@ def test_driver_structures_do_not_grow_with_rounds(tmp_path: Path, node_mode: st
 
     state = initial_state(env)
     try:
-        fl_server.server_main(scenario, state, recorder, progress, grid, strategy_cls=strategy_cls)
+        fl_server.server_main(scenario, state, recorder, progress, grid, callbacks=[Capture()])
     finally:
         tracemalloc.stop()
         recorder.close()

@@ -19,16 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
 
 from ..errors import FedelasticError
 from ..results import fresh
-from .arrays import record_from_numpy, record_to_numpy
-from .server import PartialFedAvg
+from ..sim.callbacks import Callback, RoundEnd
 
 CHECKPOINT = "checkpoint.pt"
-# the server's own state besides the model: add new clock/state attributes of PartialFedAvg here
+# the server's own state besides the model: add new clock/state attributes of the server strategy here
 SERVER_STATE = ("sim_time_s", "total_energy_j")
 
 
@@ -80,67 +77,47 @@ def load_checkpoint(folder: Path) -> dict:
     return doc
 
 
-class Resumable(PartialFedAvg):
-    """PartialFedAvg that checkpoints every round and can start from a checkpoint.
+def restore(run, checkpoint: dict) -> None:
+    """Put the server strategy ``run`` where ``checkpoint`` left it: rounds shifted by its round, the
+    clock and totals, every node's strategy state (handed back with the next round), the RNGs and
+    the divergence detector."""
+    run.offset = int(checkpoint["round"])
+    run.resumed = True
+    for key in SERVER_STATE:
+        setattr(run, key, checkpoint["server"][key])
+    run.client_states = {int(p): {k: v.numpy() for k, v in st.items()} for p, st in checkpoint["client_states"].items()}
+    if "rng" in checkpoint:
+        _set_rng_state(checkpoint["rng"])
+    if "divergence" in checkpoint:  # the detector's references (a checkpoint from before them: fresh ones)
+        run.detector.load_state(checkpoint["divergence"])
+    if "aggregator" in checkpoint:  # a server optimizer's moments
+        run.aggregator.load_state({k: v.numpy() for k, v in checkpoint["aggregator"].items()})
+    run.hand_back = True
 
-    Flower's loop always counts rounds from 1; a resumed run is shifted by ``offset``.
-    """
 
-    def __init__(self, env, node_of_partition, recorder, progress, *, checkpoint: dict | None = None):
-        super().__init__(env, node_of_partition, recorder, progress)
-        self.offset = 0
-        self.resumed = checkpoint is not None
-        self.client_states: dict[int, dict[str, np.ndarray]] = {}
-        self._hand_back = False
-        if checkpoint is not None:
-            self.offset = int(checkpoint["round"])
-            for key in SERVER_STATE:
-                setattr(self, key, checkpoint["server"][key])
-            self.client_states = {
-                int(p): {k: v.numpy() for k, v in st.items()} for p, st in checkpoint["client_states"].items()
-            }
-            if "rng" in checkpoint:
-                _set_rng_state(checkpoint["rng"])
-            if "divergence" in checkpoint:  # the detector's references (a checkpoint from before them: fresh ones)
-                self.detector.load_state(checkpoint["divergence"])
-            self._hand_back = True
+class Checkpointer(Callback):
+    """Takes a checkpoint after every round (written after the round's rows, perhaps behind);
+    resumes from ``checkpoint`` (a loaded one) at the run's start."""
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        messages = list(super().configure_train(server_round + self.offset, arrays, config, grid))
-        if not self._hand_back:
-            return messages
-        self._hand_back = False  # the nodes keep their state from now on, as in an uninterrupted run
-        out = []
-        for m in messages:
-            state = self.client_states.get(self.partition_of_node[m.metadata.dst_node_id])
-            if state is None:
-                out.append(m)
-                continue
-            content = RecordDict({k: v for k, v in m.content.items()})
-            content["strategy-state"] = record_from_numpy(state)
-            out.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=m.metadata.dst_node_id))
-        return out
+    def __init__(self, recorder, checkpoint: dict | None = None):
+        self.recorder, self.checkpoint = recorder, checkpoint
 
-    def aggregate_train(self, server_round: int, replies):
-        replies = list(replies)
-        for m in replies:
-            if not m.has_error() and "strategy-state" in m.content:
-                pid = int(m.content["metrics"]["partition-id"])
-                self.client_states[pid] = record_to_numpy(m.content["strategy-state"])
-        return super().aggregate_train(server_round + self.offset, replies)
+    def on_run_start(self, run) -> None:
+        if self.checkpoint is not None:
+            restore(run, self.checkpoint)
 
-    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round == 0 and self.resumed:
-            return None  # the initial row is already on disk (also when the checkpoint is round 0's)
-        return super().evaluate(server_round + self.offset, arrays)
-
-    def keep_state(self, server_round: int, arrays: ArrayRecord) -> None:
+    def on_round_end(self, end: RoundEnd) -> bool:
+        run = end.run
         doc = {  # taken now; written after the round's rows (never ahead of them), perhaps behind
-            "round": server_round,
-            "model": _tensors(record_to_numpy(arrays)),
-            "server": {key: getattr(self, key) for key in SERVER_STATE},
-            "client_states": {p: _tensors(st) for p, st in self.client_states.items()},
+            "round": end.round,
+            "model": _tensors(end.weights()),
+            "server": {key: getattr(run, key) for key in SERVER_STATE},
+            "client_states": {p: _tensors(st) for p, st in run.client_states.items()},
             "rng": _rng_state(),
-            "divergence": self.detector.state(),
+            "divergence": run.detector.state(),
         }
+        aggregator = run.aggregator.state()
+        if aggregator:
+            doc["aggregator"] = _tensors(aggregator)
         self.recorder.write(lambda: save_checkpoint(self.recorder.folder, doc), newest_only=True)
+        return False

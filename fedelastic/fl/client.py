@@ -15,38 +15,23 @@ from flwr.clientapp import ClientApp
 from ..costmodel import CostModel, Emulated
 from ..quant import device_numerics
 from ..scenario import Scenario
+from ..sim.aggregators import FedProx
+from ..sim.records import METRIC_KEYS
 from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
 from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
-# Every reply carries exactly these metric keys (Flower aborts on keys that differ between clients).
-METRIC_KEYS = (
-    "num-examples",
-    "partition-id",
-    "fits",
-    "steps",
-    "selections",
-    "train-loss",
-    "fraction-params-trained",
-    "emulated-train-time-s",
-    "emulated-train-time-band-s",
-    "emulated-overhead-time-s",
-    "emulated-probe-time-s",
-    "probes",
-    "emulated-comm-time-s",
-    "emulated-energy-j",
-    "emulated-peak-memory-bytes",
-    "emulated-probe-peak-memory-bytes",
-    "emulated-bytes-up",
-    "emulated-bytes-down",
-    "emulated-macs",
-    "host-wall-s",
-    "too-slow",
-)
-
 
 def _partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
+
+
+def proximal_mu(scenario: Scenario) -> float:
+    """FedProx's ``mu`` when ``server.aggregator = "fedprox"`` (else 0: no proximal term)."""
+    server = scenario.server
+    if getattr(server, "aggregator", "fedavg") != "fedprox":
+        return 0.0
+    return float(server.aggregator_options.get("mu", FedProx.defaults["mu"]))
 
 
 def train_partition(
@@ -82,6 +67,7 @@ def train_partition(
         optimizer=t.optimizer,
         lr_schedule=t.lr_schedule,
         prepared=prepared,
+        proximal_mu=proximal_mu(env.scenario),
     )
 
 

@@ -33,7 +33,7 @@ from ..results import warm_up as warm_up_writer
 from ..runtime import orphans
 from ..runtime.dispatch import notify_pushed, replies_may_wait, wait_for_replies
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
-from .checkpoint import CHECKPOINT, Resumable, load_checkpoint
+from .checkpoint import CHECKPOINT, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
 from .env import environment
@@ -421,17 +421,13 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
             state = _preflight_beside_ray(scenario, env)
         else:
             state = _preflight(scenario, env)
-        start_round = 0
         if checkpoint is not None:
-            state, start_round = dict(checkpoint["model"]), int(checkpoint["round"])
+            state = dict(checkpoint["model"])
         client_app = make_client_app(scenario)
 
         def server(grid: Grid) -> None:
             try:
-                server_main(
-                    scenario, state, recorder, progress, grid,
-                    strategy_cls=partial(Resumable, checkpoint=checkpoint), start_round=start_round,
-                )  # fmt: skip
+                server_main(scenario, state, recorder, progress, grid, checkpoint=checkpoint)
             except StopRun:  # a callback asked to stop after the round it saw: a normal end
                 recorder.notes["stopped_after_round"] = max((r["round"] for r in recorder.rounds.rows), default=0)
             except Diverged:  # stopped after the round that diverged (recorder.divergence): it ends 'diverged'
