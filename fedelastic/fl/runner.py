@@ -15,7 +15,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, suppress
-from functools import partial
 from pathlib import Path
 
 import numpy as np
