@@ -84,6 +84,11 @@ class CompareConfig:
     tune: TuneConfig | None = field(
         None, help="tune lr (and bn_mode) per fleet and strategy on a validation split before the seeds run"
     )
+    pretrain: Literal["per_seed", "shared"] = field(
+        "per_seed",
+        help="'per_seed': each seed pretrains (and splits train/test) with its own seed; 'shared': one "
+        "pretrain and one test set, with the first seed, for all (model.pretrain.seed set to it)",
+    )
 
     def __post_init__(self):
         check(0 <= self.target_accuracy <= 1, "target_accuracy", "a fraction in [0, 1]")
@@ -122,6 +127,22 @@ def _combinations(raw: dict, src: str) -> tuple[CompareConfig, list[tuple[str, d
     return cfg, [(f, fleet, v, label) for f, fleet in fleets.items() for v, label in zip(variants, labels)]
 
 
+def _share_pretrain(raw: dict, cfg: CompareConfig, src: str) -> dict:
+    """``raw`` with ``model.pretrain.seed`` set to the first seed when ``compare.pretrain = "shared"``
+    (and the scenario does not fix it): every seed then starts from one cached pretrain."""
+    if cfg.pretrain != "shared":
+        return raw
+    pre = raw.get("model", {}).get("pretrain")
+    if not isinstance(pre, dict):
+        raise ConfigError(
+            src, "compare.pretrain", "'per_seed' unless the scenario has a [model.pretrain] table", "shared"
+        )
+    if "seed" in pre:
+        return raw
+    seed = (cfg.seeds or (raw.get("seed", 0),))[0]
+    return {**raw, "model": {**raw["model"], "pretrain": {**pre, "seed": seed}}}
+
+
 def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant, label: str, seed: int) -> dict:
     r = copy.deepcopy({k: v for k, v in raw.items() if k != "compare"})
     r.update(fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_"))
@@ -144,6 +165,7 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     """The comparison config and one validated scenario per combination."""
     cfg, combos = _combinations(raw, src)
     seeds = cfg.seeds or (raw.get("seed", 0),)
+    raw = _share_pretrain(raw, cfg, src)
     out = []
     for fleet_label, fleet, variant, label in combos:
         for seed in seeds:
@@ -162,6 +184,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
     tune = cfg.tune
     if tune is None:
         return []
+    raw = _share_pretrain(raw, cfg, src)
     out = []
     for fleet_label, fleet, variant, label in combos:
         r = _cell_raw(raw, fleet_label, fleet, variant, label, tune.seed)

@@ -111,8 +111,14 @@ class PretrainConfig:
     epochs: int = field(30, help="central training epochs")
     lr: float = field(0.05, help="learning rate")
     batch_size: int = field(32, help="batch size")
+    seed: int = field(
+        -1,
+        help="seed of the pretraining and of the train/test split (-1: the run's seed); fixed, one pretrain "
+        "(and one test set) is shared by runs of any seed, e.g. a comparison's seeds",
+    )
 
     def __post_init__(self):
+        check(-1 <= self.seed < 2**63, "seed", "-1 (the run's seed) or an integer in [0, 2**63)")
         check(self.epochs >= 1, "epochs", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
         check(self.batch_size >= 1, "batch_size", "an integer >= 1")
@@ -409,6 +415,12 @@ class Scenario:
             "server.evaluate_every",
             "1 for a continual stream (its accuracy matrix needs every round)",
         )
+
+    @property
+    def split_seed(self) -> int:
+        """Seed of the train/test split and of pretraining: ``model.pretrain.seed`` when set, else ``seed``."""
+        pre = self.model.pretrain
+        return pre.seed if pre is not None and pre.seed >= 0 else self.seed
 
     @property
     def num_clients(self) -> int:

@@ -62,7 +62,7 @@ class RunEnvironment:
         if self.external is not None:
             return self.external.train, self.external.test
         ds = load_dataset(sc.data.dataset, src=sc.source, size=sc.data.size)
-        train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.seed)
+        train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.split_seed)
         return ds.subset(train_idx), ds.subset(test_idx)
 
     def view(self, ds: ArrayDataset, classes: tuple[int, ...], kind: str, shift: Shift | None = None) -> ArrayDataset:
