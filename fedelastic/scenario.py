@@ -463,10 +463,10 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
 
     av, net = scenario.availability, scenario.network
     if av.model == "trace":
-        av = replace(av, trace=str(base / av.trace))
+        av = replace(av, trace=str((base / av.trace).resolve()))  # absolute: a run's config.toml re-runs
         load_availability_trace(av.trace, scenario.num_clients, av.period_s, src=scenario.source or "<scenario>")
     if net.model == "trace":
-        net = replace(net, trace=str(base / net.trace))
+        net = replace(net, trace=str((base / net.trace).resolve()))
         load_network_trace(net.trace, scenario.num_clients, src=scenario.source or "<scenario>")
     return replace(scenario, availability=av, network=net)
 
@@ -481,6 +481,8 @@ def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) 
 def load_scenario(path: str | Path, *, resolve: bool = True) -> Scenario:
     """Load, type-check and (``resolve``) validate a scenario file."""
     raw = read_toml(path, "scenario")
-    if "source" in raw:
-        raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
+    if "source" in raw:  # a run's config.toml records the file it came from: this file is the source now
+        if not isinstance(raw["source"], str):
+            raise ConfigError(path, "source", "the recorded scenario file (a string)", raw["source"])
+        raw = {k: v for k, v in raw.items() if k != "source"}
     return parse_scenario(raw, str(path), resolve=resolve)

@@ -45,3 +45,20 @@ def test_a_group_without_its_command_shows_its_help_and_exits_2(argv, capsys):
     assert "Usage: fedelastic " + " ".join(argv) in got.out
     lines = got.err.splitlines()
     assert len(lines) == 1 and "a command is needed" in lines[0], got.err
+
+
+def test_a_runs_own_config_toml_runs_again_to_the_same_results(tmp_path, capsys):
+    import pandas as pd
+    import tomli_w
+
+    from .conftest import small_scenario_dict
+
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 1})))
+    assert main(["run", str(scenario), "--run-id", "first"]) == 0
+    first = next((tmp_path / "runs").glob("*/first"))
+    assert "source" in (first / "config.toml").read_text()  # what used to be refused
+    assert main(["run", str(first / "config.toml"), "--run-id", "again"]) == 0, capsys.readouterr()
+    again = next((tmp_path / "runs").glob("*/again"))
+    cols = ["round", "sim_time_s", "test_accuracy", "test_loss", "total_energy_j", "mean_train_loss"]
+    pd.testing.assert_frame_equal(pd.read_csv(first / "rounds.csv")[cols], pd.read_csv(again / "rounds.csv")[cols])
