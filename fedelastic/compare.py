@@ -609,20 +609,14 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
 
     Every cell is ``mean ± 95% interval`` over the seeds that completed (``mean [low, high]``
     where a physical bound clipped the interval); ``used`` counts them (``2/3``). Strategy labels
-    longer than 12 characters are replaced by ``S1, S2, ...`` and spelled out in the legend, so no
-    label is truncated.
+    are shown whole, as the comparison names them.
     """
     t = pd.read_csv(out / "summary_by_strategy.csv")
     legend = [
         "cells: mean ± 95% interval over the seeds that completed ([low, high]: clipped at a physical bound); "
         "used: seeds completed / run"
     ]
-    short = {}
-    for i, name in enumerate(dict.fromkeys(t.strategy)):
-        short[name] = name if len(name) <= 12 else f"S{i + 1}"
-        if short[name] != name:
-            legend.append(f"{short[name]} = {name}")
-    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy.map(short)})
+    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy})
     frame["used"] = [_used(row) for row in t.itertuples()]
     legend.append("used (fail, div, err): seeds failed, diverged, completed with client errors; in no mean")
     for key, header in (("lr", "lr"), ("bn_mode", "bn")):
