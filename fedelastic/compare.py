@@ -393,8 +393,12 @@ def run_comparison(
     backend: str | None = None,
     rounds: int | None = None,
     resume: Path | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """Run every combination of a comparison file; returns the comparison folder.
+
+    ``overrides``: the file's dict with these top-level tables and keys replaced (``{"seed": 1,
+    "compare": {...}}``; built by :func:`fedelastic.compare`).
 
     A cell whose run raised is recorded as ``failed`` and the comparison goes on (a bad scenario,
     a :class:`ConfigError`, still stops it). ``resume``: the folder of an interrupted comparison;
@@ -402,7 +406,7 @@ def run_comparison(
     checkpoint, and the rest run.
     """
     path = Path(path)
-    raw = read_toml(path, "scenario")
+    raw = {**read_toml(path, "scenario"), **(overrides or {})}
     cfg, variants = expand(raw, str(path))
     tuning = expand_tuning(raw, str(path))
     if resume is not None:
