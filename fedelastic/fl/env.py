@@ -53,7 +53,7 @@ class RunEnvironment:
         sc = self.scenario
         if not hf.is_external(sc.data.dataset):
             return None
-        return hf.prepare(sc.data, sc.num_clients, sc.seed, src=sc.source or "<scenario>")
+        return hf.prepare(sc.data, sc.num_clients, sc.seed, src=sc.source or "<scenario>", split_seed=sc.split_seed)
 
     @cached_property
     def split(self) -> tuple[ArrayDataset, ArrayDataset]:
