@@ -14,6 +14,7 @@ import pytest
 import fedelastic
 from fedelastic.config import check, field
 from fedelastic.selection import REGISTRY, Selection, available, make_strategy
+from fedelastic.strategies.budget import BudgetedStrategy, ElasticConfig
 from fedelastic.testing import BATCH, SEED, STEPS, _data, _fresh, _setup, check_strategy
 from fedelastic.training import train_local
 
@@ -236,3 +237,22 @@ def test_a_plain_value_error_names_the_option_it_is_about():
         assert err.value.key == "compare.strategies[1].options"
     finally:
         REGISTRY.pop("test_plain_errors", None)
+
+
+class DeepFirst(BudgetedStrategy):
+    """A notebook's budgeted strategy on the public base: deeper tensors score higher."""
+
+    name: ClassVar[str] = "test_deep_first"
+
+    def scores(self, ctx):
+        return np.arange(1.0, ctx.info.num_tensors + 1.0)
+
+
+def test_a_notebook_strategy_on_the_public_budget_base_keeps_the_contract():
+    assert DeepFirst.config_cls is ElasticConfig  # the base's options: rho, interval, ...
+    try:
+        fedelastic.register_strategy(DeepFirst)
+        assert make_strategy("test_deep_first", {"rho": 0.6}).config.rho == 0.6
+        check_strategy(DeepFirst, models=["small_cnn"], bad_values=[({"rho": 0.0}, "rho")])
+    finally:
+        REGISTRY.pop("test_deep_first", None)
