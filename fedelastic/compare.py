@@ -117,7 +117,9 @@ def _combinations(raw: dict, src: str) -> tuple[CompareConfig, list[tuple[str, d
     """The comparison config and its (fleet label, fleet, strategy variant, label) combinations, in run order."""
     cfg = from_dict(CompareConfig, raw.get("compare", {}), src, prefix="compare")
     variants: list[StrategyVariant] = []
-    for i, item in enumerate(cfg.strategies or (raw.get("train", {}).get("strategy", "full"),)):
+    train = raw.get("train", {})
+    own = {"strategy": train.get("strategy", "full"), "options": train.get("options", {})}  # its options kept
+    for i, item in enumerate(cfg.strategies or (own,)):
         item = {"strategy": item} if isinstance(item, str) else item
         variants.append(from_dict(StrategyVariant, item, src, prefix=f"compare.strategies[{i}]"))
     labels = [v.label or v.strategy for v in variants]
@@ -150,11 +152,14 @@ def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant
     return r
 
 
-def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool):
-    """A cell's validated scenario; a fault in a fleet from ``compare.fleets`` names that key."""
+def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool, strategy_key: str = ""):
+    """A cell's validated scenario; a fault in a fleet from ``compare.fleets`` names that key, one in
+    the options of a strategy from ``compare.strategies`` names ``strategy_key`` (its entry)."""
     try:
         return parse_scenario(raw, src)
     except ConfigError as exc:
+        if strategy_key and exc.key.startswith("train.options"):
+            raise ConfigError(exc.source, strategy_key + exc.key[len("train") :], exc.expected, exc.got) from None
         if not from_compare or not (exc.key == "fleet" or exc.key.startswith("fleet.")):
             raise
         key = f"compare.fleets.{fleet_label}{exc.key[len('fleet'):]}"
@@ -168,10 +173,18 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     raw = _share_pretrain(raw, cfg, src)
     out = []
     for fleet_label, fleet, variant, label in combos:
+        key = _strategy_key(cfg, combos, label)
         for seed in seeds:
             r = _cell_raw(raw, fleet_label, fleet, variant, label, seed)
-            out.append(Variant(label, fleet_label, seed, _parse_cell(r, src, fleet_label, bool(cfg.fleets))))
+            out.append(Variant(label, fleet_label, seed, _parse_cell(r, src, fleet_label, bool(cfg.fleets), key)))
     return cfg, out
+
+
+def _strategy_key(cfg: CompareConfig, combos: list, label: str) -> str:
+    """``compare.strategies[i]`` of the entry labelled ``label``; "" for the scenario's own strategy."""
+    if not cfg.strategies:
+        return ""
+    return f"compare.strategies[{list(dict.fromkeys(c[3] for c in combos)).index(label)}]"
 
 
 def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
@@ -195,7 +208,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
             t["data"] = {**t.get("data", {}), "validation": tune.validation}
             if tune.rounds:
                 t["server"] = {**t.get("server", {}), "rounds": tune.rounds}
-            sc = _parse_cell(t, src, fleet_label, bool(cfg.fleets))
+            sc = _parse_cell(t, src, fleet_label, bool(cfg.fleets), _strategy_key(cfg, combos, label))
             sc = replace(sc, name=f"{sc.name}-tune-lr{sc.train.lr:g}-{sc.train.bn_mode}")
             out.append(TuneCell(label, fleet_label, sc.train.lr, sc.train.bn_mode, sc))
     return out
