@@ -153,7 +153,7 @@ def gpu_device_profile(env: dict, table=None, model: str = "", kernels: dict | N
 
 def elastic(model, info, x, y, device, timed: int, warmup: int) -> list[dict]:
     import strategies  # noqa: F401  (registers the strategies)
-    from strategies._common import ElasticConfig
+    from fedelastic.strategies.budget import ElasticConfig
     from strategies.elastic_layer import ElasticLayer
     from strategies.elastic_tensor import ElasticTensor
 

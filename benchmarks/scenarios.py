@@ -20,7 +20,11 @@ and strategy, over its seeds), it records:
 * ``status``: status.json's ``status`` of each run; ``rejected`` / ``failed``: client results the
   server rejected as non-finite or that failed; ``not_fitting``: client results whose selection did
   not fit the device's memory; ``nonfinite_loss``: client rows with a
-  non-finite train loss that ran steps; ``wall_s``: the scenario's wall time, pretraining included.
+  non-finite train loss that ran steps; ``wall_s``: the scenario's wall time, pretraining included;
+* ``header_s``: the time the scenario's header comment states ("About 40 s on this 2-core
+  machine", "About 3 minutes"), and ``vs_header``: ``wall_s / header_s``, flagged ``MISMATCH``
+  when it lies outside [1/``--factor``, ``--factor``] (default 2; full size only, a ``--reduced``
+  run is not comparable): then correct the header, or find what made the scenario slower.
 
 Writes ``--out`` (default ``benchmarks/results/scenarios.json``, with ``_reduced`` for
 ``--reduced``) and prints a markdown table. Runs go under a temporary folder.
@@ -33,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -58,6 +63,25 @@ from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import evaluate_model, torch_threads, train_local  # noqa: E402
 
 SIMULATIONS = ROOT / "simulations"
+HEADER_TIME = re.compile(r"About (\d+(?:\.\d+)?) (s|seconds?|minutes?)\b")
+
+
+def header_seconds(path: Path) -> float | None:
+    """The wall time a scenario's leading comment states ("About 40 s", "About 3 minutes"); None if none."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            return None
+        if m := HEADER_TIME.search(line):
+            return float(m.group(1)) * (60.0 if m.group(2).startswith("minute") else 1.0)
+    return None
+
+
+def vs_header(wall_s: float, header_s: float | None, factor: float) -> tuple[float, bool]:
+    """(wall / header, whether that ratio lies outside [1/factor, factor]); (nan, False) without a header."""
+    if not header_s:
+        return float("nan"), False
+    ratio = wall_s / header_s
+    return ratio, not (1 / factor <= ratio <= factor)
 REDUCED_STEPS = 3  # train.max_steps of a reduced run
 COST_DEVICE = "jetson_tx2"  # central training's steps are priced on it (full training fits its memory)
 
@@ -189,7 +213,9 @@ def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
     return rows
 
 
-def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: bool = False) -> list[dict]:
+def run_one(
+    path: Path, small: bool, central_steps: int, work: Path, with_full: bool = False, factor: float = 2.0
+) -> list[dict]:
     raw = read_toml(path, "scenario")
     raw.pop("source", None)
     if small:
@@ -199,8 +225,10 @@ def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: 
     out.mkdir(parents=True, exist_ok=True)
     rows = run_compare(path, raw, out) if "compare" in raw else run_single(path, raw, out)
     wall = time.perf_counter() - start
+    header = header_seconds(path)
+    ratio, off = vs_header(wall, None if small else header, factor)
     for row in rows:
-        row["wall_s"] = wall
+        row.update(wall_s=wall, header_s=header, vs_header=ratio, header_mismatch=off)
     if with_full and "compare" not in raw and raw.get("train", {}).get("strategy", "full") != "full":
         ref = {**raw, "train": {**raw["train"], "strategy": "full", "options": {}}}
         if ref.get("server", {}).get("policy") == "deadline_elastic":
@@ -218,8 +246,8 @@ def run_one(path: Path, small: bool, central_steps: int, work: Path, with_full: 
 
 
 def table(rows: list[dict]) -> str:
-    head = "| scenario | fleet | strategy | seeds | final acc | chance | central acc | full gap | status | rejected | failed | not fitting | non-finite loss | client rows | wall s |"
-    lines = [head, "|" + "---|" * 15]
+    head = "| scenario | fleet | strategy | seeds | final acc | chance | central acc | full gap | status | rejected | failed | not fitting | non-finite loss | client rows | wall s | header s | wall / header |"
+    lines = [head, "|" + "---|" * 17]
 
     def f(x, fmt="{:.3f}"):
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
@@ -229,7 +257,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['scenario']} | {r['fleet'] or '—'} | {r['strategy']} | {r['seeds']} | {f(r['final_accuracy'])} | "
             f"{f(r['chance'], '{:.2f}')} | {f(r['central_accuracy'])} | {f(r['full_gap'], '{:+.3f}')} | {r['status']} | "
             f"{r['rejected']} | {r['failed']} | {r.get('not_fitting', 0)} | {r['nonfinite_loss']} | {r['client_rows']} | "
-            f"{f(r['wall_s'], '{:.0f}')} |"
+            f"{f(r['wall_s'], '{:.0f}')} | {f(r.get('header_s'), '{:.0f}')} | {f(r.get('vs_header'), '{:.2f}')}"
+            f"{' MISMATCH' if r.get('header_mismatch') else ''} |"
         )
     return "\n".join(lines)
 
@@ -245,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--central-only", action="store_true", help="recompute the central columns of --out's table")
     ap.add_argument(
         "--with-full", action="store_true", help="also run each single scenario with strategy full, as its reference"
+    )
+    ap.add_argument(
+        "--factor", type=float, default=2.0, help="flag a wall time off its header's figure by more than this factor"
     )
     args = ap.parse_args(argv)
     central_steps = args.central_steps or (30 if args.reduced else 3000)
@@ -276,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as work:
         for path in paths:
             print(f"== {path.stem}", flush=True)
-            got = run_one(path, args.reduced, central_steps, Path(work), args.with_full)
+            got = run_one(path, args.reduced, central_steps, Path(work), args.with_full, args.factor)
             rows.extend(got)
             print("\n".join(table(got).splitlines()[2:]), flush=True)
             doc = {
@@ -291,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1, default=float))  # after each scenario
     print(table(rows))
+    for r in rows:
+        if r.get("header_mismatch"):
+            print(f"MISMATCH: {r['scenario']} took {r['wall_s']:.0f} s, its header says about {r['header_s']:.0f} s "
+                  f"(beyond x{args.factor:g}): correct the header or find the slowdown")  # fmt: skip
     print(f"wrote {out}")
 
 

@@ -302,7 +302,7 @@ def grid_value(importance, dw, dx, budget, resolution) -> float:
 
 def time_selectors(info, device, args) -> dict:
     """Median select() times of the selector and every strategy, and the pricing rate, on ``info``."""
-    from fedelastic.strategies._common import tensor_times
+    from fedelastic.strategies.budget import tensor_times
 
     cost = CostModel(info, device, 4)
     rng = np.random.default_rng(0)

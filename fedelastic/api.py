@@ -258,17 +258,44 @@ def compare(
     backend: str | None = None,
     rounds: int | None = None,
     resume: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    seeds: Sequence[int] | None = None,
+    strategies: Sequence[Any] | None = None,
+    fleets: Mapping[str, Mapping[str, int]] | None = None,
+    **kw: Any,
 ) -> ComparisonResult:
     """Run a comparison file (a scenario with a ``[compare]`` table); ``resume``: an interrupted one's folder.
+
+    Overrides as :func:`run` takes them: ``overrides={"train.lr": 0.1, "compare.seeds": [0, 1]}``
+    and keywords (``train__lr=0.1``); ``seeds``, ``strategies`` and ``fleets`` set
+    ``compare.seeds``, ``compare.strategies`` and ``compare.fleets``. Resuming, give the same ones.
 
     Seeds that did not complete are in no mean: ``result.summary.status`` says which, and
     ``result.by_strategy.used`` counts the seeds used (``2/3``).
     """
     from .compare import run_comparison
 
+    named = {f"compare.{k}": v for k, v in (("seeds", seeds), ("strategies", strategies), ("fleets", fleets))}
+    dotted = {**(overrides or {}), **{k: v for k, v in named.items() if v is not None}}
+    raw = None
+    if dotted or kw:
+        for key in dotted:
+            if not isinstance(key, str):
+                raise ConfigError("<overrides>", repr(key), "a dotted scenario key (a string, e.g. 'train.lr')")
+        dotted = {**dotted, **{k.replace("__", "."): v for k, v in kw.items()}}
+        raw = apply_overrides(read_toml(path, "scenario"), {k: _plain(v) for k, v in dotted.items()}, str(path))
     return ComparisonResult(
         run_comparison(
             path, output=Path(output) if output else None, backend=backend, rounds=rounds,
-            resume=Path(resume) if resume else None,
+            resume=Path(resume) if resume else None, overrides=raw,
         )  # fmt: skip
     )
+
+
+def _plain(value: Any) -> Any:
+    """Tuples and mappings as the lists and dicts a TOML file would give."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,8 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _fmt_bytes(n: float) -> str:
+    if not math.isfinite(n):  # e.g. a device whose every client failed before reporting its memory
+        return "n/a"
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -69,7 +72,7 @@ def report(run_dir: Path) -> None:
         "device memory",
         "trained params",
     ):
-        table.add_column(col, justify="right", overflow="fold")
+        table.add_column(col, justify="right", overflow="fold", no_wrap=col == "device")  # names whole
     for device, g in clients.groupby("device") if len(clients) else ():
         table.add_row(
             escape(str(device)),
@@ -292,17 +295,19 @@ def cmd_devices(args) -> None:
     from .devices import load_profile, profile_paths
 
     if args.action == "list":
+        from .units import si
+
         table = Table(title="device profiles")
         for col in ("name", "class", "dtype", "peak", "bandwidth", "train memory", "train power"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=True)
         for name, path in profile_paths(tuple(args.dir)).items():
             p = load_profile(path)
             table.add_row(
                 name,
                 p.device_class,
                 p.train_dtype,
-                f"{p.peak_flops.value / 1e9:.3g} G/s",
-                f"{p.mem_bandwidth_bytes_per_s.value / 1e9:.3g} GB/s",
+                si(p.peak_flops.value, "OP/s" if p.train_dtype == "int8" else "FLOP/s"),
+                si(p.mem_bandwidth_bytes_per_s.value, "B/s"),
                 _fmt_bytes(p.memory_train_bytes.value),
                 f"{p.power_train_w.value:.3g} W",
             )

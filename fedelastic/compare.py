@@ -84,6 +84,11 @@ class CompareConfig:
     tune: TuneConfig | None = field(
         None, help="tune lr (and bn_mode) per fleet and strategy on a validation split before the seeds run"
     )
+    pretrain: Literal["per_seed", "shared"] = field(
+        "per_seed",
+        help="'per_seed': each seed pretrains (and splits train/test) with its own seed; 'shared': one "
+        "pretrain and one test set, with the first seed, for all (model.pretrain.seed set to it)",
+    )
 
     def __post_init__(self):
         check(0 <= self.target_accuracy <= 1, "target_accuracy", "a fraction in [0, 1]")
@@ -112,7 +117,9 @@ def _combinations(raw: dict, src: str) -> tuple[CompareConfig, list[tuple[str, d
     """The comparison config and its (fleet label, fleet, strategy variant, label) combinations, in run order."""
     cfg = from_dict(CompareConfig, raw.get("compare", {}), src, prefix="compare")
     variants: list[StrategyVariant] = []
-    for i, item in enumerate(cfg.strategies or (raw.get("train", {}).get("strategy", "full"),)):
+    train = raw.get("train", {})
+    own = {"strategy": train.get("strategy", "full"), "options": train.get("options", {})}  # its options kept
+    for i, item in enumerate(cfg.strategies or (own,)):
         item = {"strategy": item} if isinstance(item, str) else item
         variants.append(from_dict(StrategyVariant, item, src, prefix=f"compare.strategies[{i}]"))
     labels = [v.label or v.strategy for v in variants]
@@ -122,6 +129,22 @@ def _combinations(raw: dict, src: str) -> tuple[CompareConfig, list[tuple[str, d
     return cfg, [(f, fleet, v, label) for f, fleet in fleets.items() for v, label in zip(variants, labels)]
 
 
+def _share_pretrain(raw: dict, cfg: CompareConfig, src: str) -> dict:
+    """``raw`` with ``model.pretrain.seed`` set to the first seed when ``compare.pretrain = "shared"``
+    (and the scenario does not fix it): every seed then starts from one cached pretrain."""
+    if cfg.pretrain != "shared":
+        return raw
+    pre = raw.get("model", {}).get("pretrain")
+    if not isinstance(pre, dict):
+        raise ConfigError(
+            src, "compare.pretrain", "'per_seed' unless the scenario has a [model.pretrain] table", "shared"
+        )
+    if "seed" in pre:
+        return raw
+    seed = (cfg.seeds or (raw.get("seed", 0),))[0]
+    return {**raw, "model": {**raw["model"], "pretrain": {**pre, "seed": seed}}}
+
+
 def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant, label: str, seed: int) -> dict:
     r = copy.deepcopy({k: v for k, v in raw.items() if k != "compare"})
     r.update(fleet=fleet, seed=seed, name=f"{raw.get('name', 'compare')}-{fleet_label}-{label}".replace(" ", "_"))
@@ -129,11 +152,14 @@ def _cell_raw(raw: dict, fleet_label: str, fleet: dict, variant: StrategyVariant
     return r
 
 
-def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool):
-    """A cell's validated scenario; a fault in a fleet from ``compare.fleets`` names that key."""
+def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool, strategy_key: str = ""):
+    """A cell's validated scenario; a fault in a fleet from ``compare.fleets`` names that key, one in
+    the options of a strategy from ``compare.strategies`` names ``strategy_key`` (its entry)."""
     try:
         return parse_scenario(raw, src)
     except ConfigError as exc:
+        if strategy_key and exc.key.startswith("train.options"):
+            raise ConfigError(exc.source, strategy_key + exc.key[len("train") :], exc.expected, exc.got) from None
         if not from_compare or not (exc.key == "fleet" or exc.key.startswith("fleet.")):
             raise
         key = f"compare.fleets.{fleet_label}{exc.key[len('fleet'):]}"
@@ -144,12 +170,21 @@ def expand(raw: dict, src: str) -> tuple[CompareConfig, list[Variant]]:
     """The comparison config and one validated scenario per combination."""
     cfg, combos = _combinations(raw, src)
     seeds = cfg.seeds or (raw.get("seed", 0),)
+    raw = _share_pretrain(raw, cfg, src)
     out = []
     for fleet_label, fleet, variant, label in combos:
+        key = _strategy_key(cfg, combos, label)
         for seed in seeds:
             r = _cell_raw(raw, fleet_label, fleet, variant, label, seed)
-            out.append(Variant(label, fleet_label, seed, _parse_cell(r, src, fleet_label, bool(cfg.fleets))))
+            out.append(Variant(label, fleet_label, seed, _parse_cell(r, src, fleet_label, bool(cfg.fleets), key)))
     return cfg, out
+
+
+def _strategy_key(cfg: CompareConfig, combos: list, label: str) -> str:
+    """``compare.strategies[i]`` of the entry labelled ``label``; "" for the scenario's own strategy."""
+    if not cfg.strategies:
+        return ""
+    return f"compare.strategies[{list(dict.fromkeys(c[3] for c in combos)).index(label)}]"
 
 
 def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
@@ -162,6 +197,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
     tune = cfg.tune
     if tune is None:
         return []
+    raw = _share_pretrain(raw, cfg, src)
     out = []
     for fleet_label, fleet, variant, label in combos:
         r = _cell_raw(raw, fleet_label, fleet, variant, label, tune.seed)
@@ -172,7 +208,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
             t["data"] = {**t.get("data", {}), "validation": tune.validation}
             if tune.rounds:
                 t["server"] = {**t.get("server", {}), "rounds": tune.rounds}
-            sc = _parse_cell(t, src, fleet_label, bool(cfg.fleets))
+            sc = _parse_cell(t, src, fleet_label, bool(cfg.fleets), _strategy_key(cfg, combos, label))
             sc = replace(sc, name=f"{sc.name}-tune-lr{sc.train.lr:g}-{sc.train.bn_mode}")
             out.append(TuneCell(label, fleet_label, sc.train.lr, sc.train.bn_mode, sc))
     return out
@@ -370,8 +406,12 @@ def run_comparison(
     backend: str | None = None,
     rounds: int | None = None,
     resume: Path | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """Run every combination of a comparison file; returns the comparison folder.
+
+    ``overrides``: the file's dict with these top-level tables and keys replaced (``{"seed": 1,
+    "compare": {...}}``; built by :func:`fedelastic.compare`).
 
     A cell whose run raised is recorded as ``failed`` and the comparison goes on (a bad scenario,
     a :class:`ConfigError`, still stops it). ``resume``: the folder of an interrupted comparison;
@@ -379,7 +419,7 @@ def run_comparison(
     checkpoint, and the rest run.
     """
     path = Path(path)
-    raw = read_toml(path, "scenario")
+    raw = {**read_toml(path, "scenario"), **(overrides or {})}
     cfg, variants = expand(raw, str(path))
     tuning = expand_tuning(raw, str(path))
     if resume is not None:
@@ -586,20 +626,14 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
 
     Every cell is ``mean ± 95% interval`` over the seeds that completed (``mean [low, high]``
     where a physical bound clipped the interval); ``used`` counts them (``2/3``). Strategy labels
-    longer than 12 characters are replaced by ``S1, S2, ...`` and spelled out in the legend, so no
-    label is truncated.
+    are shown whole, as the comparison names them.
     """
     t = pd.read_csv(out / "summary_by_strategy.csv")
     legend = [
         "cells: mean ± 95% interval over the seeds that completed ([low, high]: clipped at a physical bound); "
         "used: seeds completed / run"
     ]
-    short = {}
-    for i, name in enumerate(dict.fromkeys(t.strategy)):
-        short[name] = name if len(name) <= 12 else f"S{i + 1}"
-        if short[name] != name:
-            legend.append(f"{short[name]} = {name}")
-    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy.map(short)})
+    frame = pd.DataFrame({"fleet": t.fleet, "strategy": t.strategy})
     frame["used"] = [_used(row) for row in t.itertuples()]
     legend.append("used (fail, div, err): seeds failed, diverged, completed with client errors; in no mean")
     for key, header in (("lr", "lr"), ("bn_mode", "bn")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -112,10 +113,18 @@ def from_dict(cls: type[T], raw: Any, src: str = "<config>", prefix: str = "") -
     try:
         return cls(**kwargs)
     except ValueError as exc:
-        key, _, expected = str(exc).partition(": ")
-        if not expected:
-            key, expected = "<root>", str(exc)
-        raise ConfigError(src, dotted(key), expected) from None
+        key, expected = _failed_key(str(exc), fields)
+        raise ConfigError(src, dotted(key) if key else prefix or "<root>", expected) from None
+
+
+def _failed_key(message: str, fields: dict) -> tuple[str, str]:
+    """(key, expected) of a config's ``ValueError``: :func:`check`'s ``"key: expected"``, else the
+    first option the message names (a user's ``ValueError("k must be >= 1")``), else the table ("")."""
+    key, _, expected = message.partition(": ")
+    if expected and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", key):
+        return key, expected
+    named = sorted((m.start(), name) for name in fields if (m := re.search(rf"\b{re.escape(name)}\b", message)))
+    return (named[0][1] if named else ""), message
 
 
 def to_dict(obj: Any) -> Any:

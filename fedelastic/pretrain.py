@@ -45,12 +45,16 @@ def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str
 
 
 def pretrain_key(env) -> str:
+    """The cache key: a hash of everything that shapes the pretrained weights (the pretraining
+    config, model, data and the seed of pretraining and split: ``Scenario.split_seed``)."""
     sc = env.scenario
+    model = to_dict(sc.model)
+    (model["pretrain"] or {}).pop("seed", None)  # the seed that counts is split_seed (keys of older caches unchanged)
     doc = {
-        "model": to_dict(sc.model),
+        "model": model,
         "dataset": sc.data.dataset,
         "test_fraction": sc.data.test_fraction,
-        "seed": sc.seed,
+        "seed": sc.split_seed,
     }
     if sc.data.size:  # a generated set of another size is other data (0 keeps older keys unchanged)
         doc["size"] = sc.data.size
@@ -70,7 +74,7 @@ def _pretrain(env) -> dict:
 
     sc, cfg = env.scenario, env.scenario.model.pretrain
     source = env.view(env.split[0], cfg.classes, cfg.transform)  # the training split only
-    rng = seed_everything([sc.seed, 0x9E])
+    rng = seed_everything([sc.split_seed, 0x9E])
     model = env.new_model()
     opt = SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=5e-4)  # torch's SGD, bit for bit
     x, y = torch.from_numpy(source.x), torch.from_numpy(source.y)

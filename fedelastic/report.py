@@ -12,6 +12,7 @@ import base64
 import html
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,8 @@ def _figure(png: str, alt: str, caption: str) -> str:
 
 
 def _bytes(n: float) -> str:
+    if not math.isfinite(n):  # e.g. a device whose every client failed before reporting its memory
+        return "n/a"
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -111,8 +111,14 @@ class PretrainConfig:
     epochs: int = field(30, help="central training epochs")
     lr: float = field(0.05, help="learning rate")
     batch_size: int = field(32, help="batch size")
+    seed: int = field(
+        -1,
+        help="seed of the pretraining and of the train/test split (-1: the run's seed); fixed, one pretrain "
+        "(and one test set) is shared by runs of any seed, e.g. a comparison's seeds",
+    )
 
     def __post_init__(self):
+        check(-1 <= self.seed < 2**63, "seed", "-1 (the run's seed) or an integer in [0, 2**63)")
         check(self.epochs >= 1, "epochs", "an integer >= 1")
         check(self.lr > 0, "lr", "a positive number")
         check(self.batch_size >= 1, "batch_size", "an integer >= 1")
@@ -423,6 +429,12 @@ class Scenario:
         )
 
     @property
+    def split_seed(self) -> int:
+        """Seed of the train/test split and of pretraining: ``model.pretrain.seed`` when set, else ``seed``."""
+        pre = self.model.pretrain
+        return pre.seed if pre is not None and pre.seed >= 0 else self.seed
+
+    @property
     def num_clients(self) -> int:
         return sum(self.fleet.values())
 
@@ -476,10 +488,10 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
 
     av, net = scenario.availability, scenario.network
     if av.model == "trace":
-        av = replace(av, trace=str(base / av.trace))
+        av = replace(av, trace=str((base / av.trace).resolve()))  # absolute: a run's config.toml re-runs
         load_availability_trace(av.trace, scenario.num_clients, av.period_s, src=scenario.source or "<scenario>")
     if net.model == "trace":
-        net = replace(net, trace=str(base / net.trace))
+        net = replace(net, trace=str((base / net.trace).resolve()))
         load_network_trace(net.trace, scenario.num_clients, src=scenario.source or "<scenario>")
     return replace(scenario, availability=av, network=net)
 
@@ -494,6 +506,8 @@ def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) 
 def load_scenario(path: str | Path, *, resolve: bool = True) -> Scenario:
     """Load, type-check and (``resolve``) validate a scenario file."""
     raw = read_toml(path, "scenario")
-    if "source" in raw:
-        raise ConfigError(path, "source", "no 'source' key (it is set by the loader)")
+    if "source" in raw:  # a run's config.toml records the file it came from: this file is the source now
+        if not isinstance(raw["source"], str):
+            raise ConfigError(path, "source", "the recorded scenario file (a string)", raw["source"])
+        raw = {k: v for k, v in raw.items() if k != "source"}
     return parse_scenario(raw, str(path), resolve=resolve)

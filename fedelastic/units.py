@@ -23,6 +23,18 @@ UNITS: dict[str, dict[str, float]] = {
 }
 
 
+def si(value: float, unit: str) -> str:
+    """``value`` (in ``unit``) with an SI prefix and 3 significant digits: ``si(5.32e12, "FLOP/s")``
+    is ``"5.32 TFLOP/s"``, ``si(25.6e9, "B/s")`` is ``"25.6 GB/s"``; a non-finite value is ``"n/a"``."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return "n/a"
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(value) < 999.5 or prefix == "P":
+            return f"{value:.3g} {prefix}{unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
 def to_si(value: float, unit: str, dimension: str) -> float:
     """Convert ``value`` in ``unit`` to the base unit of ``dimension``; KeyError if not allowed."""
     return float(value) * UNITS[dimension][unit]

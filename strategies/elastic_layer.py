@@ -4,7 +4,7 @@ Whole layers are the units, so every kernel that runs stays large: a layer's imp
 of its tensors' importance, its cost the sum of their ``t_dw + t_opt`` (roofline-timed, launch
 overhead included, by the cost model) and its chain cost the layer's ``t_dx``. The same budgeted
 selector as :mod:`strategies.elastic_tensor` runs over layers and the result is expanded to
-tensors; budget, re-selection and memory conventions are those of :mod:`strategies._common`.
+tensors; budget, re-selection and memory conventions are those of :mod:`fedelastic.strategies.budget`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from fedelastic.selection import SelectionContext, register
 
-from ._common import BudgetedStrategy, ElasticConfig, require_importance
+from .budget import BudgetedStrategy, ElasticConfig, require_importance
 
 
 @register

@@ -3,7 +3,7 @@
 Every ``interval`` steps the trainer runs the ``importance`` probe (``I[k] = -sum g * dw`` from one
 real optimizer step, weights and optimizer state restored) and this strategy picks the tensors
 that maximise total importance within the backward budget of ``rho`` (see
-:mod:`strategies._common` for the budget, cost and memory conventions). Tensors dropped at one
+:mod:`fedelastic.strategies.budget` for the budget, cost and memory conventions). Tensors dropped at one
 re-selection can come back at the next.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from fedelastic.selection import SelectionContext, register
 
-from ._common import BudgetedStrategy, ElasticConfig, require_importance
+from .budget import BudgetedStrategy, ElasticConfig, require_importance
 
 
 @register

@@ -12,7 +12,7 @@ import numpy as np
 
 from fedelastic.selection import SelectionContext, register
 
-from ._common import BudgetedStrategy, ElasticConfig
+from .budget import BudgetedStrategy, ElasticConfig
 
 
 @register

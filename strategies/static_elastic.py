@@ -12,7 +12,7 @@ import numpy as np
 
 from fedelastic.selection import Selection, SelectionContext, register
 
-from ._common import BudgetConfig, BudgetedStrategy, require_importance
+from .budget import BudgetConfig, BudgetedStrategy, require_importance
 
 
 @register

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tomllib
 
 import pandas as pd
 import pytest
@@ -73,3 +74,19 @@ def test_callback_stops_the_run_early_and_keeps_its_rounds(tmp_path):
     # a target that round 0 already meets does not stop before any training
     again = fe.run(path, server__rounds=1, callbacks=[fe.stop_at_accuracy(0.0)])
     assert list(again.rounds["round"]) == [0, 1] and again.status["stopped_after_round"] == 1
+
+
+def test_compare_takes_seeds_strategies_fleets_and_dotted_overrides(tmp_path):
+    raw = small_scenario_dict(tmp_path, server={"rounds": 1})
+    raw["compare"] = {"strategies": ["full", "bn_bias"], "seeds": [0, 1, 2]}
+    path = tmp_path / "cmp.toml"
+    path.write_text(tomli_w.dumps(raw))
+    result = fe.compare(
+        path, seeds=[4], strategies=[{"strategy": "last_layer", "label": "head"}], fleets={"pis": {"raspberry_pi_4": 2}},
+        overrides={"train.lr": 0.02}, train__max_steps=2,
+    )  # fmt: skip
+    summary = pd.read_csv(result.folder / "summary.csv")
+    assert summary[["fleet", "strategy", "seed"]].values.tolist() == [["pis", "head", 4]]
+    cell = tomllib.loads(next(tmp_path.rglob("config.toml")).read_text())
+    assert cell["train"]["lr"] == 0.02 and cell["train"]["max_steps"] == 2 and cell["fleet"] == {"raspberry_pi_4": 2}
+    assert tomllib.loads(path.read_text())["compare"]["seeds"] == [0, 1, 2]  # the file is left as it was

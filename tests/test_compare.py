@@ -108,7 +108,8 @@ def test_printed_table_spells_out_long_labels(tmp_path):
         }
     ).to_csv(tmp_path / "summary_by_strategy.csv", index=False)
     frame, legend = mean_table(tmp_path)
-    assert list(frame.strategy) == ["full", "S2"] and "S2 = elastic_tensor_0.4" in legend
+    assert list(frame.strategy) == ["full", "elastic_tensor_0.4"]  # whole, never abbreviated
+    assert not any("elastic_tensor_0.4" in line for line in legend)
     assert list(frame["acc"]) == ["0.900 ± 0.010", "0.800"]
 
 
@@ -388,3 +389,16 @@ def test_the_server_scores_val_accuracy_on_the_held_out_share(make_scenario):
     held = train_idx[env.data.validation]
     accuracy, loss = evaluate_model(env.new_model(), ds.x[held], ds.y[held])
     assert rounds.val_accuracy.iloc[0] == pytest.approx(accuracy) and rounds.val_loss.iloc[0] == pytest.approx(loss)
+
+
+def test_a_bad_option_of_a_compared_strategy_names_its_entry(tmp_path):
+    bad = {"strategy": "elastic_tensor", "label": "et", "options": {"rho": -1}}
+    with pytest.raises(ConfigError) as info:
+        expand(_raw(tmp_path, strategies=["full", bad]), "cmp.toml")
+    assert info.value.key == "compare.strategies[1].options.rho"
+    raw = _raw(tmp_path)
+    raw["compare"].pop("strategies")
+    raw["train"] = {**raw["train"], "strategy": "elastic_tensor", "options": {"rho": -1}}
+    with pytest.raises(ConfigError) as info:  # the scenario's own strategy: its own key
+        expand(raw, "cmp.toml")
+    assert info.value.key == "train.options.rho"

@@ -195,7 +195,27 @@ def test_no_network_gives_a_one_line_error(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode != 0 and last.startswith("fedelastic.errors.ConfigError: hub.toml: key 'data.dataset'")
-    assert "uoft-cs/cifar10" in last and "local copy" in last
+    assert "uoft-cs/cifar10" in last and "local copy" in last and "HF_HUB_OFFLINE" in last
+
+
+def test_an_unreachable_hub_fails_at_once_naming_hf_hub_offline(tmp_path, monkeypatch):
+    import socket
+
+    import flwr_datasets
+
+    with socket.socket() as s:  # a local port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    built = []
+    real = flwr_datasets.FederatedDataset
+    monkeypatch.setattr(flwr_datasets, "FederatedDataset", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    with pytest.raises(ConfigError) as err:
+        _ = _env(tmp_path, dataset="uoft-cs/cifar10", partitioner="iid").external
+    assert err.value.key == "data.dataset" and "HF_HUB_OFFLINE=1" in str(err.value)
+    assert f"127.0.0.1:{port} cannot be reached" in str(err.value) and "\n" not in str(err.value)
+    assert built == []  # failed before Hugging Face's retries began
 
 
 def test_other_processes_read_the_cached_partition_without_importing_datasets(tmp_path, hf_dataset):

@@ -7,6 +7,8 @@ from fedelastic.errors import ConfigError
 from fedelastic.fl.env import RunEnvironment
 from fedelastic.pretrain import initial_state
 
+from .conftest import small_scenario_dict
+
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
@@ -58,3 +60,59 @@ def test_user_weights_file_is_checked(make_scenario, tmp_path):
     assert info.value.key == "model.weights"
     with pytest.raises(ConfigError, match="existing weights file"):
         initial_state(RunEnvironment(make_scenario(model={"name": "small_cnn", "weights": str(tmp_path / "none.pt")})))
+
+
+def _pretraining_comparison(tmp_path, **compare):
+
+    raw = small_scenario_dict(
+        tmp_path, model={"name": "small_cnn", "options": {"width": 4}, "pretrain": {"classes": [0, 1], "epochs": 1}}
+    )
+    raw["compare"] = {"strategies": ["full"], "seeds": [5, 6, 7], **compare}
+    return raw
+
+
+def test_a_shared_pretrain_runs_once_for_all_seeds_and_equals_a_fresh_pretrain(tmp_path, monkeypatch):
+    from fedelastic.compare import expand
+
+    _, cells = expand(_pretraining_comparison(tmp_path, pretrain="shared"), "cmp.toml")
+    assert [c.scenario.seed for c in cells] == [5, 6, 7]
+    assert {c.scenario.model.pretrain.seed for c in cells} == {5}  # the comparison's first seed
+    calls = []
+    real = pretrain_mod.pretrain
+    monkeypatch.setattr(pretrain_mod, "pretrain", lambda env: calls.append(env.scenario.seed) or real(env))
+    states = [initial_state(RunEnvironment(c.scenario)) for c in cells]
+    assert calls == [5]  # the seeds 6 and 7 load seed 5's cached weights
+    # a fresh pretrain, in a fresh cache, of the plain scenario with seed 5 (pretrain.seed unset)
+    monkeypatch.setenv("FEDELASTIC_CACHE", str(tmp_path / "fresh"))
+    plain = expand(_pretraining_comparison(tmp_path, seeds=[5]), "cmp.toml")[1][0].scenario
+    assert plain.model.pretrain.seed == -1
+    fresh = real(RunEnvironment(plain))
+    for state in states:
+        assert set(state) == set(fresh) and all(torch.equal(state[k], fresh[k]) for k in fresh)
+    # one test set for all: pretraining (on seed 5's training split) never sees a run's test samples
+    tests = {RunEnvironment(c.scenario).split[1].x.tobytes() for c in cells}
+    assert len(tests) == 1
+
+
+def test_per_seed_pretrains_differ_and_split_with_their_own_seeds(tmp_path, monkeypatch):
+    from fedelastic.compare import expand
+
+    _, cells = expand(_pretraining_comparison(tmp_path, seeds=[5, 6]), "cmp.toml")
+    assert {c.scenario.model.pretrain.seed for c in cells} == {-1}
+    calls = []
+    real = pretrain_mod.pretrain
+    monkeypatch.setattr(pretrain_mod, "pretrain", lambda env: calls.append(env.scenario.seed) or real(env))
+    a, b = (initial_state(RunEnvironment(c.scenario)) for c in cells)
+    assert calls == [5, 6] and any(not torch.equal(a[k], b[k]) for k in a)
+    first, second = (RunEnvironment(c.scenario).split[1].x.tobytes() for c in cells)
+    assert first != second
+
+
+def test_a_shared_pretrain_needs_a_pretrain_table(tmp_path):
+    from fedelastic.compare import expand
+
+    raw = small_scenario_dict(tmp_path)
+    raw["compare"] = {"seeds": [0, 1], "pretrain": "shared"}
+    with pytest.raises(ConfigError) as info:
+        expand(raw, "cmp.toml")
+    assert info.value.key == "compare.pretrain"

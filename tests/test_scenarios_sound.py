@@ -43,6 +43,25 @@ def test_every_shipped_scenario_is_covered():
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_scenario_states_its_time_on_a_2_core_machine(bench, path):
+    assert "2-core machine" in path.read_text() and bench.header_seconds(path) is not None
+
+
+def test_header_times_are_read_and_a_mismatch_is_flagged(bench, tmp_path):
+    scenario = tmp_path / "s.toml"
+    scenario.write_text("# A scenario.\n# About 40 s on this 2-core machine (load ~10)\nname = 'x'\n# About 9 s\n")
+    assert bench.header_seconds(scenario) == 40.0  # the leading comment only
+    scenario.write_text("# About 3 minutes for its 48 runs on this 2-core machine\nname = 'x'\n")
+    assert bench.header_seconds(scenario) == 180.0
+    scenario.write_text("name = 'x'  # About 40 s\n")
+    assert bench.header_seconds(scenario) is None
+    assert bench.vs_header(100.0, 40.0, 2.0) == (2.5, True) and bench.vs_header(30.0, 40.0, 2.0) == (0.75, False)
+    assert bench.vs_header(10.0, 40.0, 2.0) == (0.25, True)
+    ratio, flagged = bench.vs_header(10.0, None, 2.0)
+    assert ratio != ratio and not flagged
+
+
 def test_reduced_size_shrinks_rounds_steps_and_data(bench):
     raw = read_toml(ROOT / "simulations" / "continual_domain.toml", "scenario")
     small = bench.reduced(raw)

@@ -22,7 +22,7 @@ from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, make_strategy
-from fedelastic.strategies._common import solve, tensor_times
+from fedelastic.strategies.budget import solve, tensor_times
 from fedelastic.strategies.tinytrain import layer_scores
 from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
 

@@ -198,6 +198,7 @@ def _load_and_partition(name: str, base: Path, preprocess, partitioner, count: i
     elif kind == "imagefolder":
         kwargs = {"dataset": "imagefolder", "data_dir": str(path)}
     else:
+        _check_hub(name, src)
         kwargs = {"dataset": name}
     fds = FederatedDataset(partitioners={"train": partitioner}, preprocessor=preprocess, shuffle=False, **kwargs)
     try:
@@ -208,16 +209,45 @@ def _load_and_partition(name: str, base: Path, preprocess, partitioner, count: i
         if kind is not None:
             raise
         lines = str(exc).strip().splitlines()
+        offline = " with HF_HUB_OFFLINE set: it must be in the Hugging Face cache" if _offline() else ""
         raise ConfigError(
             src,
             "data.dataset",
-            "a Hugging Face dataset that can be downloaded from here, or a local copy "
+            f"a Hugging Face dataset that can be downloaded from here, or a local copy{offline} "
             f"(loading failed: {type(exc).__name__}: {lines[0][:200] if lines else ''})",
             name,
         ) from None
     fds.load_partition(0, "train")  # binds the split to the partitioner
     _check_count(partitioner, count, src)
     return train, fds.load_split("test"), [fds.load_partition(i, "train")[INDEX] for i in range(count)]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_hub(name: str, src: str, timeout_s: float = 3.0) -> None:
+    """Fail at once when the Hub cannot be reached (Hugging Face would retry for about a minute).
+
+    With ``HF_HUB_OFFLINE=1`` nothing is checked: the dataset comes from the Hugging Face cache."""
+    import socket
+    from urllib.parse import urlparse
+
+    if _offline():
+        return
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            src,
+            "data.dataset",
+            f"a Hugging Face dataset reachable from here: {host}:{port} cannot be reached "
+            f"({exc.strerror or type(exc).__name__}); offline, set HF_HUB_OFFLINE=1 to load it from the Hugging "
+            "Face cache, or give a local copy (a save_to_disk folder, parquet files, an imagefolder or an .npz)",
+            name,
+        ) from None
 
 
 def _check_count(partitioner, count: int, src: str) -> None:
@@ -245,8 +275,14 @@ def load_npz(path: Path, d, src: str) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Path | None = None) -> FederatedData:
-    """Load and partition an external dataset once; cached, so other processes read one ``.npz``."""
+def prepare(
+    d, num_partitions: int, seed: int, src: str = "<scenario>", base: Path | None = None, split_seed: int | None = None
+) -> FederatedData:
+    """Load and partition an external dataset once; cached, so other processes read one ``.npz``.
+
+    ``split_seed`` (default ``seed``): the seed of an ``.npz`` file's train/test split (a shared
+    pretrain fixes it, see ``model.pretrain.seed``); the Hub's and local copies' splits are their own."""
+    split_seed = seed if split_seed is None else split_seed
     base = base if base is not None else (Path(src).parent if src and not src.startswith("<") else Path("."))
     doc = {
         "v": CACHE_VERSION,
@@ -254,6 +290,7 @@ def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Pa
         "data": {k: v for k, v in vars(d).items() if k not in ("transform", "shift", "dataset")},
         "num_partitions": num_partitions,
         "seed": seed,
+        **({"split_seed": split_seed} if split_seed != seed else {}),  # older keys unchanged
     }
     key = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cache = _cache_root() / f"external-{key}.npz"
@@ -265,7 +302,7 @@ def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Pa
                 ArrayDataset(f["train_x"], f["train_y"]), ArrayDataset(f["test_x"], f["test_y"]), parts
             )
     try:
-        data = _prepare_uncached(d, num_partitions, seed, src, base)
+        data = _prepare_uncached(d, num_partitions, seed, src, base, split_seed)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 (a local copy that cannot be read: bad input, in one line)
@@ -292,7 +329,7 @@ def prepare(d, num_partitions: int, seed: int, src: str = "<scenario>", base: Pa
     return data
 
 
-def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path) -> FederatedData:
+def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path, split_seed: int) -> FederatedData:
     from . import partition
 
     path = (base / d.dataset).expanduser()
@@ -303,7 +340,7 @@ def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path) -
             x, y = x[keep], y[keep]
         if d.partitioner not in ("iid", "shards", "dirichlet"):
             raise ConfigError(src, "data.partitioner", "iid, dirichlet or shards for an .npz", d.partitioner)
-        train_idx, test_idx = train_test_split(y, d.test_fraction, seed)
+        train_idx, test_idx = train_test_split(y, d.test_fraction, split_seed)
         train, test = ArrayDataset(x[train_idx], y[train_idx]), ArrayDataset(x[test_idx], y[test_idx])
         if len(test) == 0:
             raise ConfigError(src, "data.test_fraction", f"a fraction that leaves the server test samples of {path} ({len(y)} images)", d.test_fraction)

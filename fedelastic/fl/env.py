@@ -53,7 +53,7 @@ class RunEnvironment:
         sc = self.scenario
         if not hf.is_external(sc.data.dataset):
             return None
-        return hf.prepare(sc.data, sc.num_clients, sc.seed, src=sc.source or "<scenario>")
+        return hf.prepare(sc.data, sc.num_clients, sc.seed, src=sc.source or "<scenario>", split_seed=sc.split_seed)
 
     @cached_property
     def split(self) -> tuple[ArrayDataset, ArrayDataset]:
@@ -62,7 +62,7 @@ class RunEnvironment:
         if self.external is not None:
             return self.external.train, self.external.test
         ds = load_dataset(sc.data.dataset, src=sc.source, size=sc.data.size)
-        train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.seed)
+        train_idx, test_idx = train_test_split(ds.y, sc.data.test_fraction, sc.split_seed)
         return ds.subset(train_idx), ds.subset(test_idx)
 
     def view(self, ds: ArrayDataset, classes: tuple[int, ...], kind: str, shift: Shift | None = None) -> ArrayDataset:

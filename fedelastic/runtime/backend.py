@@ -11,8 +11,9 @@ so a hung client keeps the runtime (and the driver) alive forever.
 
 * replaces a dead actor with a fresh one and retries the client on a healthy actor, at most
   ``retries`` more times (the node's context is the driver's, so the retry starts clean);
-* gives up on a client after ``timeout_s`` (the round's timeout), kills its actor and starts a
-  new one, so later rounds use the full pool;
+* gives up on a client after ``timeout_s`` (the round's timeout), counted from the moment its
+  worker process is up (a fresh worker's start-up is awaited apart, up to ``START_LIMIT_S``), kills
+  its actor and starts a new one, so later rounds use the full pool;
 * stops waiting as soon as the run is over (``stop`` is set), so the driver exits.
 
 Any other client error is returned to the pool and reported as before. A cohort message
@@ -44,9 +45,20 @@ class _Settings:
     replaced: int = 0  # actors replaced during the run (dead or hung)
     active: int = 0  # client calls in flight
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # id(actor) -> its __ray_ready__ reply, for an actor whose process may still be starting
+    starting: dict = field(default_factory=dict)
 
+
+#: how long a fresh worker process may take to start (minutes on a loaded machine) before its client times out
+START_LIMIT_S = 600.0
 
 _SETTINGS = _Settings()
+
+
+def _watch_start(actor) -> None:
+    """Note when ``actor``'s process is up: a client's ``timeout_s`` counts from then, so that a
+    fresh worker's start-up (tens of seconds on a loaded machine) is not taken for a hung client."""
+    _SETTINGS.starting[id(actor)] = actor.__ray_ready__.remote()
 
 
 class ClientTimeout(TimeoutError):
@@ -167,6 +179,8 @@ def _build(self, app_fn) -> None:
     self.pool.num_actors += len(actors[:capacity])
     if capacity > len(actors):
         self.pool.add_actors_to_pool(capacity - len(actors))
+    for actor in self.pool.pool:
+        _watch_start(actor)
     self.app_fn = app_fn
 
 
@@ -181,7 +195,9 @@ def _retire(pool, future, *, replace: bool) -> None:
         except Exception:  # already gone  # noqa: BLE001
             pass
     if replace:
-        pool.pool.append(pool.create_actor_fn())
+        fresh = pool.create_actor_fn()
+        _watch_start(fresh)
+        pool.pool.append(fresh)
         _SETTINGS.replaced += 1
 
 
@@ -237,14 +253,10 @@ def _call_client(self, message, context):
         future = self.pool.submit(
             lambda a, a_fn, mssg, cid, state: a.run.remote(a_fn, mssg, cid, state), (self.app_fn, message, pid, context)
         )
-        deadline = time.monotonic() + _SETTINGS.timeout_s * max(members, 1)
-        while not ray.wait([future], timeout=0.2)[0]:
-            if _SETTINGS.stop.is_set() or not ray.is_initialized():
-                _retire(self.pool, future, replace=False)
-                raise ClientTimeout("the run ended before this client replied")
-            if time.monotonic() > deadline:
-                _retire(self.pool, future, replace=True)
-                raise ClientTimeout(timeout_reason(_SETTINGS.timeout_s))
+        started = _SETTINGS.starting.pop(id(self.pool._future_to_actor.get(future)), None)
+        if started is not None:  # the worker's start-up is waited for on its own (an event, not timeout_s)
+            _await(self.pool, future, started, max(_SETTINGS.timeout_s, START_LIMIT_S))
+        _await(self.pool, future, future, _SETTINGS.timeout_s * max(members, 1))
         try:
             _, out_message, updated_context = ray.get(future)
         except ray.exceptions.RayActorError as exc:  # the actor's process died
@@ -266,6 +278,21 @@ def _call_client(self, message, context):
     raise AssertionError("unreachable")
 
 
+def _await(pool, future, ref, limit_s: float) -> None:
+    """Wait for ``ref`` (``future``'s reply or its actor's start) for ``limit_s`` seconds; on the
+    run's end or the limit, retire ``future``'s actor and raise :class:`ClientTimeout`."""
+    import ray
+
+    deadline = time.monotonic() + limit_s
+    while not ray.wait([ref], timeout=0.2)[0]:
+        if _SETTINGS.stop.is_set() or not ray.is_initialized():
+            _retire(pool, future, replace=False)
+            raise ClientTimeout("the run ended before this client replied")
+        if time.monotonic() > deadline:
+            _retire(pool, future, replace=True)
+            raise ClientTimeout(timeout_reason(_SETTINGS.timeout_s))
+
+
 def _is_cohort(message) -> bool:
     return message.has_content() and "cohort" in message.content and "partition-ids" in message.content["cohort"]
 
@@ -283,6 +310,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     """Use the crash-tolerant ``process_message`` for simulations started inside this block (where
     Flower's patches are active; else Flower's own, and ``retries``/``timeout_s`` do not apply)."""
     _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
+    _SETTINGS.starting.clear()
     if not patches.active("flwr"):
         _kill(_EARLY.pop("actors", []))
         _EARLY.clear()

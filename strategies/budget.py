@@ -1,4 +1,8 @@
-"""Shared pieces of the time-budgeted strategies (elastic_tensor, elastic_layer, random_budget, ...).
+"""Public base and helpers of the time-budgeted strategies (elastic_tensor, elastic_layer, random_budget, ...).
+
+Import as ``fedelastic.strategies.budget``: subclass :class:`BudgetedStrategy` (options: a
+:class:`BudgetConfig` or :class:`ElasticConfig` subclass) and register it with
+``fedelastic.register_strategy``.
 
 Conventions
 -----------
@@ -50,7 +54,7 @@ Solver = Literal["exact", "grid", "artifact_dp", "greedy"]
 
 @dataclass(frozen=True)
 class BudgetConfig:
-    """Options of a time-budgeted selection that is made once (see :mod:`strategies._common`)."""
+    """Options of a time-budgeted selection that is made once (see :mod:`fedelastic.strategies.budget`)."""
 
     rho: float = field(
         0.5,
