@@ -7,7 +7,7 @@ import sys
 def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.costmodel, fedelastic.devices, fedelastic.selector, fedelastic.fit\n"
+        "import fedelastic.costmodel, fedelastic.kernels, fedelastic.devices, fedelastic.selector, fedelastic.fit\n"
         "from fedelastic.selection import available\n"
         "assert len(available()) >= 9\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
