@@ -400,6 +400,38 @@ def no_step_reason(strategy: SelectionStrategy, note: str) -> str:
     return f"{what}: {note}" if note else what
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a client trains in a round: ``epochs`` over its data (at most ``max_steps`` steps; 0: no
+    cap) in batches of ``batch_size``, by ``optimizer`` at ``lr``.
+
+    ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
+    ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over the local training's steps,
+    the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc); it must
+    be the cost model's.
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    max_steps: int = 0
+    bn_mode: str = "frozen"
+    optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+
+    @classmethod
+    def of(cls, train, bn_mode: str, max_steps: int | None = None) -> LocalTraining:
+        """A scenario's ``[train]`` table (:class:`~fedelastic.scenario.TrainConfig`) as local training,
+        its step cap lowered to ``max_steps`` (a deadline's; see :func:`step_cap`)."""
+        return cls(
+            epochs=train.local_epochs, batch_size=train.batch_size, lr=train.lr, momentum=train.momentum,
+            weight_decay=train.weight_decay, max_steps=step_cap(train.max_steps, max_steps), bn_mode=bn_mode,
+            optimizer=train.optimizer, lr_schedule=train.lr_schedule,
+        )  # fmt: skip
+
+
 @with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
@@ -407,26 +439,19 @@ def train_local(
     strategy: SelectionStrategy,
     cost: CostModel,
     data: ArrayDataset,
+    local: LocalTraining,
     *,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    max_steps: int = 0,
     seed: int | list[int] = 0,
-    bn_mode: str = "frozen",
-    optimizer: str = "sgd",
-    lr_schedule: str = "constant",
     prepared: Prepared | None = None,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
-    ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
-    ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
-    steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
-    ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
+    ``local``: the optimizer, schedule and step budget (:class:`LocalTraining`); ``seed``: the
+    batches' and the strategy's randomness; ``prepared``: the model's :class:`Prepared`, shared by
+    many calls on the same model.
     """
+    epochs, batch_size, lr, max_steps = local.epochs, local.batch_size, local.lr, local.max_steps
+    bn_mode, lr_schedule = local.bn_mode, local.lr_schedule
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
     if lr_schedule not in SCHEDULES:
@@ -436,7 +461,7 @@ def train_local(
     if prepared is None or prepared.model is not model:
         prepared = Prepared(model, info)
     params = prepared.params
-    opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
+    opt = prepared.optimizer(local.optimizer, lr, local.momentum, local.weight_decay)
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
     # the weights a selection that does not fit rolls back to, taken before the first step that such a
     # selection could follow (see fail); None while no step ran

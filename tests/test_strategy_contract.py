@@ -37,6 +37,7 @@ from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection import REGISTRY, Selection, SelectionContext, available, make_strategy
 from fedelastic.training import (
+    LocalTraining,
     count_backward_nodes,
     fisher_probe,
     importance_probe,
@@ -164,11 +165,7 @@ def run(name: str, model_name: str, device: str, options_key: tuple = ()):
         strategy,
         cost,
         data(),
-        epochs=1,
-        batch_size=BATCH,
-        lr=0.1,
-        weight_decay=1e-3,
-        max_steps=STEPS,
+        LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS),
         seed=SEED,
     )
     return model, result, selections, info, cost
@@ -273,8 +270,15 @@ def test_train_time_is_steps_probes_and_selector(name):
     _, result, selections, info, cost = run(name, "small_cnn", "jetson_nano")  # every probe fits whole
     strategy = make_strategy(name, matrix_options(name))
     seen = record(strategy)
-    rerun = train_local(fresh_model("small_cnn", "jetson_nano"), info, strategy, cost, data(), epochs=1,
-                        batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS, seed=SEED)  # fmt: skip
+    rerun = train_local(
+        fresh_model("small_cnn", "jetson_nano"),
+        info,
+        strategy,
+        cost,
+        data(),
+        LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS),
+        seed=SEED,
+    )
     starts = [*strategy.selected_at, min(STEPS, -(-len(data()) // BATCH))]
     steps = sum((b - a) for a, b, sel in zip(starts, starts[1:], seen) if sel.mask.any())
     step_time = sum(
@@ -399,11 +403,7 @@ def test_seed_is_deterministic(name, model_name, device):
         strategy,
         cost,
         data(),
-        epochs=1,
-        batch_size=BATCH,
-        lr=0.1,
-        weight_decay=1e-3,
-        max_steps=STEPS,
+        LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS),
         seed=SEED,
     )
     assert result_a.fits == result_b.fits and result_a.steps == result_b.steps
