@@ -93,7 +93,7 @@ class _Table:
         The part is exactly what ``pd.DataFrame(rows, columns=...).to_parquet(index=False,
         schema=...)`` writes, with the earlier parts' schema (``merge``: none, types as pandas
         infers them). Building that DataFrame, and pyarrow's
-        conversion from it, cost ~5 ms an append (issue 10), so once an append's per-column value
+        conversion from it, cost ~5 ms an append, so once an append's per-column value
         types (its *signature*) have been written that way without any cast, appends with the same
         signature build the Arrow columns straight from the values, with that append's schema
         (pandas' metadata included): the same bytes. Anything the fast path cannot convert, or a
@@ -217,8 +217,8 @@ def warm_up() -> None:
     The first table written in a process pays ~25 ms that later ones do not: pyarrow's Parquet
     modules are imported, and pandas' Arrow-backed strings and pyarrow's Parquet writer and
     reader set themselves up on first use. A run's first rows are written while its first round
-    trains (write-behind), so that cost slowed round 1; the runner calls this at start-up, beside
-    Ray's start where there is one (issue 10). It writes nothing to disk.
+    trains (write-behind), where that cost would slow round 1: the runner calls this at start-up,
+    beside Ray's start where there is one. It writes nothing to disk.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
