@@ -14,11 +14,11 @@ client keeps the runtime (and the driver) alive forever.
   new one, so later rounds use the full pool;
 * stops waiting as soon as the run is over (``stop`` is set), so the driver exits.
 
-Any other client error is returned to the pool and reported as before. A cohort message
+Any other client error is returned to the pool and reported as Flower reports it. A cohort message
 (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that abandoned a hung
 client (its reply says so) has its worker replaced after it replies.
 
-Start and stop (issue 10): :func:`start_ray_beside` runs the driver's own start-up work on a
+Start and stop: :func:`start_ray_beside` runs the driver's own start-up work on a
 thread while ``ray.init`` waits for its daemons; :func:`no_autoscaler` starts a local cluster
 without Ray's autoscaler monitor, which has nothing to scale on one machine (``ray start
 --no-monitor`` in Ray's own CLI; ``ray.init`` has no argument for it), and :func:`no_dashboard`
@@ -93,7 +93,7 @@ _EARLY: dict = {}  # actors created as soon as Ray was up ("actors"), with the r
 #: (as ``runner._loader`` is) so that Ray ships the class by value. A worker unpickling Flower's
 #: own class imports its module, hence the package ``flwr.simulation``, whose ``__init__``
 #: imports Flower's CLI, SQL state and web stack (sqlalchemy, alembic, fastapi...): ~0.45 s and
-#: ~85,000 objects per worker that a client never uses (issue 10). Unpickling this copy imports
+#: ~85,000 objects per worker that a client never uses. Unpickling this copy imports
 #: ``flwr.clientapp`` only. :func:`actor_class` uses it only while its methods compile to the same
 #: code as Flower's.
 _ACTOR_SOURCE = """
@@ -359,7 +359,7 @@ def _alive(procs: dict[int, str]) -> dict[int, str]:
 #: raylet, worker or driver that finds its object store or raylet socket not yet listening tries
 #: again after 50 ms instead of Ray's 1 s (the same 10 s in all). The raylet connects to the
 #: object store it has just started on another thread; when it looks before the store listens,
-#: Ray's default costs the start-up a whole second (about one start in five here, issue 10).
+#: Ray's default costs the start-up a whole second (about one start in five here).
 LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
 
 
@@ -430,7 +430,7 @@ def start_ray(scenario) -> None:
 
 
 def start_ray_beside(scenario, work: Callable[[], T]) -> T:
-    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap (issue 10).
+    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap.
 
     Ray's start is mostly waiting for its daemons; ``work`` is the driver's own (imports, data,
     the model's description, checks). An error of ``work`` wins: Ray is shut down and the error
@@ -467,7 +467,7 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
     and data) on a thread beside it; True if this call started Ray.
 
     The entry points (``api.run``, ``fedelastic run``) call it before they import the runtime, so
-    that ``ray.init`` overlaps those imports too (issue 10). Best effort: an error of ``prepare``
+    that ``ray.init`` overlaps those imports too. Best effort: an error of ``prepare``
     or of ``ray.init`` is left for the run, which meets it again and reports it as usual. The
     caller shuts Ray down (:func:`quick_shutdown`) if the run ends before it does.
     """
@@ -597,9 +597,9 @@ def no_dashboard() -> Iterator[bool]:
 
     With ``include_dashboard=False`` Ray still starts that process, to run its usage-stats module
     only, and waits for it to publish its address (looking every 0.1 s) before it starts the
-    raylet: ~0.5 s of every local start here (issue 10). The block makes ``Node.start_api_server``
+    raylet: ~0.5 s of every local start here. The block makes ``Node.start_api_server``
     return at once when the dashboard is not wanted; a wanted one (``True`` or Ray's default
-    ``None``) starts as before. Yields whether it could (a Ray whose ``start_api_server`` takes
+    ``None``) starts as Ray starts it. Yields whether it could (a Ray whose ``start_api_server`` takes
     other arguments is left as it is).
     """
     import inspect

@@ -145,7 +145,7 @@ class GuardedGrid(Grid):
     (not an empty one) leaves, before the wait for replies: the runner hands the recorder's
     kept writes (the previous round's rows and checkpoint) to its writer there, so that they
     are made while the clients train, not while this thread still builds the round's messages
-    (a writer holding the GIL then made that 1-2 ms slower a round, issue 10).
+    (a writer holding the GIL then would make that 1-2 ms slower a round).
     """
 
     def __init__(
@@ -382,7 +382,7 @@ class ShippedClientApp(ClientApp):
     this app first puts the driver's fedelastic folder, then the driver's own ``sys.path``, ahead
     of the worker's, imports fedelastic from there, and only then unpickles the app (whose
     functions import the rest). This needs no Ray ``runtime_env``, so the workers ``ray.init``
-    starts are used as they are rather than replaced by fresh ones (issue 10: about a second of
+    starts are used as they are rather than replaced by fresh ones (about a second of
     start-up). Flower pickles the app with every call; the pickled app is made once, and each
     worker keeps the app it unpickled.
     """
@@ -411,7 +411,7 @@ def client_resources(sim) -> dict:
 
 def start_actors_early(scenario: Scenario) -> int:
     """Create Flower's client actors now, Ray being up, rather than when the simulation starts;
-    returns how many (issue 10).
+    returns how many.
 
     Each actor, as it is created, puts the driver's code first on its path (as
     :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,
@@ -440,7 +440,7 @@ def ray_workers(cpus_per_client: float) -> int:
 
 
 def _preflight_beside_ray(scenario: Scenario, env) -> dict:
-    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
+    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up.
 
     A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had
     not been started (:func:`raypool.start_ray_beside`).

@@ -78,7 +78,7 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     (every 10 ms) checks every query still unanswered, and so does every sweep of the dispatch
     loop: work proportional to the fleet size, repeated for as long as the fleet takes to
     answer, so quadratic in the fleet size (at 10,000 nodes most of a minute of the driver's
-    time, issue 10). In chunks each poll stays small and the whole query is linear.
+    time). In chunks each poll stays small and the whole query is linear.
     """
     deadline = time.monotonic() + timeout_s
     mapping = {}
@@ -104,7 +104,7 @@ def nonfinite_tensors(replies: list[dict[str, np.ndarray]]) -> list[set[str]]:
 
     ``np.isfinite(value).all()`` per tensor per reply, with one numpy call per tensor for the
     replies whose copies of it agree in shape and dtype (stacked, at most ``_CHECKED_MAX``
-    elements at once): ~8 calls a round instead of two per tensor and reply (issue 10).
+    elements at once): ~8 calls a round instead of two per tensor and reply.
     """
     groups: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     for i, arrays in enumerate(replies):
