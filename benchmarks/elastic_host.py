@@ -47,7 +47,7 @@ from fedelastic.devices import get_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models.resnet import resnet_small  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import count_backward_nodes, importance_probe, make_optimizer, train_local  # noqa: E402
+from fedelastic.training import LocalTraining, count_backward_nodes, importance_probe, make_optimizer, train_local  # noqa: E402
 
 CONFIGS = (("full", {}), ("elastic_tensor", {"rho": 0.4}), ("elastic_layer", {"rho": 0.4}))
 BATCH, SAMPLES = 32, 160
@@ -94,9 +94,14 @@ def main() -> None:
         sync()
         c0, w0 = time.thread_time(), time.perf_counter()
         r = train_local(
-            model, info, strategy, cost, data, epochs=epochs, batch_size=BATCH, lr=0.05, momentum=0.9,
-            weight_decay=5e-4, seed=[0, 1, 0], bn_mode="frozen",
-        )  # fmt: skip
+            model,
+            info,
+            strategy,
+            cost,
+            data,
+            LocalTraining(epochs=epochs, batch_size=BATCH, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="frozen"),
+            seed=[0, 1, 0],
+        )
         sync()
         return r, time.thread_time() - c0, time.perf_counter() - w0
 

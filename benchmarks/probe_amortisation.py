@@ -23,7 +23,7 @@ from fedelastic.devices import get_profile
 from fedelastic.modelinfo import describe
 from fedelastic.models.mobilenetv2 import mobilenetv2
 from fedelastic.selection import make_strategy
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 
 RHO, BATCH = 0.5, 16
 
@@ -37,7 +37,9 @@ def clock(model, info, cost, data, name: str, options: dict, rounds: int, carrie
         strategy = make_strategy(name, options)
         if carried:
             strategy.load_state(state)
-        result = train_local(model, info, strategy, cost, data, epochs=1, batch_size=BATCH, lr=0.01, seed=r)
+        result = train_local(
+            model, info, strategy, cost, data, LocalTraining(epochs=1, batch_size=BATCH, lr=0.01), seed=r
+        )
         state = strategy.state()
         time, probe = time + result.train_time_s, probe + result.probe_time_s
         steps, probes = steps + result.steps, probes + result.probes

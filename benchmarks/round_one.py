@@ -44,7 +44,7 @@ from flwr.app import ConfigRecord
 from fedelastic.api import load
 from fedelastic.fl.client import prepare_job, train_cohort
 from fedelastic.fl.env import environment, warm_up
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 
 variant, rnd = sys.argv[1], 3
 wl = peers.Workload()
@@ -57,9 +57,9 @@ if variant == "fedelastic, train_local per size on a copy first":
     import copy
     copied, t = copy.deepcopy(env.client_model), sc.train
     for size in sizes:
-        train_local(copied, env.info, env.strategy(), env.cost(env.devices[0]), env.data.train.subset(np.arange(size)),
-                    epochs=1, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
-                    bn_mode=env.bn_mode, optimizer=t.optimizer)
+        local = LocalTraining(epochs=1, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                              weight_decay=t.weight_decay, bn_mode=env.bn_mode, optimizer=t.optimizer)
+        train_local(copied, env.info, env.strategy(), env.cost(env.devices[0]), env.data.train.subset(np.arange(size)), local)
 if variant == "fedelastic, plain forward/backward per size first":
     model = env.client_model
     for size in sizes:

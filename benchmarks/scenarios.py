@@ -60,7 +60,7 @@ from fedelastic.fl.env import environment  # noqa: E402
 from fedelastic.pretrain import initial_state  # noqa: E402
 from fedelastic.results import read_status  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import evaluate_model, torch_threads, train_local  # noqa: E402
+from fedelastic.training import LocalTraining, evaluate_model, torch_threads, train_local  # noqa: E402
 
 SIMULATIONS = ROOT / "simulations"
 HEADER_TIME = re.compile(r"About (\d+(?:\.\d+)?) (s|seconds?|minutes?)\b")
@@ -142,10 +142,24 @@ def central_accuracy(sc, max_steps: int) -> dict:
     epochs = sc.server.rounds * t.local_epochs
     with torch_threads(sc.simulation.torch_threads):
         res = train_local(
-            model, env.info, make_strategy("full", {}), cost, pooled, epochs=epochs,
-            batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, max_steps=max_steps,
-            seed=[sc.seed, 0xCE], bn_mode=env.bn_mode, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
-        )  # fmt: skip
+            model,
+            env.info,
+            make_strategy("full", {}),
+            cost,
+            pooled,
+            LocalTraining(
+                epochs=epochs,
+                batch_size=t.batch_size,
+                lr=t.lr,
+                momentum=t.momentum,
+                weight_decay=t.weight_decay,
+                max_steps=max_steps,
+                bn_mode=env.bn_mode,
+                optimizer=t.optimizer,
+                lr_schedule=t.lr_schedule,
+            ),
+            seed=[sc.seed, 0xCE],
+        )
         if env.stream is not None:
             _, accuracy, _ = evaluate_tasks(env, model, sc.server.rounds, 0.0)
         else:

@@ -41,7 +41,7 @@ from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.fl.env import environment  # noqa: E402
 from fedelastic.pretrain import initial_state  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import evaluate_model, train_local  # noqa: E402
+from fedelastic.training import LocalTraining, evaluate_model, train_local  # noqa: E402
 
 # name -> (scenario file, overrides, what ships it)
 SETUPS = {
@@ -78,10 +78,23 @@ def fine_tune(env, state, data, test, *, bn_mode, lr, optimizer, schedule, calls
     for call in range(calls):
         strategy = make_strategy("full", {})
         res = train_local(
-            model, env.info, strategy, cost, data, epochs=epochs, batch_size=sc.train.batch_size, lr=lr,
-            momentum=0.9, weight_decay=5e-4, seed=[seed, call], bn_mode=bn_mode, optimizer=optimizer,
-            lr_schedule=schedule,
-        )  # fmt: skip
+            model,
+            env.info,
+            strategy,
+            cost,
+            data,
+            LocalTraining(
+                epochs=epochs,
+                batch_size=sc.train.batch_size,
+                lr=lr,
+                momentum=0.9,
+                weight_decay=5e-4,
+                bn_mode=bn_mode,
+                optimizer=optimizer,
+                lr_schedule=schedule,
+            ),
+            seed=[seed, call],
+        )
         losses.append(res.train_loss)
         if not math.isfinite(res.train_loss) or not finite_model(model):
             diverged = True

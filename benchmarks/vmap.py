@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from fedelastic.fl.env import RunEnvironment  # noqa: E402
 from fedelastic.quant import device_numerics  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
-from fedelastic.training import CohortJob, batches, make_optimizer, seed_everything, train_local  # noqa: E402
+from fedelastic.training import CohortJob, LocalTraining, batches, make_optimizer, seed_everything, train_local  # noqa: E402
 from fedelastic.vectorized import train_partitions_vmap  # noqa: E402
 
 
@@ -118,13 +118,7 @@ def bare_round(env, model, pids, rnd, device):
 def train_partition(env, model, strategy, pid: int, rnd: int):
     """``fl.client.train_partition`` (no deadline cap), written out so that it runs where Flower is not installed."""
     t = env.scenario.train
-    return train_local(
-        model, env.info, strategy, env.cost(env.devices[pid]), env.client_data(pid, rnd),
-        epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
-        max_steps=t.max_steps, seed=[env.scenario.seed, rnd, pid],
-        numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype), bn_mode=env.bn_mode,
-        optimizer=t.optimizer, lr_schedule=t.lr_schedule,
-    )  # fmt: skip
+    return train_local(model, env.info, strategy, env.cost(env.devices[pid]), env.client_data(pid, rnd), LocalTraining(epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, max_steps=t.max_steps, bn_mode=env.bn_mode, optimizer=t.optimizer, lr_schedule=t.lr_schedule), seed=[env.scenario.seed, rnd, pid], numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype))
 
 
 def loop_round(env, model, pids, rnd):

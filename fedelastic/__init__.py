@@ -2,7 +2,7 @@
 
 The Python API (imported lazily, so ``import fedelastic`` stays light)::
 
-    from fedelastic import Scenario, run, compare, register_strategy
+    from fedelastic import Scenario, run, compare, register_strategy, register_dataset
 """
 
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ _API = {
     "ComparisonResult": ("fedelastic.api", "ComparisonResult"),
     "Scenario": ("fedelastic.scenario", "Scenario"),
     "register_strategy": ("fedelastic.selection", "register"),
+    "register_dataset": ("fedelastic.data", "register_dataset"),
     "SelectionStrategy": ("fedelastic.selection", "SelectionStrategy"),
 }
 __all__ = sorted(_API)

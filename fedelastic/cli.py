@@ -169,7 +169,7 @@ def exit_code(run_dir: Path) -> int:
 
 def skip_final_gc() -> None:
     """At interpreter exit, skip the garbage collector's last passes over every object torch,
-    Flower and Ray made (about a second on a small machine: issue 10). The command has closed
+    Flower and Ray made (about a second on a small machine). The command has closed
     its files by then; this is for the ``fedelastic`` process only, never the Python API."""
     import atexit
     import gc

@@ -35,7 +35,7 @@ from .costmodel import CostModel
 from .data import ArrayDataset
 from .modelinfo import ModelInfo
 from .selection import Selection, SelectionContext, SelectionStrategy
-from .training import train_local
+from .training import LocalTraining, train_local
 
 PROXY, ORACLE = "offline proxy", "centralised oracle"  # what an analysis is, by the data it ran on
 
@@ -90,12 +90,11 @@ def analyse(
     n = info.num_tensors
     start = copy.deepcopy(model.state_dict())
 
+    local = LocalTraining(epochs=epochs, batch_size=batch_size, lr=lr, bn_mode=cost.bn_mode, **train_options)
+
     def gain_of(ratios: np.ndarray, input_sparse: np.ndarray) -> float:
         model.load_state_dict(start)
-        train_local(
-            model, info, _Fixed(Selection(ratios, input_sparse=input_sparse)), cost, train,
-            epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, bn_mode=cost.bn_mode, **train_options,
-        )  # fmt: skip
+        train_local(model, info, _Fixed(Selection(ratios, input_sparse=input_sparse)), cost, train, local, seed=seed)
         return accuracy(model, val)
 
     model.load_state_dict(start)

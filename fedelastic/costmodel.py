@@ -45,48 +45,22 @@ Conventions (documented in the README):
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from .devices import KERNEL_CLASSES, DeviceProfile, MeasuredTable
-from .modelinfo import SHAPE_FIGURES, FunctionalOp, ModelInfo
+from .devices import DeviceProfile
+from .kernels import DW, DX, FWD, OPS, measured_table, step_kernels
+from .kernels import kernel_parameters as kernel_parameters  # re-exported: part of this module's API
+from .kernels import kernel_times as kernel_times
+from .kernels import shape_mismatch as shape_mismatch
+from .modelinfo import ModelInfo
 
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
 BN_MODES = ("frozen", "train")
 PROBES = ("importance", "fisher")
 # elementary operations of one cost-model evaluation per tensor (a few vector passes over N tensors)
 _OPS_PER_EVALUATION_PER_TENSOR = 8.0
-_FWD, _DX, _DW, _OPS = range(4)  # kernel slots: t_fwd, t_dx, t_dw (per tensor), t_ops_fwd_layer (per layer)
-
-
-def kernel_parameters(device: DeviceProfile) -> np.ndarray:
-    """Per kernel class (rows in :data:`KERNEL_CLASSES` order): effective FLOP/s, effective B/s,
-    seconds per kernel (launch + class overhead), half-throughput width in output elements.
-
-    A class the profile does not fit takes its fallback class's parameters; a v1 profile (no
-    ``[kernels]``) gives every class ``peak * efficiency``, the whole bandwidth and the launch.
-    """
-    peak, bw, launch = device.peak_flops.value, device.mem_bandwidth_bytes_per_s.value, device.launch_overhead_s.value
-    out = np.zeros((len(KERNEL_CLASSES), 4))
-    for i, (name, parent) in enumerate(KERNEL_CLASSES.items()):
-        k = device.kernels.get(name)
-        while k is None and parent is not None:
-            k, parent = device.kernels.get(parent), KERNEL_CLASSES[parent]
-        if k is None:
-            out[i] = (peak * device.efficiency.value, bw, launch, 0.0)
-        else:
-            out[i] = (peak * k.efficiency.value, k.bandwidth.value, launch + k.overhead_s.value, k.width.value)
-    return out
-
-
-def kernel_times(params: np.ndarray, cls: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, outputs: np.ndarray):
-    """Seconds of each kernel: ``max(flops / P, bytes / B) / s + L`` with ``s = out / (out + width)``."""
-    p = params[cls]
-    width = p[:, 3]
-    s = np.where(width > 0, outputs / (outputs + width), 1.0)
-    return np.maximum(flops / p[:, 0], nbytes / p[:, 1]) / np.maximum(s, 1e-12) + p[:, 2]
 
 
 @dataclass(frozen=True)
@@ -121,56 +95,6 @@ class Emulated:
     bytes_up: float
     bytes_down: float
     macs: float
-
-
-_WARNED: set[tuple[str, str, str]] = set()  # (device, model, figure) already warned of
-_WARNED_LOCK = threading.Lock()
-
-
-def shape_mismatch(table: MeasuredTable, info: ModelInfo) -> str:
-    """The first per-sample figure (:data:`SHAPE_FIGURES`) where ``info`` differs from the model
-    ``table`` was measured on, as text ("" when they match or the table records no shape)."""
-    shape = info.shape()
-    for figure in SHAPE_FIGURES:
-        if figure in table.shape and table.shape[figure] != shape.get(figure):
-            return f"{_FIGURE_TEXT[figure]} {shape.get(figure)}, the table's model {table.shape[figure]}"
-    return ""
-
-
-_FIGURE_TEXT = {
-    "input": "input elements per sample (first layer)",
-    "classes": "classes",
-    "params": "parameters",
-    "macs": "forward MACs per sample",
-}
-
-
-def measured_table(device: DeviceProfile, info: ModelInfo) -> MeasuredTable | None:
-    """``device``'s measured table of ``info.model_name``, if it was measured on a model of this shape.
-
-    A table that records its model's shape (per-sample input, classes, parameters, MACs) is used
-    only when ``info`` matches it; on a mismatch a warning (once per device, model and figure)
-    names the figure, and the kernel/roofline model prices the layers. The batch size is not
-    matched: a table's times scale linearly with it. A table that records no shape is used as is.
-    """
-    table = device.measured.get(info.model_name)
-    if table is None:
-        return None
-    differs = shape_mismatch(table, info)
-    if not differs:
-        return table
-    key = (device.name, info.model_name, differs.split(" ", 1)[0])  # one warning per figure's kind
-    with _WARNED_LOCK:
-        first = key not in _WARNED
-        _WARNED.add(key)
-    if first:
-        warnings.warn(
-            f"device profile {device.name!r}: its measured table of {info.model_name!r} is not used: {differs} "
-            "(measured at another shape); the kernel/roofline model prices its layers",
-            UserWarning,
-            stacklevel=3,
-        )
-    return None
 
 
 class CostModel:
@@ -216,72 +140,19 @@ class CostModel:
         # the optimizer update streams each trained element's weight, gradient and state; one fused
         # (foreach) launch per step covers all tensors, as torch's SGD and Adam do by default
         self.t_opt = numel * (3 + 2 * self.optimizer_state) * e / bw
-        self.tensor_macs = np.zeros(n)  # dW MACs per step, for the dynamic energy term
-        # every kernel of one step, priced below by its class: slot (fwd/dx/dw per tensor, forward of
-        # the weightless ops below each layer), index in the slot, class, flops, bytes, output elements
-        rows: list[tuple[int, int, int, float, float, float]] = []
-        cls_id = {c: i for i, c in enumerate(KERNEL_CLASSES)}
-
-        def add(slot: int, idx: int, cls: str, flops: float, elements: float, outputs: float) -> None:
-            rows.append((slot, idx, cls_id[cls], flops, elements * e, outputs))
-
+        kernels = step_kernels(info, device, batch_size)
+        self.tensor_macs = kernels.tensor_macs  # dW MACs per step, for the dynamic energy term
+        self.kernel_slot, self.kernel_index, self.kernel_class = kernels.slot, kernels.index, kernels.cls
+        self.kernel_flops, self.kernel_bytes, self.kernel_outputs = kernels.flops, kernels.nbytes, kernels.outputs
         first_tensor = info.layer_first_tensor()
-        transposes = bool(device.kernels) and device.layout_transposes
-        for layer in info.layers:
-            ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
-            wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
-            first = layer.tensors[0]
-            if layer.kind in ("conv", "linear", "attention"):
-                kind = "depthwise" if layer.groups > 1 else "gemm"
-                add(_FWD, first, f"{kind}_fwd", 2 * macs, ins + outs + wsize, outs)
-                add(_DX, first, f"{kind}_dx", 2 * macs, ins + outs + wsize, ins)
-                if transposes and layer.kind == "conv":  # its output back to the framework's layout
-                    add(_FWD, first, "layout", 0.0, 2 * outs, outs)
-            else:  # norms and other elementwise owners
-                add(_FWD, first, "eltwise", 4 * outs, ins + outs, outs)
-                add(_DX, first, "eltwise", 8 * outs, ins + 2 * outs, ins)
-            for k in layer.tensors:
-                role, size = info.tensor_roles[k], float(info.tensor_numel[k])
-                if role == "weight":
-                    cls = "depthwise_dw" if layer.groups > 1 else "gemm_dw"
-                    add(_DW, k, cls, 2 * macs, ins + outs + size, size)
-                    if transposes and layer.kind == "conv":  # the output gradient into the conv's layout
-                        add(_DW, k, "layout", 0.0, 2 * outs, outs)
-                    self.tensor_macs[k] = macs
-                elif role == "norm_weight":
-                    add(_DW, k, "reduce", 2 * outs, 2 * outs, size)
-                else:  # bias, norm bias, other: a reduction over the output gradient
-                    add(_DW, k, "reduce", outs, outs + size, size)
-                    if role == "bias" and device.kernels:  # a separate bias-add pass (kernel-aware profiles)
-                        add(_FWD, first, "eltwise", outs, 2 * outs, outs)
-        # weightless ops: forward always paid; backward charged to the dx of the layer above
-        for op in info.ops:
-            out_n, in_n = b * op.out_numel, b * op.in_numel
-            add(_OPS, min(op.above, nl), "eltwise", out_n, in_n + out_n, out_n)
-            if op.above < nl:
-                add(_DX, int(first_tensor[op.above]), "eltwise", out_n, in_n + out_n, in_n)
-                if transposes and op.kind == "mask":  # an activation's gradient, back to the framework's layout
-                    add(_DX, int(first_tensor[op.above]), "layout", 0.0, 2 * in_n, in_n)
-        # functional ops (residual adds, attention cores...): priced only by kernel-aware profiles,
-        # so that a v1 profile's fitted roofline keeps the meaning it was fitted with
-        for fn in info.functional if device.kernels else ():
-            self._functional_kernels(fn, b, add, nl, int(first_tensor[fn.above]) if fn.above < nl else -1)
-        (
-            self.kernel_slot,
-            self.kernel_index,
-            self.kernel_class,
-            self.kernel_flops,
-            self.kernel_bytes,
-            self.kernel_outputs,
-        ) = (np.array([r[i] for r in rows], dtype=np.int64 if i < 3 else float).reshape(-1) for i in range(6))
         self.kernel_params = kernel_parameters(device)
         times = kernel_times(
             self.kernel_params, self.kernel_class, self.kernel_flops, self.kernel_bytes, self.kernel_outputs
         )
         self.kernel_time = times
-        self.t_fwd, self.t_dx, self.t_dw = (self._gather(slot, times, n) for slot in (_FWD, _DX, _DW))
+        self.t_fwd, self.t_dx, self.t_dw = (self._gather(slot, times, n) for slot in (FWD, DX, DW))
         # t_ops_fwd_layer[l]: forward of the weightless ops just below layer l (last: after the last layer)
-        self.t_ops_fwd_layer = self._gather(_OPS, times, nl + 1)
+        self.t_ops_fwd_layer = self._gather(OPS, times, nl + 1)
         layer_fwd = self.t_fwd[first_tensor] if nl else np.zeros(0)
         self.t_ops_fwd = float(self.t_ops_fwd_layer.sum())
         self.t_bwd_fixed = (
@@ -308,24 +179,6 @@ class CostModel:
         on = self.kernel_slot == slot
         np.add.at(out, self.kernel_index[on], times[on])
         return out
-
-    @staticmethod
-    def _functional_kernels(fn: FunctionalOp, b: float, add, nl: int, dx_tensor: int) -> None:
-        """Kernels of a functional op: forward below layer ``fn.above``, backward in its dx."""
-        out_n, in_n = b * fn.out_numel, b * fn.in_numel
-        above = min(fn.above, nl)
-        if fn.kind == "matmul":
-            macs = b * fn.macs
-            add(_OPS, above, "gemm_fwd", 2 * macs, in_n + out_n, out_n)
-            if dx_tensor >= 0:  # both operands' gradients: two products of the forward's size
-                add(_DX, dx_tensor, "gemm_dx", 4 * macs, 2 * (in_n + out_n), in_n)
-            return
-        cls = "reduce" if fn.kind == "softmax" else "layout" if fn.kind == "layout" else "eltwise"
-        binary = fn.name.split("#")[0].strip("_").lstrip("ri") in ("add", "sub", "mul", "truediv", "div")
-        moved = (2 * in_n + out_n) if binary else (in_n + out_n)
-        add(_OPS, above, cls, 4 * out_n if cls == "reduce" else out_n, moved, out_n)
-        if dx_tensor >= 0:  # a residual add's backward is the gradient sum where its branches meet
-            add(_DX, dx_tensor, cls, out_n, 3 * out_n if binary else 2 * out_n, in_n)
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
         table, info = self.measured, self.info

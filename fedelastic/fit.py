@@ -45,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from .costmodel import _DW, _DX, _FWD, _OPS, CostModel, kernel_times
+from .costmodel import CostModel
 from .devices import KERNEL_CLASSES, DeviceProfile, KernelClass, Quantity
+from .kernels import DW, DX, FWD, OPS, kernel_times
 from .modelinfo import ModelInfo
 from .units import to_si
 
@@ -378,12 +379,12 @@ def _data(info: ModelInfo, table: Any, device: DeviceProfile) -> _Data:
     cost = CostModel(info, kernel_device(device, placeholder), int(table.batch_size))
     nl = len(info.layers)
     layer_of = np.where(
-        np.isin(cost.kernel_slot, (_FWD, _DX, _DW)),
+        np.isin(cost.kernel_slot, (FWD, DX, DW)),
         info.tensor_layer[np.minimum(cost.kernel_index, info.num_tensors - 1)],
         cost.kernel_index,
     )
-    phase = np.select([cost.kernel_slot == _DX, cost.kernel_slot == _DW], [1, 2], 0)
-    entry = np.where((cost.kernel_slot == _OPS) & (cost.kernel_index >= nl), -1, layer_of * 3 + phase)
+    phase = np.select([cost.kernel_slot == DX, cost.kernel_slot == DW], [1, 2], 0)
+    entry = np.where((cost.kernel_slot == OPS) & (cost.kernel_index >= nl), -1, layer_of * 3 + phase)
     meas = np.zeros((nl, 3))
     ok = np.zeros((nl, 3), bool)
     for li, layer in enumerate(info.layers):

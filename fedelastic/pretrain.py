@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import to_dict
+from .data.registry import is_plugin
 from .errors import ConfigError
 from .optim import SGD
 from .training import batches, seed_everything, torch_threads
@@ -58,7 +59,7 @@ def pretrain_key(env) -> str:
     }
     if sc.data.size:  # a generated set of another size is other data (0 keeps older keys unchanged)
         doc["size"] = sc.data.size
-    if sc.data.dataset not in ("digits", "synth_digits"):  # what shapes an external dataset's training split
+    if not is_plugin(sc.data.dataset):  # what shapes an external dataset's training split
         doc["external"] = [sc.data.classes, sc.data.image_column, sc.data.label_column, sc.data.image_size]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 

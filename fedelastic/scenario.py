@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import check, field, from_dict, read_toml, to_dict
+from .data.registry import is_plugin
 from .data.shifts import Shift
 from .data.stream import StreamConfig
 from .errors import ConfigError
@@ -45,7 +46,8 @@ MAX_ROUNDS = 1_000_000  # a run's rounds at most (a row each in rounds.csv; a ty
 class DataConfig:
     dataset: str = field(
         "digits",
-        help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a Hugging Face name, "
+        help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a registered dataset, "
+        "'package.module:callable' or 'file.py:callable', a Hugging Face name, "
         "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
     )
     partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
@@ -83,7 +85,7 @@ class DataConfig:
         check(self.classes_per_partition >= 1, "classes_per_partition", "an integer >= 1")
         check(self.size >= 0, "size", "an integer >= 0")
         check(self.image_size >= 0, "image_size", "an integer >= 0")
-        builtin = self.dataset in ("digits", "synth_digits")
+        builtin = is_plugin(self.dataset)  # built in or registered: an in-memory dataset
         check(
             not (builtin and self.partitioner in ("pathological", "natural_id")),
             "partitioner",
@@ -478,8 +480,46 @@ def validate(scenario: Scenario) -> Scenario:
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
     scenario = _resolve_traces(replace(scenario, device_dirs=dirs), base)
+    scenario = _resolve_dataset(scenario, src)  # user code: after the other checks
     resolve_factory(scenario.model.name, context=src)  # last: a model file's code runs only once all else passed
     return scenario
+
+
+def _resolve_dataset(scenario: Scenario, src: str) -> Scenario:
+    """The dataset factory ``data.dataset`` names, found now (its module or file runs). A path is
+    made absolute (Ray's workers and a resume find it). With Ray, a name registered in this
+    process becomes its ``module:callable`` or path, which the workers load: a ConfigError when
+    there is none (a function of a notebook, a closure)."""
+    from .data.registry import DATASETS, SHIPPED, resolve_dataset
+    from .plugins import plugin_file
+
+    name = scenario.data.dataset
+    if not is_plugin(name) or name in SHIPPED:
+        return scenario
+    entry = DATASETS.get(name, name)
+    if isinstance(entry, str) and ".py:" in entry:
+        path, _, attr = entry.rpartition(":")
+        entry = f"{plugin_file(path, src)}:{attr}"
+    factory = resolve_dataset(entry if isinstance(entry, str) else name, context=src)
+    if name in DATASETS and scenario.simulation.backend != "ray":
+        return scenario  # registered in this process, which runs the clients
+    target = entry if isinstance(entry, str) else _import_path(factory)
+    if target is None:
+        raise ConfigError(
+            src, "data.dataset", "a dataset Ray's workers can load: one registered in a notebook or script runs "
+            "with simulation.backend = 'inprocess'; for Ray, register a function of an importable module, or name "
+            "'package.module:callable' or 'file.py:callable'",
+            name,
+        )  # fmt: skip
+    return replace(scenario, data=replace(scenario.data, dataset=target))
+
+
+def _import_path(factory) -> str | None:
+    """``module:function`` by which another process imports ``factory`` (None: a notebook's, a closure, a method)."""
+    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not module or module == "__main__" or not qualname.isidentifier():
+        return None
+    return f"{module}:{qualname}"
 
 
 def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:

@@ -42,7 +42,7 @@ from .errors import ConfigError
 from .modelinfo import describe
 from .models.small import mcu_net, small_cnn
 from .selection import REGISTRY, Selection, SelectionContext, SelectionStrategy, make_strategy, register
-from .training import count_backward_nodes, fisher_probe, importance_probe, ordered_params, torch_threads, train_local
+from .training import LocalTraining, count_backward_nodes, fisher_probe, importance_probe, ordered_params, torch_threads, train_local
 
 MODELS = {"small_cnn": small_cnn, "mcu_net": mcu_net}
 DEVICES = ("jetson_nano", "stm32h743")
@@ -123,8 +123,8 @@ def _train(name: str, model_name: str, device: str, options: dict):
     seen: list[Selection] = []
     inner = strategy.select
     strategy.select = lambda ctx: seen.append(inner(ctx)) or seen[-1]  # type: ignore[method-assign]
-    result = train_local(model, info, strategy, cost, _data(), epochs=1, batch_size=BATCH, lr=0.1,
-                         weight_decay=1e-3, max_steps=STEPS, seed=SEED)  # fmt: skip
+    local = LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS)
+    result = train_local(model, info, strategy, cost, _data(), local, seed=SEED)
     return model, result, seen
 
 

@@ -27,7 +27,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,8 +37,12 @@ from torch import nn
 
 from .costmodel import CostModel
 from .data import ArrayDataset
+from .evaluation import evaluate_model as evaluate_model  # re-exported: part of this module's API
+from .evaluation import evaluate_predictions as evaluate_predictions
 from .modelinfo import ModelInfo
 from .optim import SGD, SGDW
+from .probes import count_backward_nodes as count_backward_nodes
+from .probes import fisher_probe, importance_probe, ordered_params
 from .quant import with_numerics
 from .selection import Selection, SelectionContext, SelectionStrategy
 
@@ -142,11 +145,6 @@ def torch_threads(n: int):
             torch.set_num_threads(before)
 
 
-def ordered_params(model: nn.Module, info: ModelInfo) -> list[nn.Parameter]:
-    params = dict(model.named_parameters())
-    return [params[name] for name in info.tensor_names]
-
-
 class Prepared:
     """What :func:`train_local` derives from a model alone, worked out once for many calls on it.
 
@@ -211,141 +209,6 @@ class Prepared:
         if bn_mode != "train":
             for mod in self.norms:
                 mod.training = False
-
-
-def count_backward_nodes(loss: torch.Tensor) -> int:
-    """Autograd nodes a backward from ``loss`` would run (a FLOP-free proxy of backward work)."""
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return len(seen)
-
-
-def _chunks(n: int, micro_batch: int) -> list[slice]:
-    m = micro_batch or n
-    return [slice(i, min(i + m, n)) for i in range(0, n, m)]
-
-
-def importance_probe(
-    model: nn.Module,
-    info: ModelInfo,
-    optimizer: SGD | torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    micro_batch: int = 0,
-    scope: np.ndarray | None = None,
-) -> np.ndarray:
-    """ElasticTrainer importance ``I[k] = -sum g * dw`` of every tensor, from one real step.
-
-    Full backward, one real optimizer step (dw includes lr, momentum and weight decay), a second
-    full backward at the new weights, then weights, buffers and optimizer state are restored.
-    ``micro_batch`` (0: the whole batch) accumulates each backward over micro-batches of a sum
-    loss divided by the batch size: the same gradient as one pass when BatchNorm is frozen.
-    ``scope`` (bool per tensor, default all) limits the probe to those tensors; the others get 0.
-    """
-    params = ordered_params(model, info)
-    in_scope = np.ones(len(params), bool) if scope is None else np.asarray(scope, bool)
-    flags = [p.requires_grad for p in params]
-    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt_state = copy.deepcopy(optimizer.state_dict())
-    n = len(x)
-
-    def backward() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for part in _chunks(n, micro_batch):
-            (nn.functional.cross_entropy(model(x[part]), y[part], reduction="sum") / n).backward()
-
-    try:
-        for p, on in zip(params, in_scope):
-            p.requires_grad_(bool(on))
-        before = [p.detach().clone() for p in params]
-        backward()
-        optimizer.step()
-        delta = [p.detach() - b for p, b in zip(params, before)]
-        backward()
-        zero = torch.zeros((), device=params[0].device)
-        sums = [-(p.grad * d).sum() if p.grad is not None else zero for p, d in zip(params, delta)]
-        importance = torch.stack(sums).double().cpu().numpy()  # one device sync, not one per tensor
-    finally:
-        optimizer.zero_grad(set_to_none=True)
-        model.load_state_dict(snapshot)
-        optimizer.load_state_dict(opt_state)
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
-    return importance
-
-
-def fisher_probe(
-    model: nn.Module,
-    info: ModelInfo,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    micro_batch: int = 0,
-    scope: np.ndarray | None = None,
-) -> dict[int, np.ndarray]:
-    """TinyTrain's per-channel Fisher potential of each conv/linear layer's output.
-
-    ``delta_o = 1/(2N) * sum_n (sum_d a[n,o,d] * g[n,o,d])**2``: the inner sum over the channel's
-    positions is taken per sample, before squaring. Only the error gradient is computed (no
-    weight gradient). ``micro_batch`` splits the batch (per-sample sums: exact when BatchNorm is
-    frozen); ``scope`` limits it to the layers from the deepest to the highest tensor in scope.
-    """
-    modules = dict(model.named_modules())
-    lowest, highest = 0, len(info.layers) - 1
-    if scope is not None:
-        picked = np.flatnonzero(np.asarray(scope, bool))
-        lowest, highest = (
-            (int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])) if picked.size else (1, 0)
-        )
-    targets = {
-        li: modules[layer.name]
-        for li, layer in enumerate(info.layers)
-        if layer.kind in ("conv", "linear") and lowest <= li <= highest
-    }
-    outputs: dict[int, torch.Tensor] = {}
-
-    def keep(li):
-        def hook(_mod, _inp, out):
-            out.retain_grad()
-            outputs[li] = out
-
-        return hook
-
-    params = ordered_params(model, info)
-    flags = [p.requires_grad for p in params]
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # a train-mode forward moves BN statistics
-    handles = [mod.register_forward_hook(keep(li)) for li, mod in targets.items()]
-    n = len(x)
-    sums = {li: 0.0 for li in targets}
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        for part in _chunks(n, micro_batch):
-            outputs.clear()
-            xi = x[part].detach().clone().requires_grad_(True)  # the error gradient flows; no dW
-            (nn.functional.cross_entropy(model(xi), y[part], reduction="sum") / n).backward()
-            for li, a in outputs.items():
-                prod = (a * a.grad).detach()
-                if isinstance(targets[li], nn.modules.conv._ConvNd):
-                    per_sample = prod.flatten(2).sum(-1)  # (N, C)
-                else:
-                    per_sample = prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)  # channels last
-                sums[li] = sums[li] + (per_sample.double() ** 2).sum(0)
-        fisher = {li: (total / (2 * n)).cpu().numpy().astype(float) for li, total in sums.items() if li in outputs}
-    finally:
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
-        model.zero_grad(set_to_none=True)
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
-    return fisher
 
 
 def _input_channels_by_norm(weight: torch.Tensor, groups: int, ratio: float) -> tuple[int, torch.Tensor]:
@@ -537,6 +400,39 @@ def no_step_reason(strategy: SelectionStrategy, note: str) -> str:
     return f"{what}: {note}" if note else what
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a client trains in a round: ``epochs`` over its data (at most ``max_steps`` steps; 0: no
+    cap) in batches of ``batch_size``, by ``optimizer`` at ``lr``.
+
+    ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
+    ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over the local training's steps,
+    the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc); it must
+    be the cost model's.
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    max_steps: int = 0
+    bn_mode: str = "frozen"
+    optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+    proximal_mu: float = 0.0  # FedProx's proximal term mu/2 ||w - w_start||^2 added to the loss (0: none)
+
+    @classmethod
+    def of(cls, train, bn_mode: str, max_steps: int | None = None, proximal_mu: float = 0.0) -> LocalTraining:
+        """A scenario's ``[train]`` table (:class:`~fedelastic.scenario.TrainConfig`) as local training,
+        its step cap lowered to ``max_steps`` (a deadline's; see :func:`step_cap`)."""
+        return cls(
+            epochs=train.local_epochs, batch_size=train.batch_size, lr=train.lr, momentum=train.momentum,
+            weight_decay=train.weight_decay, max_steps=step_cap(train.max_steps, max_steps), bn_mode=bn_mode,
+            optimizer=train.optimizer, lr_schedule=train.lr_schedule, proximal_mu=proximal_mu,
+        )  # fmt: skip
+
+
 @with_numerics  # adds ``numerics=``: int8/fp16 training emulated (fedelastic/quant.py)
 def train_local(
     model: nn.Module,
@@ -544,28 +440,19 @@ def train_local(
     strategy: SelectionStrategy,
     cost: CostModel,
     data: ArrayDataset,
+    local: LocalTraining,
     *,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    max_steps: int = 0,
     seed: int | list[int] = 0,
-    bn_mode: str = "frozen",
-    optimizer: str = "sgd",
-    lr_schedule: str = "constant",
     prepared: Prepared | None = None,
-    proximal_mu: float = 0.0,
 ) -> LocalResult:
     """Train ``model`` in place on ``data`` with ``strategy``'s selections, pricing each step on ``cost``.
 
-    ``optimizer``: ``sgd`` (coupled L2 weight decay) or ``sgdw`` (decoupled, the artifact's);
-    ``lr_schedule``: ``constant`` or ``cosine`` (from ``lr`` to 0 over this local training's
-    steps, the decoupled decay following it). ``bn_mode``: ``frozen`` or ``train`` (module doc).
-    ``prepared``: the model's :class:`Prepared`, shared by many calls on the same model.
-    ``proximal_mu``: FedProx's proximal term ``mu/2 ||w - w_start||^2`` added to the loss (0: none).
+    ``local``: the optimizer, schedule and step budget (:class:`LocalTraining`); ``seed``: the
+    batches' and the strategy's randomness; ``prepared``: the model's :class:`Prepared`, shared by
+    many calls on the same model.
     """
+    epochs, batch_size, lr, max_steps = local.epochs, local.batch_size, local.lr, local.max_steps
+    bn_mode, lr_schedule = local.bn_mode, local.lr_schedule
     if bn_mode != cost.bn_mode:
         raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
     if lr_schedule not in SCHEDULES:
@@ -575,8 +462,9 @@ def train_local(
     if prepared is None or prepared.model is not model:
         prepared = Prepared(model, info)
     params = prepared.params
-    opt = prepared.optimizer(optimizer, lr, momentum, weight_decay)
-    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None  # FedProx: the global weights
+    opt = prepared.optimizer(local.optimizer, lr, local.momentum, local.weight_decay)
+    mu = local.proximal_mu
+    anchor = [p.detach().clone() for p in params] if mu > 0 else None  # FedProx: the global weights
     dev = params[0].device  # the model's device: a model moved to a GPU trains there
     # the weights a selection that does not fit rolls back to, taken before the first step that such a
     # selection could follow (see fail); None while no step ran
@@ -670,7 +558,7 @@ def train_local(
         loss.backward()
         for p, p0 in zip(params, anchor or ()):  # the proximal term's gradient mu (w - w_start)
             if p.grad is not None:
-                p.grad.add_(p.detach() - p0, alpha=proximal_mu)
+                p.grad.add_(p.detach() - p0, alpha=mu)
         applied.step(opt)
         losses.append(loss.item())
         result.train_time_s += step_time
@@ -705,32 +593,3 @@ def train_local(
                     result.trained[f"{layer.name}.{buf}"] = state[f"{layer.name}.{buf}"].detach().cpu().numpy().copy()
     result.host_wall_s = time.perf_counter() - start
     return result
-
-
-def evaluate_model(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``x, y``."""
-    accuracy, loss, _ = evaluate_predictions(model, x, y, batch_size)
-    return accuracy, loss
-
-
-def evaluate_predictions(
-    model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512
-) -> tuple[float, float, np.ndarray]:
-    """(accuracy, mean cross-entropy, predictions per class) of ``model`` on ``x, y``.
-
-    The counts have one entry per output class (the model's logits); a NaN logit row counts
-    for the class ``argmax`` gives it.
-    """
-    model.eval()
-    correct, loss = 0, 0.0
-    counts: np.ndarray | None = None
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            xb, yb = torch.from_numpy(x[start : start + batch_size]), torch.from_numpy(y[start : start + batch_size])
-            out = model(xb)
-            loss += torch.nn.functional.cross_entropy(out, yb, reduction="sum").item()
-            predicted = out.argmax(1)
-            correct += int((predicted == yb).sum())
-            batch = torch.bincount(predicted, minlength=out.shape[1]).numpy()
-            counts = batch if counts is None else counts + batch
-    return correct / len(y), loss / len(y), counts if counts is not None else np.zeros(0, dtype=np.int64)

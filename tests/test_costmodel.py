@@ -384,10 +384,10 @@ def test_projection_shortcut_as_deepest_tensor_skips_the_main_branch_dx():
 
 
 def test_a_measured_table_prices_only_the_shape_it_was_measured_at(monkeypatch):
-    from fedelastic import costmodel
+    from fedelastic import kernels
     from fedelastic.models import describe_model
 
-    monkeypatch.setattr(costmodel, "_WARNED", set())  # warned once per process: start afresh
+    monkeypatch.setattr(kernels, "_WARNED", set())  # warned once per process: start afresh
     tx2 = get_profile("jetson_tx2")  # its tables: 224x224, batch 4, 200 classes
     roofline = dataclasses.replace(tx2, measured={})
     small = describe_model("mobilenetv2", width_mult=0.35, input_size=32, num_classes=10)

@@ -23,7 +23,7 @@ from fedelastic.models.small import small_cnn
 from fedelastic.optim import SGD, SGDW, register_step_post_hook, register_step_pre_hook
 from fedelastic.quant import Numerics
 from fedelastic.selection import make_strategy
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 
 from .conftest import ROOT
 
@@ -179,9 +179,23 @@ def run_local(strategy: str, optimizer: str, monkeypatch=None, numerics=None, mo
     sub = ds.subset(np.random.default_rng(1).permutation(len(ds))[:160])
     options = {"channel_ratios": [0.5]} if strategy == "sparse_update" else {}
     result = train_local(
-        model, info, make_strategy(strategy, options), cost, sub, epochs=2, batch_size=16, lr=0.1, momentum=momentum,
-        weight_decay=weight_decay, seed=7, optimizer=optimizer, lr_schedule="cosine", numerics=numerics,
-    )  # fmt: skip
+        model,
+        info,
+        make_strategy(strategy, options),
+        cost,
+        sub,
+        LocalTraining(
+            epochs=2,
+            batch_size=16,
+            lr=0.1,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            optimizer=optimizer,
+            lr_schedule="cosine",
+        ),
+        seed=7,
+        numerics=numerics,
+    )
     if monkeypatch is not None:
         monkeypatch.undo()
     return result, model

@@ -7,7 +7,7 @@ import sys
 def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.costmodel, fedelastic.devices, fedelastic.selector, fedelastic.fit\n"
+        "import fedelastic.costmodel, fedelastic.kernels, fedelastic.devices, fedelastic.selector, fedelastic.fit\n"
         "from fedelastic.selection import available\n"
         "assert len(available()) >= 9\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
@@ -17,7 +17,7 @@ def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
 
 
 def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
-    # layering (issue 12 §7): evaluation lives with training, partitioning with the data
+    # layering: evaluation lives with training, partitioning with the data
     code = (
         "import sys\n"
         "import fedelastic.pretrain, fedelastic.training, fedelastic.data, fedelastic.continual\n"

@@ -20,7 +20,7 @@ from fedelastic.models.small import small_cnn
 from fedelastic.quant import FP32, Numerics, device_numerics, emulate, quantize_weight
 from fedelastic.scenario import TrainConfig, parse_scenario
 from fedelastic.selection import make_strategy
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 
 W1 = np.array([[0.50, -0.25, 0.10], [0.0015, -0.001, 0.0005]], dtype=np.float32)  # channel 1: 333x smaller
 B1 = np.array([0.30, -0.01], dtype=np.float32)
@@ -244,9 +244,8 @@ def train_once(numerics, device="stm32h743", strategy="full"):
     info = describe(model, torch.zeros(1, 1, 8, 8), "small_cnn")
     cost = CostModel(info, get_profile(device), 16)
     kwargs = {} if numerics == "absent" else {"numerics": numerics}
-    result = train_local(
-        model, info, make_strategy(strategy), cost, digits_subset(), epochs=1, batch_size=16, lr=0.05, seed=1, **kwargs
-    )
+    local = LocalTraining(epochs=1, batch_size=16, lr=0.05)
+    result = train_local(model, info, make_strategy(strategy), cost, digits_subset(), local, seed=1, **kwargs)
     return result, model.state_dict()
 
 

@@ -24,7 +24,7 @@ from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, make_strategy
 from fedelastic.strategies.budget import solve, tensor_times
 from fedelastic.strategies.tinytrain import layer_scores
-from fedelastic.training import fisher_probe, importance_probe, ordered_params, train_local
+from fedelastic.training import LocalTraining, fisher_probe, importance_probe, ordered_params, train_local
 
 BATCH = 16
 
@@ -154,7 +154,7 @@ def test_elastic_tensor_reselects_and_dropped_tensors_return():
     strategy = make_strategy("elastic_tensor", {"rho": 0.6, "interval": 2, "interval_unit": "steps"})
     assert [s for s in range(9) if strategy.should_reselect(s, steps_per_epoch=5)] == [2, 4, 6, 8]
     selections = recorded(strategy)
-    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=16)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=16))
     assert result.fits and result.selections == len(selections) == 8
     masks = np.array([s.mask for s in selections])
     assert len({m.tobytes() for m in masks}) > 1, "the selection never changed"
@@ -224,17 +224,7 @@ def test_no_backward_budget_skips_or_errors():
             make_strategy(name, {"rho": 0.3, "infeasible": "error"}).select(ctx)
         assert err.value.key == "train.options.rho" and "forward share" in str(err.value)
     before = copy.deepcopy(model.state_dict())
-    result = train_local(
-        model,
-        info,
-        make_strategy("elastic_tensor", {"rho": 0.3}),
-        cost,
-        digits(),
-        epochs=1,
-        batch_size=BATCH,
-        lr=0.1,
-        max_steps=4,
-    )
+    result = train_local(model, info, make_strategy("elastic_tensor", {"rho": 0.3}), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, max_steps=4))
     assert result.fits and result.steps == 0
     params = dict(model.named_parameters())
     assert all(torch.equal(before[k], p) for k, p in params.items())
@@ -245,7 +235,7 @@ def test_elastic_layer_selects_whole_layers_only():
     model, info, cost = build(mcu_net, 8, "jetson_nano")
     strategy = make_strategy("elastic_layer", {"rho": 0.5, "interval": 2, "interval_unit": "steps"})
     selections = recorded(strategy)
-    train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
+    train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=8))
     assert len(selections) == 4
     for sel in selections:
         assert not sel.channels and set(np.unique(sel.ratios)) <= {0.0, 1.0}
@@ -276,9 +266,9 @@ def test_static_elastic_keeps_its_first_selection():
     strategy = make_strategy("static_elastic", {"rho": 0.5})
     selections = recorded(strategy)
     kwargs = dict(epochs=1, batch_size=BATCH, lr=0.05, max_steps=12)
-    first = train_local(model, info, strategy, cost, digits(), **kwargs)
+    first = train_local(model, info, strategy, cost, digits(), LocalTraining(**kwargs))
     assert first.selections == 1 and first.overhead_time_s > 0
-    second = train_local(model, info, strategy, cost, digits(), seed=1, **kwargs)  # e.g. a later round
+    second = train_local(model, info, strategy, cost, digits(), LocalTraining(**kwargs), seed=1)  # e.g. a later round
     assert second.overhead_time_s == 0  # no probe: the first selection is reused
     assert selections[0] is selections[1]
     elastic = make_strategy("elastic_tensor", {"rho": 0.5})
@@ -297,17 +287,7 @@ def test_random_budget_is_random_within_budget():
         assert cost.step_time_s(sel.ratios) <= 0.5 * cost.full_step_time_s() * (1 + 1e-9)
         masks.append(sel.mask.tobytes())
     assert len(set(masks)) > 1
-    result = train_local(
-        model,
-        info,
-        make_strategy("random_budget", {"interval": 2, "interval_unit": "steps"}),
-        cost,
-        digits(),
-        epochs=1,
-        batch_size=BATCH,
-        lr=0.05,
-        max_steps=6,
-    )
+    result = train_local(model, info, make_strategy("random_budget", {"interval": 2, "interval_unit": "steps"}), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=6))
     assert result.selections == 3 and result.probe_peak_memory_bytes == 0  # no probe
     assert result.overhead_time_s == result.selector_time_s > 0  # only the selector's work
 
@@ -317,12 +297,12 @@ def test_tinytrain_fits_an_mcu_where_full_does_not():
     model, info, cost = build(mcu_net, 16, "stm32f746")
     state = copy.deepcopy(model.state_dict())
     kwargs = dict(epochs=1, batch_size=BATCH, lr=0.05, max_steps=4)
-    full = train_local(model, info, make_strategy("full"), cost, digits(), **kwargs)
+    full = train_local(model, info, make_strategy("full"), cost, digits(), LocalTraining(**kwargs))
     assert not full.fits and cost.peak_memory_bytes(np.ones(info.num_tensors)) > cost.device.memory_train_bytes.value
     model.load_state_dict(state)
     strategy = make_strategy("tinytrain")
     selections = recorded(strategy)
-    result = train_local(model, info, strategy, cost, digits(), **kwargs)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(**kwargs))
     assert result.fits and result.steps == 4 and result.selections == 1
     sel = selections[0]
     assert sel.channels, "expected a channel-sparse update"
@@ -395,7 +375,7 @@ def test_sparse_update_static_scheme_fits_mcu():
     again = strategy.select(SelectionContext(info, cost, 5, np.random.default_rng(1)))  # static: no rng, no probe
     assert np.array_equal(again.ratios, sel.ratios)
     assert not strategy.should_reselect(10)
-    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=3)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=3))
     assert result.fits and result.steps == 3
 
 
@@ -430,8 +410,7 @@ def test_sparse_update_trains_the_input_channels_of_largest_norm():
     sparse[2] = True
     from fedelastic.contribution import _Fixed
 
-    result = train_local(model, info, _Fixed(Selection(ratios, input_sparse=sparse)), cost, digits(),
-                         epochs=1, batch_size=BATCH, lr=0.5, max_steps=3)  # fmt: skip
+    result = train_local(model, info, _Fixed(Selection(ratios, input_sparse=sparse)), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.5, max_steps=3))
     after = model[2].weight.detach()
     changed = {c for c in range(8) if not torch.equal(after[:, c], w[:, c])}
     assert changed == kept
@@ -509,7 +488,7 @@ def test_no_probe_larger_than_the_device_is_reported_as_fitting(name):
     memory = cost.device.memory_train_bytes.value
     options = {"rho": 0.4} if name != "tinytrain" else {}
     seen = recorded(strategy := make_strategy(name, options))
-    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=4)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=4))
     assert result.fits and result.steps == 4
     assert 0 < result.probe_peak_memory_bytes <= memory
     train_peak = max(cost.peak_memory_bytes(s.ratios, s.input_sparse) for s in seen)
@@ -526,7 +505,7 @@ def test_a_probe_that_cannot_fit_never_runs():
     tiny = dataclasses.replace(cost.device, memory_train_bytes=Quantity(need - 1, "test"))
     cost = CostModel(info, tiny, BATCH)
     before = copy.deepcopy(model.state_dict())
-    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
+    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05))
     # below the probe's need, not even the forward pass fits: nothing can train, so the probe is not
     # even planned, and the reason gives the forward pass's need against the memory
     forward = cost.peak_memory_bytes(np.zeros(info.num_tensors))
@@ -557,13 +536,11 @@ def test_micro_batched_probes_equal_one_pass_with_frozen_batchnorm():
 def test_batchnorm_statistics_frozen_by_default_and_trained_on_request():
     model, info, cost = build(mcu_net, 8, "jetson_nano")
     stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-    result = train_local(model, info, make_strategy("full"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05,
-                         max_steps=3)  # fmt: skip
+    result = train_local(model, info, make_strategy("full"), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=3))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())
     assert not any("running" in k for k in result.trained)
     train_cost = CostModel(info, cost.device, BATCH, bn_mode="train")
-    result = train_local(model, info, make_strategy("full"), train_cost, digits(), epochs=1, batch_size=BATCH,
-                         lr=0.05, max_steps=3, bn_mode="train")  # fmt: skip
+    result = train_local(model, info, make_strategy("full"), train_cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=3, bn_mode="train"))
     assert any(not torch.equal(model.state_dict()[k], v) for k, v in stats.items())
     assert any("running_mean" in k for k in result.trained)
 
@@ -573,7 +550,7 @@ def test_no_backward_budget_runs_no_probe():
     model, info, cost = build(small_cnn, 8, "stm32h743")
     assert cost.backward_budget_s(0.3) <= 0
     strategy = make_strategy("elastic_tensor", {"rho": 0.3, "interval": 2, "interval_unit": "steps"})
-    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=8)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=8))
     assert result.steps == 0 and result.probe_peak_memory_bytes == 0
     assert result.overhead_time_s == result.selector_time_s < 1e-3
 
@@ -595,7 +572,7 @@ class _ThenFull(SelectionStrategy):
 def test_a_later_selection_that_does_not_fit_keeps_the_time_spent():
     model, info, cost = build(mcu_net, 16, "stm32f746")
     before = copy.deepcopy(model.state_dict())
-    result = train_local(model, info, _ThenFull(), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=6)
+    result = train_local(model, info, _ThenFull(), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=6))
     head = np.zeros(info.num_tensors)
     head[list(info.layers[-1].tensors)] = 1
     assert not result.fits and result.steps == 2 and "selection needs" in result.reason
@@ -623,8 +600,7 @@ def test_sgdw_decays_decoupled_and_cosine_schedules_the_rate():
 
     SGDW.step = spy
     try:
-        train_local(model, info, make_strategy("full"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.2,
-                    max_steps=4, optimizer="sgdw", lr_schedule="cosine", weight_decay=1e-3)  # fmt: skip
+        train_local(model, info, make_strategy("full"), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.2, max_steps=4, optimizer="sgdw", lr_schedule="cosine", weight_decay=1e-3))
     finally:
         del SGDW.step  # SGD's, inherited, again
     np.testing.assert_allclose(lrs, [0.2 * 0.5 * (1 + np.cos(np.pi * t / 4)) for t in range(4)])
@@ -652,7 +628,7 @@ def _rounds(strategy_name, options, rounds, steps, *, device="jetson_nano", carr
         if carry_state:
             strategy.load_state(state)
         results.append(
-            train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=steps, seed=r)
+            train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=steps), seed=r)
         )
         state = {k: np.array(v) for k, v in strategy.state().items()}
     return results
@@ -679,7 +655,7 @@ def test_a_carried_selection_is_dropped_under_another_config():
     options = {"rho": 0.8, "interval": 4, "interval_unit": "steps"}
     first = make_strategy("elastic_tensor", options)
     model, info, cost = build(small_cnn, 16, "jetson_nano")
-    train_local(model, info, first, cost, digits(), epochs=1, batch_size=BATCH, lr=0.05, max_steps=2)
+    train_local(model, info, first, cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05, max_steps=2))
     state = first.state()
     assert int(state["carried.since"][0]) == 2
     same, other = make_strategy("elastic_tensor", options), make_strategy("elastic_tensor", {**options, "rho": 0.7})
@@ -699,7 +675,7 @@ def test_no_probe_when_the_budget_is_below_the_cheapest_tensor():
     cheapest = min(alone) + cost.t_bwd_fixed
     assert 0 < budget < cheapest
     strategy = make_strategy("elastic_tensor", {"rho": 0.4})
-    result = train_local(model, info, strategy, cost, digits(), epochs=1, batch_size=8, lr=0.05, max_steps=4)
+    result = train_local(model, info, strategy, cost, digits(), LocalTraining(epochs=1, batch_size=8, lr=0.05, max_steps=4))
     assert result.fits and result.steps == 0 and result.probes == 0 and result.probe_time_s == 0
     assert result.overhead_time_s == result.selector_time_s  # only the budget check, no probe
     assert f"backward budget of {budget * 1e6:.3g} us" in result.reason
@@ -711,10 +687,7 @@ def test_no_probe_when_the_budget_is_below_the_cheapest_tensor():
 def test_the_forward_share_reason_appears_only_when_true():
     model, info, cost = build(small_cnn, 8, "jetson_tx2", batch_size=8)
     assert cost.backward_budget_s(0.4) <= 0
-    result = train_local(
-        model, info, make_strategy("elastic_tensor", {"rho": 0.4}), cost, digits(), epochs=1, batch_size=8, lr=0.05,
-        max_steps=4,
-    )  # fmt: skip
+    result = train_local(model, info, make_strategy("elastic_tensor", {"rho": 0.4}), cost, digits(), LocalTraining(epochs=1, batch_size=8, lr=0.05, max_steps=4))
     share = cost.forward_time_s / cost.full_step_time_s()
     assert result.steps == 0 and result.probes == 0
     assert f"forward share {share:.3f}" in result.reason and "no room beyond the forward pass" in result.reason
@@ -732,7 +705,7 @@ def test_no_fisher_probe_when_no_layer_fits_memory():
     assert forward < least
     tight = dataclasses.replace(cost.device, memory_train_bytes=Quantity((forward + least) / 2, "test"))
     cost = CostModel(info, tight, BATCH)
-    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), epochs=1, batch_size=BATCH, lr=0.05)
+    result = train_local(model, info, make_strategy("tinytrain"), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.05))
     assert result.probes == 0 and result.probe_time_s == 0 and result.steps == 0
     assert f"the least needs {least:.0f} bytes" in result.reason
 

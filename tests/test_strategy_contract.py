@@ -16,7 +16,7 @@ from fedelastic.config import check, field
 from fedelastic.selection import REGISTRY, Selection, available, make_strategy
 from fedelastic.strategies.budget import BudgetedStrategy, ElasticConfig
 from fedelastic.testing import BATCH, SEED, STEPS, _data, _fresh, _setup, check_strategy
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 
 STRATEGIES = available()
 
@@ -105,8 +105,8 @@ def run(name: str, model_name: str, device: str):
     _, info, cost = _setup(model_name, device)
     strategy = make_strategy(name, matrix_options(name))
     seen = record(strategy)
-    result = train_local(_fresh(model_name, device), info, strategy, cost, _data(), epochs=1, batch_size=BATCH,
-                         lr=0.1, weight_decay=1e-3, max_steps=STEPS, seed=SEED)  # fmt: skip
+    local = LocalTraining(epochs=1, batch_size=BATCH, lr=0.1, weight_decay=1e-3, max_steps=STEPS)
+    result = train_local(_fresh(model_name, device), info, strategy, cost, _data(), local, seed=SEED)
     return result, strategy, seen, info, cost
 
 

@@ -25,7 +25,7 @@ from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.quant import Numerics
 from fedelastic.selection import Selection, SelectionStrategy, make_strategy
-from fedelastic.training import train_local
+from fedelastic.training import LocalTraining, train_local
 from fedelastic.vectorized import train_cohort_vmap
 
 DEVICES = ("raspberry_pi_4", "jetson_nano", "stm32h743")
@@ -69,7 +69,7 @@ def loop(model, info, strategies, costs, data, seeds, caps, **kw):
     out = []
     for s, c, d, seed, cap in zip(strategies, costs, data, seeds, caps):
         m = copy.deepcopy(model)
-        out.append(train_local(m, info, s, c, d, seed=seed, max_steps=cap, **kw))
+        out.append(train_local(m, info, s, c, d, LocalTraining(max_steps=cap, **kw), seed=seed))
     return out
 
 

@@ -2,8 +2,9 @@
 
 Built in, with no download: scikit-learn's ``digits`` (1,797 8x8 images, shipped inside
 scikit-learn) and ``synth_digits`` (:mod:`.synth`: 60,000 generated 32x32 RGB digits with
-clutter, the cluttered domain to digits' clean one). Their partitioners here are pure numpy and
-deterministic from a seed; Hugging Face datasets and local copies go through :mod:`.hf` and
+clutter, the cluttered domain to digits' clean one), entries of the dataset plug-in point
+(:mod:`.registry`, where a user's own dataset is registered). Their partitioners here are pure
+numpy and deterministic from a seed; Hugging Face datasets and local copies go through :mod:`.hf` and
 flwr-datasets' partitioners. Domain shifts are in :mod:`.shifts`, continual streams in
 :mod:`.stream`.
 """
@@ -18,6 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from .registry import DATASETS as DATASETS  # re-exported: the plug-in point
+from .registry import build_dataset
+from .registry import register_dataset as register_dataset
 
 
 @dataclass(frozen=True)
@@ -221,12 +225,6 @@ def partition(
 
 
 def load_dataset(name: str, *, src: str = "<scenario>", size: int = 0) -> ArrayDataset:
-    """A built-in dataset by name: ``digits`` (scikit-learn) or ``synth_digits`` (``size`` samples, 0: 60,000)."""
-    if name == "digits":
-        return load_digits_dataset()
-    if name == "synth_digits":
-        from . import synth
-
-        x, y = synth.load(size or synth.DEFAULT_SAMPLES)
-        return ArrayDataset(x.astype(np.float32) / np.float32(255.0), y)
-    raise ConfigError(src, "data.dataset", "'digits' or 'synth_digits' (or use the Hugging Face loader)", name)
+    """A dataset by name (:mod:`.registry`): ``digits`` (scikit-learn), ``synth_digits`` (``size``
+    samples, 0: 60,000), a registered one, or a ``module:callable`` / ``file.py:callable``."""
+    return build_dataset(name, context=src, size=size)

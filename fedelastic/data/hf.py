@@ -29,16 +29,17 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import ArrayDataset, FederatedData, train_test_split
+from .registry import is_plugin
 
 CACHE_VERSION = 1
 INDEX, IMAGE, LABEL = "__fedelastic_index__", "__fedelastic_image__", "__fedelastic_label__"
 IMAGE_NAMES = ("image", "img", "pixels", "x", "images")
 LABEL_NAMES = ("label", "labels", "fine_label", "character", "y", "target", "class")
-BUILTIN = ("digits", "synth_digits")
 
 
 def is_external(name: str) -> bool:
-    return name not in BUILTIN
+    """Whether ``data.dataset`` is a Hugging Face dataset or a local copy: no entry of the dataset registry."""
+    return not is_plugin(name)
 
 
 def _cache_root() -> Path:

@@ -185,3 +185,12 @@ def load(num_samples: int = DEFAULT_SAMPLES, seed: int = 0) -> tuple[np.ndarray,
     np.savez(tmp, x=x, y=y)
     os.replace(tmp, path)
     return x, y
+
+
+def synth_digits(size: int = 0):
+    """The ``synth_digits`` dataset entry: ``size`` samples of :func:`load` (0: :data:`DEFAULT_SAMPLES`),
+    scaled to [0, 1]."""
+    from . import ArrayDataset
+
+    x, y = load(size or DEFAULT_SAMPLES)
+    return ArrayDataset(x.astype(np.float32) / np.float32(255.0), y)

@@ -9,7 +9,7 @@ exactly those of ``np.save``/``np.load`` (anything unusual falls back to Flower'
 
 Building the records costs as much again: Flower's ``Array(...)`` sorts out its three calling
 conventions (~10 us), and ``ArrayRecord(dict)`` copies every ``Array`` once more and type-checks
-each item (~20 us per tensor; 170 us for an 8-tensor update, issue 10). :func:`record_from_numpy`
+each item (~20 us per tensor; 170 us for an 8-tensor update). :func:`record_from_numpy`
 fills the record's dict directly with Arrays made with exactly the attributes Flower's
 constructor sets; :func:`metric_record` and :func:`record_dict` do the same for a reply's metrics
 and its record dict. Whether they are the same is checked once, at import, against Flower's own

@@ -17,7 +17,7 @@ from ..quant import device_numerics
 from ..scenario import Scenario
 from ..sim.aggregators import FedProx
 from ..sim.records import METRIC_KEYS
-from ..training import CohortJob, LocalResult, Prepared, step_cap, train_local
+from ..training import CohortJob, LocalResult, LocalTraining, Prepared, train_local
 from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .env import RunEnvironment, environment
 
@@ -55,19 +55,10 @@ def train_partition(
         strategy,
         env.cost(env.devices[pid]),
         env.client_data(pid, server_round),
-        epochs=t.local_epochs,
-        batch_size=t.batch_size,
-        lr=t.lr,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
-        max_steps=step_cap(t.max_steps, max_steps),
+        LocalTraining.of(t, env.bn_mode, max_steps, proximal_mu(env.scenario)),
         seed=[env.scenario.seed, server_round, pid],
         numerics=device_numerics(t, env.profile(env.devices[pid]).train_dtype),
-        bn_mode=env.bn_mode,
-        optimizer=t.optimizer,
-        lr_schedule=t.lr_schedule,
         prepared=prepared,
-        proximal_mu=proximal_mu(env.scenario),
     )
 
 

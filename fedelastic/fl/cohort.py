@@ -1,4 +1,4 @@
-"""Cohorts: one Flower node trains a share of a round's virtual clients per call (issue 10).
+"""Cohorts: one Flower node trains a share of a round's virtual clients per call.
 
 With ``simulation.node_mode = "cohort"`` (the default) a run has a few Flower nodes, by default
 one per Ray worker, instead of one per virtual client. The server is unchanged: it still sees
@@ -107,10 +107,8 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         started = [time.monotonic()]  # when the running job started
         cancelled = threading.Event()  # set when a job overran: the thread must not start another
 
-        # The reply is built on the training thread, before the next member trains: built on this
-        # thread beside the training, it did not shorten the rounds (one GIL), and it raced with the
-        # next member's selector until cost-model evaluations were counted per thread
-        # (benchmarks/RESULTS.md, session 24).
+        # The reply is built on the training thread, before the next member trains: building it on this
+        # thread beside the training would not shorten the rounds (one GIL).
         def report(j: int, result) -> bool:  # on the training thread
             try:
                 if isinstance(result, Exception):

@@ -210,7 +210,7 @@ class RunEnvironment:
 
 def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelInfo | None = None) -> None:
     """Build in a Ray worker, before its first client call, what every call needs: the driver's
-    strategies and model names, the data and the client model (issue 10).
+    strategies and model names, the data and the client model.
 
     ``info`` is the driver's model description, used instead of describing the model again here
     (the same object the worker would build: the description is deterministic).
@@ -228,7 +228,7 @@ def freeze_heap() -> None:
 
     CPython's full collection walks every tracked object; it starts after enough new objects have
     survived (every few dozen rounds of the peers workload), and walking the start-up's objects
-    made it a 130 ms pause in one round (issue 10, benchmarks/RESULTS.md session 25). Frozen
+    would make it a 130 ms pause in one round. Frozen
     objects are never collected, so what the start-up left as garbage stays until
     :func:`gc.unfreeze` (the driver calls it when the run ends; a worker process ends with its run).
     """

@@ -1,4 +1,4 @@
-"""A thread kept between calls (issue 10)."""
+"""A thread kept between calls."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..training import train_local
+from ..training import LocalTraining, train_local
 
 SMALL_SHARE = 0.5  # below it, most of an untrained model keeps its random weights: the run learns little
 
@@ -39,11 +39,11 @@ def trained_shares(env, state: dict) -> dict[str, float]:
             if not len(data):
                 continue
             model.load_state_dict(state)
-            res = train_local(
-                model, info, env.strategy(), env.cost(device), data, epochs=1,
-                batch_size=sc.train.batch_size, lr=sc.train.lr, momentum=sc.train.momentum, max_steps=1,
-                seed=[sc.seed, pid], bn_mode=env.bn_mode, optimizer=sc.train.optimizer,
+            local = LocalTraining(
+                epochs=1, batch_size=sc.train.batch_size, lr=sc.train.lr, momentum=sc.train.momentum, max_steps=1,
+                bn_mode=env.bn_mode, optimizer=sc.train.optimizer,
             )  # fmt: skip
+            res = train_local(model, info, env.strategy(), env.cost(device), data, local, seed=[sc.seed, pid])
             if res.fits and res.ratios is not None:
                 shares[device] = float(np.dot(res.ratios, info.tensor_numel) / info.num_params)
     finally:

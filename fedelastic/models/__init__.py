@@ -9,12 +9,7 @@ taken from the scenario file's folder, then the current directory). The factory 
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+from ..plugins import load_callable, plugin_file
 
 # name -> "module:function", imported lazily so big definitions cost nothing until used
 BUILTIN: dict[str, str] = {
@@ -58,53 +52,15 @@ def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model
         raise ConfigError(
             context, key, f"a built-in model {sorted(BUILTIN)}, 'package.module:callable' or 'file.py:callable'", name
         )
-    module_name, _, attr = target.rpartition(":")
-    if module_name.endswith(".py"):
-        return _file_factory(module_name, attr, name, context, key)
-    if not _DOTTED.fullmatch(module_name) or not attr.isidentifier():
-        raise ConfigError(context, key, "'package.module:callable' (absolute, dotted names)", name)
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 (an import runs user code: any error, or sys.exit, means 'not importable')
-        raise ConfigError(context, key, f"an importable factory 'package.module:callable' ({type(exc).__name__}: {exc})", name) from None
-    if not callable(factory):
-        raise ConfigError(context, key, "a callable returning an nn.Module", name)
-    return factory
+    return load_callable(target, name=name, context=context, key=key, returns="an nn.Module", prefix=_PREFIX)
+
+
+_PREFIX = "fedelastic_user_model_"  # the module name a model file is loaded under, before its path's hash
 
 
 def model_file(path: str, context: str = "<scenario>") -> Path:
     """The file of a ``file.py:callable`` model: absolute, or next to the scenario file, or from the current directory."""
-    p = Path(path).expanduser()
-    if not p.is_absolute():
-        beside = Path(context).parent / p
-        p = beside if Path(context).is_file() and beside.is_file() else p
-    return p.resolve()
-
-
-def _file_factory(path: str, attr: str, name: str, context: str, key: str) -> Callable[..., nn.Module]:
-    """Load ``attr`` from the Python file ``path`` (loaded once per process, under a name of its own)."""
-    file = model_file(path, context)
-    if not file.is_file():
-        raise ConfigError(context, key, f"an existing Python file for 'file.py:callable' (no file {file})", name)
-    module_name = "fedelastic_user_model_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name)
-    try:
-        if module is None:
-            spec = importlib.util.spec_from_file_location(module_name, file)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[module_name]
-                raise
-        factory = getattr(module, attr) if attr.isidentifier() else None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 (the file runs user code: any error, or sys.exit, means 'not loadable')
-        raise ConfigError(context, key, f"a loadable factory 'file.py:callable' ({type(exc).__name__}: {exc})", name) from None
-    if not callable(factory):
-        raise ConfigError(context, key, f"a callable {attr!r} in {file} returning an nn.Module", name)
-    return factory
+    return plugin_file(path, context)
 
 
 def build_model(name: str, *, context: str = "<scenario>", **kwargs) -> nn.Module:

@@ -5,7 +5,7 @@ asking, for *each* node, ``get_message_ins(node_id, limit=1)``; each such call w
 stored message and re-validates it (``_check_stored_messages``). With N nodes and up to N
 messages in flight a sweep costs O(N^2) validations, back to back, in the driver process: at
 200 nodes this thread alone keeps about one core busy, which on a 2-core machine starves the
-Ray actors doing the training (measured in benchmarks/overhead.py, issue 2).
+Ray actors doing the training (measured in benchmarks/overhead.py).
 
 :func:`fast_dispatch` swaps in a loop that does the same thing in one pass per sweep: validate
 the stored messages once, take the first undelivered message of each simulated node, mark it
@@ -15,13 +15,13 @@ sorts replies and every client is seeded by (seed, round, partition)). Anything 
 (another LinkState class, a Flower without these internals) runs Flower's own loop.
 
 The loop also wakes as soon as the ServerApp pushes messages (:func:`notify_pushed`, called by
-the runner's grid after each push) instead of waiting out the rest of its 0.1 s period: a round
-no longer starts up to 0.1 s late (issue 10). Without a push it sweeps every 0.1 s as before.
+the runner's grid after each push) instead of waiting out the rest of its 0.1 s period, so a round
+starts without that delay. Without a push it sweeps every 0.1 s.
 
 Replies: Flower's reply thread (``put_message_into_state``) stores each reply in the LinkState,
 where the ServerApp's pull loop finds it at its next poll. :func:`fast_dispatch` swaps in the
 same loop plus one line, :func:`notify_replied` after each store, and the runner's grid waits on
-it (:func:`wait_for_replies`) instead of sleeping out its poll period (issue 10).
+it (:func:`wait_for_replies`) instead of sleeping out its poll period.
 
 At the end of a run Flower's worker and reply threads each wait out a ``Queue.get(timeout=1.0)``
 before they see the stop event, so the runtime lingers up to a second after the last round.

@@ -45,7 +45,7 @@ _STACKED_MAX = 1 << 20  # elements of one tensor's stacked updates that :func:`_
 def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -> tuple[np.ndarray, float] | None:
     """(sum of weight x value, sum of weights) of tensor ``name`` over ``having``, none of which masks it.
 
-    The per-update loop of :func:`aggregate_partial` in a few numpy calls (issue 10: three calls
+    The per-update loop of :func:`aggregate_partial` in a few numpy calls (not three calls
     per update and tensor): the same float64 products, added in the same order from a row of
     0.0. A sum over the first axis of a C-ordered array is not along the fast axis in memory,
     where numpy adds each row in turn (its documented rule for ``np.add.reduce``; pairwise

@@ -46,7 +46,7 @@ from fedelastic.devices import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import train_local  # noqa: E402
+from fedelastic.training import LocalTraining, train_local  # noqa: E402
 
 STRATEGIES = {"full": ("full", {}), "last_layer": ("last_layer", {}),
               "elastic_0.5": ("elastic_tensor", {"rho": 0.5}), "elastic_0.4": ("elastic_tensor", {"rho": 0.4})}  # fmt: skip
@@ -116,9 +116,9 @@ def finetune(name: str, state: dict, strategy: str, lr: float, seed: int, d: dic
     cost = CostModel(info, dataclasses.replace(tx2, measured={}), 32, optimizer="momentum", bn_mode="frozen")
     kind, options = STRATEGIES[strategy]
     before_acc, _ = accuracy(model, d[f"{evalx}_x"], d[f"{evalx}_y"], dev)
-    r = train_local(model, info, make_strategy(kind, options), cost, ArrayDataset(d["tr_x"], d["tr_y"]),
-                    epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4, seed=seed,
-                    bn_mode="frozen", optimizer="sgdw", lr_schedule="cosine")  # fmt: skip
+    local = LocalTraining(epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
+                          bn_mode="frozen", optimizer="sgdw", lr_schedule="cosine")  # fmt: skip
+    r = train_local(model, info, make_strategy(kind, options), cost, ArrayDataset(d["tr_x"], d["tr_y"]), local, seed=seed)
     acc, share = accuracy(model, d[f"{evalx}_x"], d[f"{evalx}_y"], dev)
     diverged = not np.isfinite(r.train_loss) or share > 0.9
     return {"strategy": strategy, "lr": lr, "seed": seed, "split": evalx, "accuracy": acc, "before": before_acc,

@@ -1,0 +1,132 @@
+"""The dataset plug-in point: the names a scenario's ``data.dataset`` can take, like ``model.name``.
+
+``data.dataset`` is an entry of :data:`DATASETS` (``digits``, ``synth_digits`` or one a user
+registered with :func:`register_dataset`), ``"package.module:callable"``, or
+``"path/to/file.py:callable"`` (:mod:`fedelastic.plugins`); anything else is a Hugging Face
+dataset or a local copy (:mod:`.hf`). An entry is a factory, or a ``module:callable`` string
+imported when first used.
+
+A factory is called with no argument (``synth_digits`` also takes ``size=``, the scenario's
+``data.size``) and returns an :class:`~fedelastic.data.ArrayDataset` or ``(x, y)``: images
+``(N, C, H, W)`` (or ``(N, H, W)``, one channel) scaled to [0, 1], and integer labels ``(N,)``
+from 0. The run splits it into train and test by ``data.test_fraction`` and partitions the
+training part with the built-in partitioners (iid, dirichlet, shards).
+
+A factory registered in a notebook or script is known to that process: it runs with
+``simulation.backend = "inprocess"``. Ray's workers are other processes: there, name an
+importable ``module:callable`` or a ``file.py:callable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..plugins import load_callable
+
+DATASETS: dict[str, str | Callable[..., Any]] = {
+    "digits": "fedelastic.data:load_digits_dataset",
+    "synth_digits": "fedelastic.data.synth:synth_digits",
+}
+SHIPPED = dict(DATASETS)  # the entries fedelastic ships
+_PREFIX = "fedelastic_user_dataset_"  # the module name a dataset file is loaded under, before its path's hash
+
+
+def register_dataset(name: str, factory: str | Callable[..., Any] | None = None):
+    """Register ``factory`` (a callable, or a ``module:callable`` / ``file.py:callable`` string) under ``name``.
+
+    Without ``factory``, a decorator: ``@register_dataset("mine")``. Registering the same factory
+    again is harmless; a name another factory has (a built-in's included) is a ConfigError.
+    """
+    if factory is None:
+
+        def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+            register_dataset(name, f)
+            return f
+
+        return decorate
+    where = "<register_dataset>"
+    if not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ConfigError(where, "name", "a non-empty name without ':'", name)
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise ConfigError(where, name, "a callable or 'package.module:callable' / 'file.py:callable'", factory)
+    if name in DATASETS and not _same(DATASETS[name], factory):
+        raise ConfigError(where, "name", f"a name not registered yet ({DATASETS[name]!r} has it)", name)
+    DATASETS[name] = factory
+    return factory
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same factory: equal, or one function defined at the same place (a re-run notebook cell)."""
+    if a == b:
+        return True
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (
+        code_a is not None
+        and code_b is not None
+        and (a.__module__, a.__qualname__, code_a.co_filename) == (b.__module__, b.__qualname__, code_b.co_filename)
+    )
+
+
+def user_datasets() -> dict[str, str | Callable[..., Any]]:
+    """The entries a user added to :data:`DATASETS`."""
+    return {k: v for k, v in DATASETS.items() if SHIPPED.get(k) is not v}
+
+
+def is_plugin(name: str) -> bool:
+    """Whether ``data.dataset`` names a factory (an entry or a ``module:callable``), not an external dataset."""
+    return name in DATASETS or ":" in name
+
+
+def resolve_dataset(name: str, *, context: str = "<scenario>", key: str = "data.dataset") -> Callable[..., Any]:
+    """The factory ``name`` refers to (see the module doc)."""
+    target = DATASETS.get(name, name)
+    if callable(target):
+        return target
+    if ":" not in target:
+        raise ConfigError(
+            context, key, f"a registered dataset {sorted(DATASETS)}, 'package.module:callable' or 'file.py:callable'", name
+        )
+    return load_callable(target, name=name, context=context, key=key, returns="a dataset (x, y)", prefix=_PREFIX)
+
+
+def build_dataset(name: str, *, context: str = "<scenario>", size: int = 0):
+    """The dataset ``name``'s factory returns, checked (an :class:`~fedelastic.data.ArrayDataset`)."""
+    factory = resolve_dataset(name, context=context)
+    try:
+        out = factory(size=size) if size else factory()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (user code)
+        what = f"a factory that builds a dataset ({type(exc).__name__}: {exc})"
+        raise ConfigError(context, "data.size" if size and isinstance(exc, TypeError) else "data.dataset", what, name) from None
+    return as_dataset(out, name, context)
+
+
+def as_dataset(out: Any, name: str, context: str = "<scenario>"):
+    """``out`` (an ArrayDataset or ``(x, y)``) as an ArrayDataset, or a ConfigError naming what is wrong."""
+    from . import ArrayDataset
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(context, "data.dataset", f"a factory returning {what}", name)
+
+    if isinstance(out, ArrayDataset):
+        x, y = out.x, out.y
+    elif isinstance(out, tuple) and len(out) == 2:
+        x, y = np.asarray(out[0]), np.asarray(out[1])
+    else:
+        raise refuse(f"an ArrayDataset or (x, y), not {type(out).__name__}")
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4 or not np.issubdtype(x.dtype, np.number):
+        raise refuse(f"images of shape (N, C, H, W) or (N, H, W), not {x.dtype} {x.shape}")
+    if y.ndim != 1 or len(y) != len(x) or not len(y):
+        raise refuse(f"one label per image (labels {y.shape}, images {x.shape[:1]})")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
+        raise refuse(f"integer labels from 0 (got {y.dtype}, smallest {y.min()})")
+    if isinstance(out, ArrayDataset) and x is out.x:
+        return out  # as it came: no copy
+    return ArrayDataset(np.ascontiguousarray(x, dtype=np.float32), y.astype(np.int64))
