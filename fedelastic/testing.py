@@ -42,7 +42,15 @@ from .errors import ConfigError
 from .modelinfo import describe
 from .models.small import mcu_net, small_cnn
 from .selection import REGISTRY, Selection, SelectionContext, SelectionStrategy, make_strategy, register
-from .training import LocalTraining, count_backward_nodes, fisher_probe, importance_probe, ordered_params, torch_threads, train_local
+from .training import (
+    LocalTraining,
+    count_backward_nodes,
+    fisher_probe,
+    importance_probe,
+    ordered_params,
+    torch_threads,
+    train_local,
+)
 
 MODELS = {"small_cnn": small_cnn, "mcu_net": mcu_net}
 DEVICES = ("jetson_nano", "stm32h743")

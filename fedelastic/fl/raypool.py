@@ -104,7 +104,7 @@ def ray_processes() -> dict[int, str]:
 #: raylet, worker or driver that finds its object store or raylet socket not yet listening tries
 #: again after 50 ms instead of Ray's 1 s (the same 10 s in all). The raylet connects to the
 #: object store it has just started on another thread; when it looks before the store listens,
-#: Ray's default costs the start-up a whole second (about one start in five here, issue 10).
+#: Ray's default costs the start-up a whole second (about one start in five here).
 LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
 
 
@@ -178,7 +178,7 @@ def start_ray(scenario) -> None:
 
 
 def start_ray_beside(scenario, work: Callable[[], T]) -> T:
-    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap (issue 10).
+    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap.
 
     Ray's start is mostly waiting for its daemons; ``work`` is the driver's own (imports, data,
     the model's description, checks). An error of ``work`` wins: Ray is shut down and the error
@@ -215,7 +215,7 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
     and data) on a thread beside it; True if this call started Ray.
 
     The entry points (``api.run``, ``fedelastic run``) call it before they import the runtime, so
-    that ``ray.init`` overlaps those imports too (issue 10). Best effort: an error of ``prepare``
+    that ``ray.init`` overlaps those imports too. Best effort: an error of ``prepare``
     or of ``ray.init`` is left for the run, which meets it again and reports it as usual. The
     caller shuts Ray down (:func:`quick_shutdown`) if the run ends before it does.
     """

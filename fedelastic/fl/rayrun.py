@@ -52,7 +52,7 @@ class ShippedClientApp(ClientApp):
     this app first puts the driver's fedelastic folder, then the driver's own ``sys.path``, ahead
     of the worker's, imports fedelastic from there, and only then unpickles the app (whose
     functions import the rest). This needs no Ray ``runtime_env``, so the workers ``ray.init``
-    starts are used as they are rather than replaced by fresh ones (issue 10: about a second of
+    starts are used as they are rather than replaced by fresh ones (about a second of
     start-up). Flower pickles the app with every call; the pickled app is made once, and each
     worker keeps the app it unpickled.
     """
@@ -81,7 +81,7 @@ def client_resources(sim) -> dict:
 
 def start_actors_early(scenario: Scenario) -> int:
     """Create Flower's client actors now, Ray being up, rather than when the simulation starts;
-    returns how many (issue 10).
+    returns how many.
 
     Each actor, as it is created, puts the driver's code first on its path (as
     :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,

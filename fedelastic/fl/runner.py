@@ -143,7 +143,7 @@ class GuardedGrid(Grid):
     (not an empty one) leaves, before the wait for replies: the runner hands the recorder's
     kept writes (the previous round's rows and checkpoint) to its writer there, so that they
     are made while the clients train, not while this thread still builds the round's messages
-    (a writer holding the GIL then made that 1-2 ms slower a round, issue 10).
+    (a writer holding the GIL then made that 1-2 ms slower a round).
     """
 
     def __init__(
@@ -331,7 +331,7 @@ def check_inputs(scenario: Scenario, env) -> None:
 
 
 def _preflight_beside_ray(scenario: Scenario, env) -> dict:
-    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up (issue 10).
+    """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up.
 
     A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had
     not been started (:func:`raypool.start_ray_beside`).

@@ -65,7 +65,7 @@ def discover_partitions(grid: Grid, nodes: list[int], timeout_s: float) -> dict[
     (every 10 ms) checks every query still unanswered, and so does every sweep of the dispatch
     loop: work proportional to the fleet size, repeated for as long as the fleet takes to
     answer, so quadratic in the fleet size (at 10,000 nodes most of a minute of the driver's
-    time, issue 10). In chunks each poll stays small and the whole query is linear.
+    time). In chunks each poll stays small and the whole query is linear.
     """
     deadline = time.monotonic() + timeout_s
     mapping = {}

@@ -108,7 +108,7 @@ def no_dashboard() -> Iterator[bool]:
 
     With ``include_dashboard=False`` Ray still starts that process, to run its usage-stats module
     only, and waits for it to publish its address (looking every 0.1 s) before it starts the
-    raylet: ~0.5 s of every local start here (issue 10). The block makes ``Node.start_api_server``
+    raylet: ~0.5 s of every local start here. The block makes ``Node.start_api_server``
     return at once when the dashboard is not wanted; a wanted one (``True`` or Ray's default
     ``None``) starts as before. Yields whether it could (a Ray whose ``start_api_server`` takes
     other arguments is left as it is).
