@@ -361,7 +361,9 @@ class BudgetedStrategy(SelectionStrategy):
 
         mask = shrink_to_memory(pick, fits, lowest - 1)
         if not mask.any():
-            self.empty_note = self._nothing_scores(ctx, budget, unit_score, unit_dw, unit_dx, lowest, what_unit(ctx, unit))
+            self.empty_note = self._nothing_scores(
+                ctx, budget, unit_score, unit_dw, unit_dx, lowest, what_unit(ctx, unit)
+            )
         return Selection.from_mask(to_tensors(mask))
 
     def _nothing_scores(
@@ -405,7 +407,7 @@ class BudgetedStrategy(SelectionStrategy):
 
 
 def what_unit(ctx: SelectionContext, unit: np.ndarray) -> str:
-    """"tensor" when every unit is one tensor, else "unit"."""
+    """'tensor' when every unit is one tensor, else 'unit' (how the reasons name a unit)."""
     return "tensor" if np.array_equal(unit, np.arange(ctx.info.num_tensors)) else "unit"
 
 

@@ -55,7 +55,10 @@ def test_no_positive_importance_selects_nothing_and_says_why_with_figures():
     assert not sel.mask.any() and ctx.note == ""  # something could train: not a device limit
     note = strategy.empty_note
     assert f"backward budget of {fmt(budget)}" in note and "'jetson_tx2'" in note
-    assert f"the {int(afford.sum())} it affords score {importance[afford].min():.3g} to {importance[afford].max():.3g}" in note
+    assert (
+        f"the {int(afford.sum())} it affords score {importance[afford].min():.3g} to {importance[afford].max():.3g}"
+        in note
+    )
     assert f"none of the {info.num_tensors} tensors scores above 0" in note and "raised the loss" in note
     reason = no_step_reason(strategy, ctx.note)
     assert reason.startswith("strategy ElasticTensor selected no tensor") and note in reason
