@@ -27,6 +27,8 @@ from .errors import ConfigError
 from .modelinfo import ModelInfo
 
 PROBES = ("importance", "fisher")
+#: how :attr:`SelectionStrategy.empty_note` starts when its selection was carried from an earlier round
+CARRIED = "the selection carried from an earlier round (no probe until its interval is due) trains nothing: "
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,10 @@ class SelectionStrategy:
     #: :meth:`carries_selection` (set by the trainer, saved by :meth:`state`)
     carried: Selection | None = None
     since: int = 0
+    #: why the last selection (made in this local training, or carried from an earlier one) trains
+    #: nothing although the device could train something, with the figures; "" otherwise (set by
+    #: the strategy's :meth:`select`, saved with the carried selection by :meth:`state`)
+    empty_note: str = ""
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.config_cls()
@@ -146,6 +152,8 @@ class SelectionStrategy:
             "carried.since": np.array([self.since], np.int64),
             "carried.config": np.frombuffer(repr(self.config).encode(), np.uint8),
         }
+        if self.empty_note and not sel.mask.any():
+            out["carried.empty_note"] = np.frombuffer(self.empty_note.encode(), np.uint8)
         if sel.input_sparse is not None:
             out["carried.input_sparse"] = np.asarray(sel.input_sparse, bool)
         for k, idx in sel.channels.items():
@@ -172,6 +180,9 @@ class SelectionStrategy:
             np.asarray(state["carried.ratios"], float), channels, None if sparse is None else np.asarray(sparse, bool)
         )
         self.since = int(np.asarray(state["carried.since"]).reshape(-1)[0])
+        if "carried.empty_note" in state:
+            note = bytes(np.asarray(state["carried.empty_note"], np.uint8)).decode()
+            self.empty_note = note if note.startswith(CARRIED) else CARRIED + note
 
 
 REGISTRY: dict[str, type[SelectionStrategy]] = {}

@@ -395,8 +395,11 @@ def carry_selection(strategy: SelectionStrategy, selection: Selection | None, si
 
 
 def no_step_reason(strategy: SelectionStrategy, note: str) -> str:
-    """Why a client that fits ran no step: the strategy's ``note`` (figures included) when it gave one."""
+    """Why a client that fits ran no step: the strategy's ``note`` (nothing can train on this device)
+    or, failing that, its :attr:`~SelectionStrategy.empty_note` (its scores picked nothing), figures
+    included, when it gave one."""
     what = f"strategy {type(strategy).__name__} selected no tensor to train on this device"
+    note = note or strategy.empty_note
     return f"{what}: {note}" if note else what
 
 

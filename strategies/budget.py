@@ -236,6 +236,7 @@ class BudgetedStrategy(SelectionStrategy):
 
     config_cls = ElasticConfig
     respects_memory = True  # shrinks its selection to ctx.memory_budget_bytes (contract tests)
+    score_name = "score"  # what :meth:`scores` measures, as the reasons name it
 
     def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
         interval = getattr(self.config, "interval", 0)
@@ -334,6 +335,7 @@ class BudgetedStrategy(SelectionStrategy):
         # the floor just below the deepest unit that fits alone (one solve instead of one per floor).
         lowest = self._lowest_fitting_unit(ctx, unit) if budget > 0 else 0
         ctx.note = self._nothing_trains(ctx, budget, unit, lowest)
+        self.empty_note = ""
         if ctx.note:  # nothing can be trained: no solve runs
             return Selection.from_mask(np.zeros(n))
         dw, dx = tensor_times(ctx.cost)
@@ -361,7 +363,56 @@ class BudgetedStrategy(SelectionStrategy):
             in_time = ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
             return in_time and ctx.cost.peak_memory_bytes(ratios) <= memory_budget
 
-        return Selection.from_mask(to_tensors(shrink_to_memory(pick, fits, lowest - 1)))
+        mask = shrink_to_memory(pick, fits, lowest - 1)
+        if not mask.any():
+            self.empty_note = self._nothing_scores(
+                ctx, budget, unit_score, unit_dw, unit_dx, lowest, what_unit(ctx, unit)
+            )
+        return Selection.from_mask(to_tensors(mask))
+
+    def _nothing_scores(
+        self, ctx: SelectionContext, budget: float, score: np.ndarray, dw: np.ndarray, dx: np.ndarray, lowest: int,
+        what: str,
+    ) -> str:  # fmt: skip
+        """Why the solve picked nothing although some unit fits the budget and memory: with the figures.
+
+        ``score``, ``dw``, ``dx``: per unit. The solvers only take units of positive score (a unit
+        of score <= 0 lowers the total), so none of the units the budget affords alone scores above 0
+        (or those that do only fit memory together with nothing).
+        """
+        fixed = float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
+        chain_above = np.concatenate([np.cumsum(dx[::-1])[::-1][1:], [0.0]])
+        alone = dw + chain_above  # a unit trained alone: its own cost and the chain above it
+        afford = (np.arange(len(score)) >= lowest) & (alone <= (budget - fixed) * (1 + _TIME_RTOL))
+        positive = score > 0
+        name, device = self.score_name, ctx.cost.device.name
+        if (afford & positive).any():
+            return (
+                f"the {what}s of positive {name} within the backward budget of {_time(budget)} do not fit the "
+                f"{ctx.memory_budget_bytes:.0f} bytes device {device!r} has for training"
+            )
+        text = (
+            f"no {what} that the backward budget of {_time(budget)} on device {device!r} affords has a positive "
+            f"{name}: the {int(afford.sum())} it affords score {score[afford].min():.3g} to {score[afford].max():.3g}"
+        )
+        if positive.any():
+            text += (
+                f"; the {int(positive.sum())} of positive {name} (of {len(score)}) cost at least "
+                f"{_time(float(alone[positive].min()) + fixed)} alone"
+            )
+        else:
+            text += f"; none of the {len(score)} {what}s scores above 0"
+        if name == "importance":
+            text += (
+                " (importance = -g . dw of the probe's one optimizer step: negative where that step, at the "
+                "training learning rate, raised the loss)"
+            )
+        return text
+
+
+def what_unit(ctx: SelectionContext, unit: np.ndarray) -> str:
+    """'tensor' when every unit is one tensor, else 'unit' (how the reasons name a unit)."""
+    return "tensor" if np.array_equal(unit, np.arange(ctx.info.num_tensors)) else "unit"
 
 
 def _time(seconds: float) -> str:

@@ -23,6 +23,7 @@ class ElasticTensor(BudgetedStrategy):
     name = "elastic_tensor"
     config_cls = ElasticConfig
     probe = "importance"
+    score_name = "importance"
 
     def scores(self, ctx: SelectionContext) -> np.ndarray:
         return require_importance(ctx, self.name)

@@ -22,6 +22,7 @@ class StaticElastic(BudgetedStrategy):
     name = "static_elastic"
     config_cls = BudgetConfig
     probe = "importance"
+    score_name = "importance"
 
     def __init__(self, config=None):
         super().__init__(config)
