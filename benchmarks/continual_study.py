@@ -37,7 +37,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fedelastic.compare import USED, ci95, expand  # noqa: E402
+from fedelastic.comparison import USED, ci95, expand  # noqa: E402
 from fedelastic.fl.runner import run_scenario  # noqa: E402
 from fedelastic.results import read_status  # noqa: E402
 

@@ -204,7 +204,7 @@ def run_single(path: Path, raw: dict, out: Path) -> list[dict]:
 
 
 def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
-    from fedelastic.compare import run_comparison  # noqa: PLC0415
+    from fedelastic.comparison import run_comparison  # noqa: PLC0415
 
     raw = {**raw, "output_dir": str(out)}
     file = out / f"{path.stem}.toml"

@@ -26,7 +26,7 @@ with its defaults except:
   ``sparse_update (centralised oracle)``, whose analysis runs on the pooled target-task training
   data of every client (no other strategy sees it offline); the plain variant is always run.
 
-It writes the resolved comparison file, then runs it with :func:`fedelastic.compare.run_comparison`
+It writes the resolved comparison file, then runs it with :func:`fedelastic.comparison.run_comparison`
 on the in-process backend (the comparison folder, with every run, goes under ``runs/``). From the
 runs it computes per (fleet, strategy), mean and std over seeds:
 
@@ -65,7 +65,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.compare import USED, ci95, run_comparison  # noqa: E402
+from fedelastic.comparison import USED, ci95, run_comparison  # noqa: E402
 from fedelastic.selection import REGISTRY, available  # noqa: E402
 
 SCENARIO = ROOT / "benchmarks" / "strategy_study.toml"
@@ -104,7 +104,7 @@ def measure_contributions(base: Path, path: Path, oracle: bool = False, proxy: s
     model already fits, so every gain is 0), or with ``oracle`` on the pooled target-task data."""
     import torch
 
-    from fedelastic.compare import expand
+    from fedelastic.comparison import expand
     from fedelastic.contribution import analyse
     from fedelastic.data import transform
     from fedelastic.fl.env import RunEnvironment

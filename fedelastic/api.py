@@ -273,7 +273,7 @@ def compare(
     Seeds that did not complete are in no mean: ``result.summary.status`` says which, and
     ``result.by_strategy.used`` counts the seeds used (``2/3``).
     """
-    from .compare import run_comparison
+    from .comparison import run_comparison
 
     named = {f"compare.{k}": v for k, v in (("seeds", seeds), ("strategies", strategies), ("fleets", fleets))}
     dotted = {**(overrides or {}), **{k: v for k, v in named.items() if v is not None}}

@@ -156,7 +156,7 @@ def cmd_compare(args) -> int:
     """Run a comparison and print its table; exits 4 if a seed diverged, 3 if one did not complete, else 0."""
     import pandas as pd
 
-    from .compare import exit_code, mean_table, not_used, run_comparison
+    from .comparison import exit_code, mean_table, not_used, run_comparison
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)

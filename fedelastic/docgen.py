@@ -100,7 +100,7 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
 
 def scenario_keys() -> str:
     """The scenario key reference (Markdown)."""
-    from .compare import CompareConfig
+    from .comparison import CompareConfig
     from .scenario import Scenario
 
     lines = [

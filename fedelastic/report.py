@@ -331,7 +331,7 @@ def pareto_front(cost: np.ndarray, gain: np.ndarray) -> np.ndarray:
 
 def _errors(table: pd.DataFrame, stem: str) -> tuple[np.ndarray, np.ndarray]:
     """Means and (2, n) error bars of ``stem``: the interval clipped at its physical bounds, 0 where there is none."""
-    from .compare import interval
+    from .comparison import interval
 
     mean, ci = table[f"{stem}_mean"].to_numpy(float), table[f"{stem}_ci95"].to_numpy(float)
     bounds = np.array([interval(m, c, stem) for m, c in zip(mean, ci)], float).reshape(-1, 2)
@@ -388,7 +388,7 @@ def pareto_figure(table: pd.DataFrame) -> str:
 
 
 def comparison_table(table: pd.DataFrame) -> str:
-    from .compare import interval, interval_text
+    from .comparison import interval, interval_text
 
     shown = {"final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}"}
     out = table[["fleet", "strategy"]].copy()
@@ -414,7 +414,7 @@ def comparison_table(table: pd.DataFrame) -> str:
 
 def _not_completed(folder: Path) -> str:
     """The seeds that are in no mean, with their status and why ('' if every seed completed)."""
-    from .compare import not_used
+    from .comparison import not_used
 
     lines = not_used(folder) if (folder / "summary.csv").exists() else []
     if not lines:
@@ -441,7 +441,7 @@ def _tuning(folder: Path) -> str:
 
 
 def comparison_sections(folder: Path) -> tuple[str, list[str]]:
-    from .compare import plot
+    from .comparison import plot
 
     table = pd.read_csv(folder / "summary_by_strategy.csv")
     used = table["used"] if "used" in table else table.seeds.map(lambda n: f"{n}/{n}")

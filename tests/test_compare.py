@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import tomli_w
 
-from fedelastic.compare import expand, run_comparison
+from fedelastic.comparison import expand, run_comparison
 from fedelastic.errors import ConfigError
 
 from .conftest import small_scenario_dict
@@ -63,7 +63,7 @@ def test_comparison_writes_tables_and_figure(tmp_path):
 
 
 def test_ci95_matches_hand_computed_t_interval():
-    from fedelastic.compare import ci95
+    from fedelastic.comparison import ci95
 
     # [1, 2, 3]: sd 1, t(0.975, df=2) = 4.302653 (tables) -> 4.302653 / sqrt(3)
     assert ci95(np.array([1.0, 2.0, 3.0])) == pytest.approx(4.302653 / 3**0.5, rel=1e-6)
@@ -71,7 +71,7 @@ def test_ci95_matches_hand_computed_t_interval():
 
 
 def test_time_to_target_is_censored_not_dropped():
-    from fedelastic.compare import aggregate
+    from fedelastic.comparison import aggregate
 
     summary = pd.DataFrame(
         {
@@ -96,7 +96,7 @@ def test_time_to_target_is_censored_not_dropped():
 
 
 def test_printed_table_spells_out_long_labels(tmp_path):
-    from fedelastic.compare import mean_table
+    from fedelastic.comparison import mean_table
 
     pd.DataFrame(
         {
@@ -134,7 +134,7 @@ def _summary(statuses, accuracy, time_s, energy_j, reached=None) -> pd.DataFrame
 
 
 def test_a_diverged_seed_enters_no_mean_and_no_interval():
-    from fedelastic.compare import aggregate
+    from fedelastic.comparison import aggregate
 
     # the diverged seed was recorded with zero time and energy: none of it may reach a mean
     summary = _summary(["completed", "diverged", "completed"], [0.8, 0.1, 0.9], [10.0, 0.0, 20.0], [1.0, 0.0, 3.0],
@@ -149,7 +149,7 @@ def test_a_diverged_seed_enters_no_mean_and_no_interval():
 
 
 def test_failed_and_errored_seeds_are_counted_apart_and_left_out():
-    from fedelastic.compare import aggregate
+    from fedelastic.comparison import aggregate
 
     nan = float("nan")
     summary = _summary(["failed", "completed_with_errors", "completed", "dead"], [nan, 0.2, 0.7, 0.3],
@@ -163,7 +163,7 @@ def test_failed_and_errored_seeds_are_counted_apart_and_left_out():
 
 
 def test_intervals_are_clipped_at_physical_bounds():
-    from fedelastic.compare import aggregate, interval_text
+    from fedelastic.comparison import aggregate, interval_text
 
     summary = _summary(["completed"] * 3, [0.95, 0.99, 1.0], [0.1, 0.1, 5.0], [1.0, 2.0, 3.0])
     row = aggregate(summary).iloc[0]
@@ -181,7 +181,7 @@ def test_intervals_are_clipped_at_physical_bounds():
 
 
 def test_pareto_error_bars_never_reach_below_zero():
-    from fedelastic.compare import aggregate
+    from fedelastic.comparison import aggregate
     from fedelastic.report import _errors
 
     table = aggregate(_summary(["completed"] * 3, [0.5, 0.6, 0.7], [0.1, 0.1, 5.0], [40.0, 1.0, 1.0]))
@@ -192,7 +192,7 @@ def test_pareto_error_bars_never_reach_below_zero():
 
 
 def test_exit_code_of_hand_built_tables():
-    from fedelastic.compare import exit_code
+    from fedelastic.comparison import exit_code
 
     def code(*statuses):
         return exit_code(pd.DataFrame({"status": list(statuses)}))
@@ -265,7 +265,7 @@ def test_compare_exits_4_on_a_diverged_cell_and_keeps_going_past_a_raising_one(t
 
 
 def test_tuning_picks_the_best_completed_grid_point():
-    from fedelastic.compare import pick
+    from fedelastic.comparison import pick
 
     scores = pd.DataFrame(
         {

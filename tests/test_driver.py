@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedelastic.compare import curves, summarise
+from fedelastic.comparison import curves, summarise
 from fedelastic.errors import ConfigError
 from fedelastic.fl.runner import resume_run, run_scenario
 from fedelastic.report import write_html
@@ -430,7 +430,7 @@ def test_a_comparison_with_skipped_evaluations(tmp_path):
     import tomli_w
 
     from fedelastic.api import stop_at_accuracy
-    from fedelastic.compare import run_comparison
+    from fedelastic.comparison import run_comparison
 
     raw = small_scenario_dict(tmp_path, server={"rounds": 3, "evaluate_every": 2})
     raw["compare"] = {"strategies": ["full"], "fleets": {"sbc": {"raspberry_pi_4": 3}}, "seeds": [0, 1]}

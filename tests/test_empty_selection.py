@@ -14,7 +14,7 @@ from fedelastic.devices import get_profile
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
 from fedelastic.selection import CARRIED, SelectionContext, make_strategy
-from fedelastic.training import no_step_reason, train_local
+from fedelastic.training import LocalTraining, no_step_reason, train_local
 
 OPTIONS = {"rho": 0.5, "interval": 8, "interval_unit": "steps"}
 
@@ -90,7 +90,7 @@ def test_a_carried_empty_selection_keeps_its_reason_in_the_next_round():
     assert again.empty_note == later.empty_note  # said once, however many rounds carry it
     data = load_digits_dataset()
     data = data.subset(np.arange(32))
-    result = train_local(model, info, later, cost, data, epochs=1, batch_size=16, lr=0.05, max_steps=2)
+    result = train_local(model, info, later, cost, data, LocalTraining(epochs=1, batch_size=16, lr=0.05, max_steps=2))
     assert result.fits and result.steps == 0 and result.probes == 0  # the interval (8 steps) is not due
     assert result.reason == f"strategy ElasticTensor selected no tensor to train on this device: {later.empty_note}"
     assert "backward budget of" in result.reason

@@ -72,7 +72,7 @@ def _pretraining_comparison(tmp_path, **compare):
 
 
 def test_a_shared_pretrain_runs_once_for_all_seeds_and_equals_a_fresh_pretrain(tmp_path, monkeypatch):
-    from fedelastic.compare import expand
+    from fedelastic.comparison import expand
 
     _, cells = expand(_pretraining_comparison(tmp_path, pretrain="shared"), "cmp.toml")
     assert [c.scenario.seed for c in cells] == [5, 6, 7]
@@ -95,7 +95,7 @@ def test_a_shared_pretrain_runs_once_for_all_seeds_and_equals_a_fresh_pretrain(t
 
 
 def test_per_seed_pretrains_differ_and_split_with_their_own_seeds(tmp_path, monkeypatch):
-    from fedelastic.compare import expand
+    from fedelastic.comparison import expand
 
     _, cells = expand(_pretraining_comparison(tmp_path, seeds=[5, 6]), "cmp.toml")
     assert {c.scenario.model.pretrain.seed for c in cells} == {-1}
@@ -109,7 +109,7 @@ def test_per_seed_pretrains_differ_and_split_with_their_own_seeds(tmp_path, monk
 
 
 def test_a_shared_pretrain_needs_a_pretrain_table(tmp_path):
-    from fedelastic.compare import expand
+    from fedelastic.comparison import expand
 
     raw = small_scenario_dict(tmp_path)
     raw["compare"] = {"seeds": [0, 1], "pretrain": "shared"}

@@ -16,7 +16,7 @@ import pytest
 import tomli_w
 from PIL import Image
 
-from fedelastic.compare import run_comparison
+from fedelastic.comparison import run_comparison
 from fedelastic.fl.runner import run_scenario
 from fedelastic.report import energy_by_class, memory_by_device, pareto_front, write_html
 

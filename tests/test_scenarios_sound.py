@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import tomli_w
 
-from fedelastic.compare import run_comparison
+from fedelastic.comparison import run_comparison
 from fedelastic.config import read_toml
 from fedelastic.fl.runner import run_scenario
 from fedelastic.scenario import parse_scenario
