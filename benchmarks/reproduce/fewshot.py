@@ -9,11 +9,14 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 * Pretraining: ``mcu_net`` (width 16) with 5 outputs on the source, BatchNorm on batch statistics,
   AdamW 1e-3, cosine, 15 epochs, batch 64, one torch thread; cached under ``$FEDELASTIC_CACHE`` (or
   ``~/.cache/fedelastic``). A model below ``MIN_SOURCE_ACCURACY`` on its source is refused.
+* Adaptation graph: the pretrained BatchNorms are folded into their convs (``FOLD_BN``,
+  :func:`fold_batchnorm`), as an MCU deploys and trains the model. Unfolded, frozen norms with running
+  variances down to 0.007 multiply the convs' gradients about 12x (the first, void run's collapse).
 * Head: for each task the 5-way head is re-initialised from the training images' class means of the
-  penultimate features (``W = 2 p``, ``b = -|p|^2``: nearest-prototype logits), so "none" is a
-  ProtoNet-style classifier on the pretrained features.
+  penultimate features, as a cosine head with temperature 10 (``HEAD``; the void run used
+  ``W = 2 p``, ``b = -|p|^2``), so "none" is a ProtoNet-style classifier on the pretrained features.
 * Training: :func:`fedelastic.training.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
-  BatchNorm frozen). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
+  norms frozen: none are left after folding). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
   micro-batches of 1: with BatchNorm frozen the gradient is the same as the host's batch). An arm whose
   selection does not fit is recorded as not fitting, with the trainer's reason, and (if asked) run
   again on an unconstrained device as a host reference.
@@ -40,11 +43,11 @@ from fedelastic.devices import Quantity, load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import train_local  # noqa: E402
+from fedelastic.training import LocalTraining, train_local  # noqa: E402
 
 WIDTH, SIZE, WAYS = 16, 32, 5
 MIN_SOURCE_ACCURACY = 0.8
-LRS = (0.01, 0.03, 0.1)
+LRS = (1e-4, 1e-3, 1e-2)  # the default lr grid (the void run's was 0.01, 0.03, 0.1)
 torch.set_num_threads(1)  # a shared 2-core host
 
 
@@ -101,14 +104,73 @@ def pretrained(d: dict, epochs: int = 15) -> dict:
     return state
 
 
+class CosineHead(torch.nn.Linear):
+    """A Linear whose logits are ``temperature x cos(feature, weight row) + bias``.
+
+    Still an ``nn.Linear`` (same parameters, MACs and saved input for the cost model and the selectors);
+    the two normalisations are per-sample and weightless.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, temperature: float) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.temperature = temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.nn.functional.normalize(self.weight, dim=1)
+        return self.temperature * torch.nn.functional.linear(torch.nn.functional.normalize(x, dim=1), w) + self.bias
+
+
+def fold_batchnorm(module: torch.nn.Module) -> None:
+    """Fold every BatchNorm2d that directly follows a Conv2d (in the same Sequential) into that conv, in place.
+
+    The conv gets ``w * g / s`` and a bias ``b - m g / s`` (``s = sqrt(var + eps)``) and the norm becomes an
+    ``Identity``: the same function at inference, the graph an MCU deploys and trains (no norm layers).
+    Without it, training a BN-trained backbone with the norms frozen multiplies each conv's gradient by
+    ``g / s``, with running variances down to 0.007 here: about 12x the stem's weight norm per unit of lr.
+    """
+    for child in module.children():
+        fold_batchnorm(child)
+    if not isinstance(module, torch.nn.Sequential):
+        return
+    for i in range(len(module) - 1):
+        conv, bn = module[i], module[i + 1]
+        if isinstance(conv, torch.nn.Conv2d) and isinstance(bn, torch.nn.BatchNorm2d):
+            with torch.no_grad():
+                scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+                new = torch.nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                                      conv.padding, conv.dilation, conv.groups, bias=True)  # fmt: skip
+                new.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
+                bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+                new.bias.copy_((bias - bn.running_mean) * scale + bn.bias)
+            module[i], module[i + 1] = new, torch.nn.Identity()
+
+
+# The episode head (see prototype_head). "cosine" with temperature 10: the fixed setting (README, ablation);
+# "dot" is the first, void run's head (logit spread about 18 at initialisation, cross-entropy 2.7).
+HEAD: dict = {"kind": "cosine", "temperature": 10.0}
+FOLD_BN = True  # fold the norms into the convs before adapting (fold_batchnorm); False: the void run's setting
+
+
 def prototype_head(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> None:
-    """Set the last Linear to nearest-prototype logits of the penultimate features of ``x``."""
+    """Set the head to nearest-prototype logits of the penultimate features of ``x`` (class means ``p``).
+
+    ``HEAD["kind"]``: ``cosine`` replaces the last Linear by a :class:`CosineHead` with rows ``p`` and
+    bias 0 (logits ``T cos(f, p)``, bounded by the temperature ``T``); ``dot`` keeps the Linear with
+    ``W = 2 p``, ``b = -|p|^2`` (negative squared distance up to a per-sample constant, unbounded scale).
+    """
     model.eval()
     with torch.no_grad():
         feats = model[:-1](torch.from_numpy(x))
         protos = torch.stack([feats[torch.from_numpy(y == c)].mean(0) for c in range(WAYS)])
-        model[-1].weight.copy_(2 * protos)
-        model[-1].bias.copy_(-(protos**2).sum(1))
+        if HEAD["kind"] == "cosine":
+            model[-1] = CosineHead(model[-1], float(HEAD["temperature"]))
+            model[-1].weight.copy_(protos)
+            model[-1].bias.zero_()
+        elif HEAD["kind"] == "dot":
+            model[-1].weight.copy_(2 * protos)
+            model[-1].bias.copy_(-(protos**2).sum(1))
+        else:
+            raise ValueError(f"HEAD kind: expected 'cosine' or 'dot', got {HEAD['kind']!r}")
 
 
 def mcu_device(profile: str, memory_kib: float | None):
@@ -124,6 +186,8 @@ def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: t
     torch.manual_seed(seed)
     model, shape = new_model()
     model.load_state_dict(state)
+    if FOLD_BN:
+        fold_batchnorm(model)
     prototype_head(model, *train)
     before, _ = accuracy(model, *test)
     row = {"arm": arm["label"], "lr": lr, "seed": seed, "before": before}
@@ -137,9 +201,10 @@ def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: t
         model.load_state_dict(snapshot)
         cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
         epochs = -(-steps * batch // len(train[1]))
+        local = LocalTraining(epochs=epochs, batch_size=batch, lr=lr, momentum=0.9, weight_decay=5e-4,
+                              max_steps=steps, bn_mode="frozen", lr_schedule="cosine")  # fmt: skip
         r = train_local(model, info, make_strategy(arm["strategy"], arm.get("options", {})), cost,
-                        ArrayDataset(*train), epochs=epochs, batch_size=batch, lr=lr, momentum=0.9,
-                        weight_decay=5e-4, max_steps=steps, seed=seed, bn_mode="frozen", lr_schedule="cosine")  # fmt: skip
+                        ArrayDataset(*train), local, seed=seed)  # fmt: skip
         if r.fits or not arm.get("reference", False):
             break
         row["device_reason"] = r.reason
@@ -168,8 +233,8 @@ def ci95(v: list[float]) -> float:
     return float(stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
-def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print) -> dict:
-    """Per arm: the best lr on ``tasks('val', i)``, then every seed's ``tasks('test', seed)`` list at it.
+def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS) -> dict:
+    """Per arm: the best lr of ``lrs`` on ``tasks('val', i)``, then every seed's ``tasks('test', seed)`` list at it.
 
     ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``.
     """
@@ -180,7 +245,7 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print) -> dict:
             lr, tuning = 0.0, []
         else:
             tuning = []
-            for lr in LRS:
+            for lr in lrs:
                 rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
                 ok = [r["accuracy"] for r in rows if not r["diverged"]]
                 tuning.append({"lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"), "diverged": len(rows) - len(ok)})

@@ -5,10 +5,11 @@ time and energy emulated on MobileNetV2 at 224x224 (``emulate.py``).
 
 Accuracy (the setting in ``../fewshot.py`` and the README): a pretrained ``mcu_net`` (digits 0-4,
 clean) adapted to 5-way 10-shot episodes of digits 5-9 rotated 90 degrees (20 queries per class),
-40 steps at batch 10, memory priced on ``stm32h743`` (512 KiB) at batch 1. Arms: none (prototype
-head), full (does not fit: unconstrained host reference), last layer, Sparse Update and TinyTrain
-within the budget. Each arm's lr: best of {0.01, 0.03, 0.1} on the validation episodes; then
-``--episodes`` episodes per seed. Writes ``result.json`` beside this file.
+40 steps at batch 10, memory priced on ``stm32h743`` (512 KiB) at batch 1, norms folded into the
+convs and a cosine prototype head (temperature 10; ``../fewshot.py``). Arms: none (prototype head),
+full (does not fit: unconstrained host reference), last layer, Sparse Update and TinyTrain within the
+budget. Each arm's lr: best of {1e-4, 1e-3, 1e-2} on the validation episodes; then ``--episodes``
+episodes per seed. Writes ``result.json`` beside this file.
 """
 
 from __future__ import annotations
