@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError, FedelasticError, RunFailed, Terminated
-from .summary import _fmt_bytes, console, report  # noqa: F401 (_fmt_bytes: the tests' and users' name)
+from .summary import console, report
 
 
 def cmd_report(args) -> None:
@@ -192,7 +192,7 @@ def cmd_devices(args) -> None:
     from .devices import load_profile, profile_paths
 
     if args.action == "list":
-        from .units import si
+        from .units import fmt_bytes, si
 
         table = Table(title="device profiles")
         for col in ("name", "class", "dtype", "peak", "bandwidth", "train memory", "train power"):
@@ -205,7 +205,7 @@ def cmd_devices(args) -> None:
                 p.train_dtype,
                 si(p.peak_flops.value, "OP/s" if p.train_dtype == "int8" else "FLOP/s"),
                 si(p.mem_bandwidth_bytes_per_s.value, "B/s"),
-                _fmt_bytes(p.memory_train_bytes.value),
+                fmt_bytes(p.memory_train_bytes.value),
                 f"{p.power_train_w.value:.3g} W",
             )
         console.print(table)

@@ -247,8 +247,10 @@ def evaluate_stream(
     seen_counts: np.ndarray | None = None
     seen_actual: np.ndarray | None = None
     seen_labels: set[int] = set()
+    from .evaluation import evaluate_predictions  # noqa: PLC0415 (the metrics stay importable without torch)
+
     for j, (seg, ds) in enumerate(zip(stream.segments, stream.eval_sets)):
-        accuracy, loss, counts = _evaluate(model, ds.x, ds.y)
+        accuracy, loss, counts = evaluate_predictions(model, ds.x, ds.y)
         seen = seg.start <= max(server_round, 1)
         top, share = top_share(counts)
         rows.append(
@@ -282,23 +284,6 @@ def evaluate_stream(
         row.update(seen_predicted_class=top, seen_predicted_share=share, seen_classes=len(seen_labels))
     return rows, float(np.mean(seen_acc)), float(np.mean(seen_loss)), seen_counts, seen_actual
 
-
-def _evaluate(model, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float, np.ndarray]:
-    """(accuracy, mean cross-entropy, histogram of the predicted classes) of ``model`` on ``x, y``."""
-    import torch  # noqa: PLC0415 (the metrics stay importable without torch)
-
-    model.eval()
-    correct, loss, counts = 0, 0.0, np.zeros(0, np.int64)
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            xb, yb = torch.from_numpy(x[start : start + batch_size]), torch.from_numpy(y[start : start + batch_size])
-            out = model(xb)
-            loss += torch.nn.functional.cross_entropy(out, yb, reduction="sum").item()
-            predicted = out.argmax(1)
-            correct += int((predicted == yb).sum())
-            batch = np.bincount(predicted.numpy(), minlength=out.shape[1])
-            counts = batch if not len(counts) else counts + batch
-    return correct / len(y), loss / len(y), counts
 
 
 def matrix(tasks) -> tuple[np.ndarray, list[int], np.ndarray]:

@@ -12,11 +12,12 @@ import base64
 import html
 import io
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from .units import fmt_bytes
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -50,15 +51,6 @@ def _figure(png: str, alt: str, caption: str) -> str:
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"
     )
 
-
-def _bytes(n: float) -> str:
-    if not math.isfinite(n):  # e.g. a device whose every client failed before reporting its memory
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 # ---- a run -------------------------------------------------------------------------------------
@@ -121,7 +113,7 @@ def memory_figure(clients: pd.DataFrame) -> str:
     ax.axvline(100, color="black", lw=1, ls="--")
     for y, (peak, budget) in enumerate(zip(m.peak_bytes, m.budget_bytes)):
         ax.annotate(
-            f"{_bytes(peak)} of {_bytes(budget)}",
+            f"{fmt_bytes(peak)} of {fmt_bytes(budget)}",
             (100 * peak / budget, y),
             fontsize=7,
             xytext=(4, -3),
@@ -165,8 +157,8 @@ def device_table(clients: pd.DataFrame) -> str:
             "train s/round": g.emulated_train_time_s.mean().map("{:.3g}".format),
             "comm s/round": g.emulated_comm_time_s.mean().map("{:.3g}".format),
             "energy J/round": g.emulated_energy_j.mean().map("{:.3g}".format),
-            "peak memory": g.emulated_peak_memory_bytes.max().map(_bytes),
-            "device memory": g.device_memory_bytes.max().map(_bytes),
+            "peak memory": g.emulated_peak_memory_bytes.max().map(fmt_bytes),
+            "device memory": g.device_memory_bytes.max().map(fmt_bytes),
             "params trained": g.fraction_params_trained.mean().map("{:.0%}".format),
         }
     )

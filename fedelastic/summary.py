@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -11,18 +10,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import FedelasticError
+from .units import fmt_bytes
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
-
-def _fmt_bytes(n: float) -> str:
-    if not math.isfinite(n):  # e.g. a device whose every client failed before reporting its memory
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def report(run_dir: Path) -> None:
@@ -82,8 +73,8 @@ def report(run_dir: Path) -> None:
                 else ""
             ),
             f"{g.emulated_energy_j.mean():.3g} J",
-            _fmt_bytes(g.emulated_peak_memory_bytes.max()),
-            _fmt_bytes(g.device_memory_bytes.iloc[0]),
+            fmt_bytes(g.emulated_peak_memory_bytes.max()),
+            fmt_bytes(g.device_memory_bytes.iloc[0]),
             f"{g.fraction_params_trained.mean():.0%}",
         )
     console.print(table)

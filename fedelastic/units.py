@@ -7,6 +7,8 @@ s, W, J, a plain ratio ``"1"`` or a count of tensor elements).
 
 from __future__ import annotations
 
+import math
+
 # dimension -> unit -> factor to the dimension's base unit
 UNITS: dict[str, dict[str, float]] = {
     "bytes": {"B": 1.0, "KB": 1e3, "KiB": 1024.0, "MB": 1e6, "MiB": 1024.0**2, "GB": 1e9, "GiB": 1024.0**3},
@@ -38,3 +40,14 @@ def si(value: float, unit: str) -> str:
 def to_si(value: float, unit: str, dimension: str) -> float:
     """Convert ``value`` in ``unit`` to the base unit of ``dimension``; KeyError if not allowed."""
     return float(value) * UNITS[dimension][unit]
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in decimal units (``1.5 MB``); ``n/a`` when unknown (NaN, e.g. a device whose every client failed)."""
+    if not math.isfinite(n):
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
@@ -41,8 +39,7 @@ from ..runtime.backend import (  # noqa: F401 (the Ray backend's names, as befor
     resilient_actors,
     timeout_reason,
 )
-from ..runtime.orphans import alive as _alive
-from ..runtime.orphans import descendants
+from ..runtime.orphans import descendants, reap
 from ..runtime.orphans import descendants as _descendants  # noqa: F401 (tests)
 from ..runtime.raystart import _ray_start_patches, no_autoscaler, no_dashboard, prompt_node_wait  # noqa: F401
 
@@ -276,13 +273,6 @@ def quick_shutdown(wait_s: float = 3.0) -> None:
     ours = ray_processes()
     stop_autoscaler()
     ray.shutdown()
-    deadline = time.monotonic() + wait_s
-    while (left := _alive(ours)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    reap(ours, wait_s)
 
 

@@ -64,6 +64,18 @@ def alive(procs: dict[int, str]) -> dict[int, str]:
     return {pid: start for pid, start in procs.items() if start_time(pid) == start}
 
 
+def reap(procs: dict[int, str], wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the processes of ``procs`` to exit, then kill those still running."""
+    deadline = time.monotonic() + wait_s
+    while (procs := alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def record(run_dir: Path, procs: dict[int, str]) -> None:
     """Write (or extend) ``run_dir``'s record of the Ray processes this driver started."""
     path = Path(run_dir) / RECORD
@@ -85,15 +97,7 @@ def stop_recorded(run_dir: Path, wait_s: float = 3.0) -> None:
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
     procs = doc.get("processes")
     if doc.get("driver") == me and isinstance(procs, dict):
-        left = {int(p): s for p, s in procs.items() if str(p).isdigit()}
-        deadline = time.monotonic() + wait_s
-        while (left := alive(left)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        reap({int(p): s for p, s in procs.items() if str(p).isdigit()}, wait_s)
     forget(run_dir)
 
 
