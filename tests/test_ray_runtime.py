@@ -17,9 +17,10 @@ from ray import cloudpickle
 
 import fedelastic
 from fedelastic.fl.client import make_client_app
-from fedelastic.fl.raypool import _alive, _descendants, no_autoscaler, no_dashboard
+from fedelastic.fl.raypool import _descendants, no_autoscaler, no_dashboard
 from fedelastic.fl.rayrun import ShippedClientApp
 from fedelastic.runtime.dispatch import StoppableQueue, fast_dispatch
+from fedelastic.runtime.orphans import alive as _alive
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent
 
