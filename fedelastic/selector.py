@@ -332,7 +332,7 @@ def select_grid(
 
     Kept as ``solver = "grid"``: on real models it leaves 1-11% of the importance behind (each
     selected tensor's cost rounded up by up to one unit), but it takes about a millisecond at 300
-    tensors where :func:`select_exact` takes tens to hundreds (see benchmarks/RESULTS.md).
+    tensors where :func:`select_exact` takes tens to hundreds (see benchmarks/studies/selection.md).
 
     For every candidate deepest tensor ``j`` (from the loss side down), the fixed cost
     ``t_dw[j] + sum_{i > j} t_dx[i]`` is paid and the rest of the budget is filled by a 0/1
