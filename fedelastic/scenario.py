@@ -524,7 +524,7 @@ def _import_path(factory) -> str | None:
 
 def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
     """Trace paths relative to the scenario file, checked now (a bad trace fails before the run)."""
-    from .fleet import load_availability_trace, load_network_trace
+    from .sim.fleet import load_availability_trace, load_network_trace
 
     av, net = scenario.availability, scenario.network
     if av.model == "trace":

@@ -39,7 +39,7 @@ def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
 def test_round_engine_and_fleet_dynamics_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.fleet, fedelastic.divergence, pkgutil, importlib, fedelastic.sim as sim\n"
+        "import fedelastic.divergence, pkgutil, importlib, fedelastic.sim as sim\n"
         "for m in pkgutil.iter_modules(sim.__path__): importlib.import_module('fedelastic.sim.' + m.name)\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
     )

@@ -25,10 +25,10 @@ from fedelastic.fl import server as fl_server
 from fedelastic.fl.client import make_client_app
 from fedelastic.fl.env import environment
 from fedelastic.fl.runner import GuardedGrid, InProcessGrid
-from fedelastic.fleet import SessionAvailability
 from fedelastic.pretrain import initial_state
 from fedelastic.results import Recorder
 from fedelastic.scenario import SimulationConfig, parse_scenario
+from fedelastic.sim.fleet import SessionAvailability
 
 from .conftest import small_scenario_dict
 

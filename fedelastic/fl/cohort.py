@@ -37,8 +37,8 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.serverapp import Grid
 
 from ..errors import with_traceback
-from ..fleet import local_steps
 from ..scenario import Scenario
+from ..sim.fleet import local_steps
 from .arrays import record_dict, record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .env import RunEnvironment, environment, freeze_heap

@@ -29,12 +29,12 @@ from flwr.supercore import log
 from ..continual import evaluate_stream
 from ..divergence import Detector, weight_norm
 from ..errors import Diverged, RunFailed, StopRun
-from ..fleet import Fleet, local_steps
 from ..results import Recorder
 from ..scenario import Scenario
 from ..sim.aggregators import make_aggregator
 from ..sim.callbacks import CallbackList, ContinualReport, ResultsWriter, RoundEnd
 from ..sim.engine import Reply, RoundEngine, nonfinite_reason, nonfinite_tensors
+from ..sim.fleet import Fleet, local_steps
 from ..sim.records import METRIC_KEYS, ClientRecord, RoundRecord
 from ..training import evaluate_model, evaluate_predictions, torch_threads
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
@@ -101,7 +101,7 @@ def nonfinite_update(
 
 
 def build_fleet(env: RunEnvironment) -> Fleet:
-    """The run's :class:`~fedelastic.fleet.Fleet`: every partition's profile, cost model and local steps."""
+    """The run's :class:`~fedelastic.sim.fleet.Fleet`: every partition's profile, cost model and local steps."""
     sc, t = env.scenario, env.scenario.train
     steps = [
         local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps) for p in range(sc.num_clients)

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ..fleet import Fleet, deadline_from_quantile
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .clock import EXTRA, LATE, NO_UPDATE, Arrival, Trip
 from .clock import run_async as clock_run_async
+from .fleet import Fleet, deadline_from_quantile
 from .policies import Assignment, Async, Policy, make_policy
 from .records import COUNTED, FAILED, REJECTED, ClientRecord, RoundSummary, idle_rows, summarize
 

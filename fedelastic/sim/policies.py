@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..fleet import deadline_rho, deadline_rho_steps, deadline_steps
 from .clock import Trip, sync_round
+from .fleet import deadline_rho, deadline_rho_steps, deadline_steps
 
 
 class ClientTimes(Protocol):

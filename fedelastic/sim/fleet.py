@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # ---- deadline budgets ------------------------------------------------------------------------
 
