@@ -310,13 +310,24 @@ class PartialFedAvg(FedAvg):
         return server_round % server.evaluate_every == 0 or server_round >= server.rounds
 
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Evaluate the global model after ``server_round`` (:meth:`evaluates`; NaN if skipped) on
-        ``simulation.torch_threads`` threads, as the clients train; the round's row goes to the callbacks."""
+        """Flower's last call of a round: evaluate the global model after ``server_round``
+        (:meth:`evaluates`; NaN if skipped) on ``simulation.torch_threads`` threads, as the clients
+        train, then end the round (:meth:`end_round`: Flower's loop has no other per-round hook)."""
         if server_round == 0 and self.resumed:
             return None  # the initial row is already on disk (also when the checkpoint is round 0's)
         server_round += self.offset
         with torch_threads(self.sc.simulation.torch_threads):
             record, tasks, predicted, actual = self._evaluate(server_round, arrays)
+        self.end_round(server_round, arrays, record, tasks, predicted, actual)
+        if not self.evaluates(server_round):
+            return None
+        return MetricRecord({"accuracy": record.test_accuracy, "loss": record.test_loss})
+
+    def end_round(
+        self, server_round: int, arrays: ArrayRecord, record: RoundRecord, tasks: list[dict], predicted, actual
+    ) -> None:
+        """The round's divergence check, then its row to the callbacks (results writer, checkpoint,
+        continual report, user callbacks); raises :class:`Diverged` or :class:`StopRun` to end the run."""
         record.divergence = self._divergence(server_round, arrays, record.test_loss, predicted, actual)
         end = RoundEnd(server_round, record.row(), lambda: record_to_numpy(arrays), self, tasks)
         stop = self.callbacks.on_round_end(end)  # their writes are handed over when the next round is sent
@@ -324,9 +335,6 @@ class PartialFedAvg(FedAvg):
             raise Diverged(server_round, record.divergence)
         if stop:
             raise StopRun(f"a callback stopped the run after round {server_round}")
-        if not self.evaluates(server_round):
-            return None
-        return MetricRecord({"accuracy": record.test_accuracy, "loss": record.test_loss})
 
     def _evaluate(self, server_round: int, arrays: ArrayRecord) -> tuple[RoundRecord, list[dict], Any, Any]:
         """The round's record (its evaluation, if :meth:`evaluates`), a stream's task rows, and the test
