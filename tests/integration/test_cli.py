@@ -57,7 +57,7 @@ def test_a_runs_own_config_toml_runs_again_to_the_same_results(tmp_path, capsys)
     scenario.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 1})))
     assert main(["run", str(scenario), "--run-id", "first"]) == 0
     first = next((tmp_path / "runs").glob("*/first"))
-    assert "source" in (first / "config.toml").read_text()  # what used to be refused
+    assert "source" in (first / "config.toml").read_text()  # the recorded scenario file: a key a scenario file may hold
     assert main(["run", str(first / "config.toml"), "--run-id", "again"]) == 0, capsys.readouterr()
     again = next((tmp_path / "runs").glob("*/again"))
     cols = ["round", "sim_time_s", "test_accuracy", "test_loss", "total_energy_j", "mean_train_loss"]

@@ -351,7 +351,7 @@ def test_fault_is_recorded_with_honest_status(case, tmp_path, monkeypatch, capsy
 
 def test_probe_over_memory_is_split_to_fit_the_device(tmp_path, capsys):
     """ElasticTrainer's full-model probe needs more than an nRF52840's 256 KiB at width 32: it runs in
-    pieces that fit (issue 7), the clients train, and each row reports a probe peak within its device."""
+    pieces that fit, the clients train, and each row reports a probe peak within its device."""
     path = scenario_file(tmp_path, fleet={"nrf52840": 2, "raspberry_pi_4": 1}, model={"options": {"width": 32}},
                          train={"strategy": "elastic_tensor"})  # fmt: skip
     code, out = run_cli(["run", path], capsys)
@@ -460,7 +460,7 @@ def test_checkpoint_is_loaded_with_weights_only(tmp_path):
 @pytest.mark.ray
 @pytest.mark.patched
 def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers(tmp_path, monkeypatch, capsys):
-    """Issue 11's reproduction (a forward that calls os._exit(1) once) and issue 14's hung client, in one Ray run.
+    """A client process that dies (a forward that calls os._exit(1) once) and a hung client, in one Ray run.
 
     Round 1: the client whose process dies is retried on a fresh actor and trains; the hung one
     becomes a 'timeout' row and its actor is replaced. Later rounds train every sampled client.
@@ -468,7 +468,7 @@ def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recover
     user_models(tmp_path, monkeypatch)
     monkeypatch.setenv("FAULTY_HANG_S", "600")  # far past the timeout: the driver must not wait for it
     # run from a folder holding another fedelastic: Ray puts the cwd first on its workers' path,
-    # yet they must run the driver's code (issue 14)
+    # yet they must run the driver's code
     (tmp_path / "fedelastic").mkdir()
     (tmp_path / "fedelastic" / "__init__.py").write_text("raise ImportError('a shadow copy of fedelastic was imported')")
     monkeypatch.chdir(tmp_path)

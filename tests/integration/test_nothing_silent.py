@@ -1,4 +1,4 @@
-"""Issue 15 §2: nothing fails silently (clients that trained nothing, shadowed profiles, implausible fits)."""
+"""Nothing fails silently (clients that trained nothing, shadowed profiles, implausible fits)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def test_cli_strategies_name_and_models(capsys, monkeypatch):
 
 @pytest.mark.ray
 def test_plugins_registered_in_the_driver_reach_the_ray_workers(make_scenario):
-    # issue 12 §3: a strategy registered here (a class local to this test: Ray must ship it by
+    # a strategy registered here (a class local to this test: Ray must ship it by
     # value) and a model name added here exist only in this process; Ray's workers must know both
     import json
 

@@ -1,6 +1,6 @@
-"""The Ray path's start-up and teardown pieces (issue 10), most checked without starting Ray.
+"""The Ray path's start-up and teardown pieces, most checked without starting Ray.
 
-The real-Ray run in tests/test_simulation.py checks them together: its results equal the
+The real-Ray run in tests/integration/test_simulation.py checks them together: its results equal the
 in-process run's, and no Ray process outlives it.
 """
 
@@ -42,7 +42,7 @@ print(fedelastic.__file__, os.environ["FEDELASTIC_ROOT"], reply.content["metrics
 
 
 def test_a_shipped_client_app_runs_the_drivers_fedelastic_beside_another_copy(make_scenario, tmp_path):
-    """A worker that starts in a folder holding another fedelastic still runs the driver's (issue 14), without a runtime_env."""
+    """A worker that starts in a folder holding another fedelastic still runs the driver's, without a runtime_env."""
     shadow = tmp_path / "cwd"
     (shadow / "fedelastic").mkdir(parents=True)
     (shadow / "fedelastic" / "__init__.py").write_text(

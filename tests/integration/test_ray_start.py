@@ -1,4 +1,4 @@
-"""Session 19's Ray start-up pieces (issue 10): the run-folder check before Ray starts, Ray's
+"""Ray start-up: the run-folder check before Ray starts, Ray's
 init arguments, the prompt wait for the raylet, and the client actors created early."""
 
 import os

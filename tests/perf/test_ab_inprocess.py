@@ -1,4 +1,4 @@
-"""benchmarks/ab_inprocess.py: a base revision and a candidate, each run from its own tree (issue 10).
+"""benchmarks/ab_inprocess.py: a base revision and a candidate, each run from its own tree.
 
 Two short runs each (1 pair, 5 rounds of the in-process peers workload): the working tree
 against HEAD ends on one final model; a candidate patched to average differently does not, and

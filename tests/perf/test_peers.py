@@ -1,4 +1,4 @@
-"""benchmarks/peers.py: one workload definition, shared by the bare loop, fedelastic and pfl (issue 10).
+"""benchmarks/peers.py: one workload definition, shared by the bare loop, fedelastic and pfl.
 
 On a reduced workload (10 clients, 2 rounds of 4) the bare torch loop, fedelastic in-process
 (through its public API) and pfl must end with the same model, bit for bit: same data,

@@ -1,4 +1,4 @@
-"""The driver does not grow with rounds (issue 10): a reduced fleet, in-process, structures counted.
+"""The driver does not grow with rounds: a reduced fleet, in-process, structures counted.
 
 500 clients, 20 a round, 20 rounds through the real server (``server_main``), ClientApp and
 recorder. At round 5 and at round 20 the test counts every entry of every list, dict, set and

@@ -150,7 +150,7 @@ def test_energy_and_communication():
     assert fig.energy_j == pytest.approx(expected)
 
 
-# ---- issue 7: BatchNorm mode, per-sample norms, probes, selector work, optimizer ------------------
+# ---- BatchNorm mode, per-sample norms, probes, selector work, optimizer ---------------------------
 def _bn_info():
     model = nn.Sequential(
         nn.Conv2d(1, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3)

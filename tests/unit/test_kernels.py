@@ -1,4 +1,4 @@
-"""Kernel-aware cost model (issue 13): functional ops, kernel classes, schema v2, fit, uncertainty."""
+"""Kernel-aware cost model: functional ops, kernel classes, schema v2, fit, uncertainty."""
 
 import dataclasses
 import math

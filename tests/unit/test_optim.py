@@ -27,8 +27,8 @@ from fedelastic.training import LocalTraining, train_local
 from tests.support import ROOT
 
 
-class OldSGDW(torch.optim.SGD):
-    """fedelastic's SGDW before this module: a torch.optim.SGD subclass (the reference formula)."""
+class ReferenceSGDW(torch.optim.SGD):
+    """SGDW as a torch.optim.SGD subclass: decoupled decay, then torch's own step (the reference formula)."""
 
     def __init__(self, params, lr, momentum, weight_decay):
         super().__init__(params, lr=lr, momentum=momentum, weight_decay=0.0, foreach=False)
@@ -45,9 +45,9 @@ class OldSGDW(torch.optim.SGD):
 
 
 def torch_optimizer(params, optimizer: str, lr: float, momentum: float, weight_decay: float):
-    """What make_optimizer built before: torch's single-tensor SGD, or the old SGDW."""
+    """The reference optimizers: torch's single-tensor SGD, or ReferenceSGDW."""
     if optimizer == "sgdw":
-        return OldSGDW(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return ReferenceSGDW(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=False)
 
 

@@ -1,4 +1,4 @@
-"""Results tables are appended per round (issue 10): same frame as one table of all rows, a part per append."""
+"""Results tables are appended per round: same frame as one table of all rows, a part per append."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_parquet_folder_reads_back_as_one_frame_of_all_rows(tmp_path):
     for r in range(1, 9):
         table.append(_rows(r))
         every += _rows(r)
-        # the old writer's definition: one DataFrame of every row so far
+        # a single DataFrame of every row so far
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "clients.parquet"), pd.DataFrame(every))
         assert pd.read_csv(tmp_path / "clients.csv")["round"].tolist() == [row["round"] for row in every]
     assert table.rows == [] and table.n_rows == 24

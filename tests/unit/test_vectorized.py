@@ -299,7 +299,7 @@ def test_a_scenario_is_checked_before_training(make_scenario, train, key):
 
 
 def test_a_memory_split_probe_and_a_probe_that_cannot_fit_match_the_loop():
-    # mcu_net width 16 on stm32f746 (320 KiB): the importance probe only fits in pieces (issue 7);
+    # mcu_net width 16 on stm32f746 (320 KiB): the importance probe only fits in pieces;
     # the third client's device has 1000 bytes: nothing fits, it fails as the loop's client does
     torch.manual_seed(0)
     model = mcu_net(width=16, num_classes=10)

@@ -1,4 +1,4 @@
-"""The in-process client step's fast paths (issue 10, session 19), each against the plain computation."""
+"""The in-process client step's fast paths, each against the plain computation."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
 from fedelastic.training import LocalResult, _add_to_union, _Applied, ordered_params
 
 
-def _old_union(selections, applied_list, info):
-    """The per-tensor union train_local kept before session 19 (a verbatim copy of its loop)."""
+def _plain_union(selections, applied_list, info):
+    """The plain per-tensor union: one pass over the tensors of each selection (the reference)."""
     union = np.zeros(info.num_tensors)
     channel_union: dict[int, tuple[int, np.ndarray]] = {}
     for selection, applied in zip(selections, applied_list):
@@ -58,7 +58,7 @@ def _selections(info, rng):
         elif kind == 2:  # a share of the input channels of the weights
             ratios = np.where(rng.random(n) < 0.6, rng.choice([0.25, 0.5, 1.0], size=n), 0.0)
             out.append(Selection(ratios, input_sparse=rng.random(n) < 0.7))
-        else:  # channels listed for a tensor that does not train: ignored, as before
+        else:  # channels listed for a tensor that does not train: ignored
             k = int(rng.integers(n))
             ratios = np.zeros(n)
             ratios[(k + 1) % n] = 1.0
@@ -79,10 +79,10 @@ def test_union_of_selections_is_the_per_tensor_union(seed):
     channel_union: dict[int, tuple[int, np.ndarray]] = {}
     for s, a in zip(selections, applied):
         _add_to_union(s, a, union, whole, channel_union)
-    old_union, old_channels = _old_union(selections, applied, info)
-    np.testing.assert_array_equal(union, old_union)
-    assert set(np.flatnonzero(union > 0)) == set(old_channels)  # every trained tensor has channels, as before
-    for k, (old_axis, old_kept) in old_channels.items():
+    plain_union, plain_channels = _plain_union(selections, applied, info)
+    np.testing.assert_array_equal(union, plain_union)
+    assert set(np.flatnonzero(union > 0)) == set(plain_channels)  # every trained tensor has channels
+    for k, (old_axis, old_kept) in plain_channels.items():
         axis, kept = (0, np.arange(info.tensor_channels[k])) if whole[k] else channel_union[k]
         assert axis == old_axis and np.array_equal(kept, old_kept), k
 
@@ -103,11 +103,11 @@ def test_a_whole_tensor_absorbs_channels_before_and_after_it():
         union, whole, channels = np.zeros(info.num_tensors), np.zeros(info.num_tensors, dtype=bool), {}
         for s, a in zip(order, applied):
             _add_to_union(s, a, union, whole, channels)
-        old_union, old_channels = _old_union(order, applied, info)
-        assert whole[k] and union[k] == old_union[k]  # whole: any channels listed for it are ignored
+        plain_union, plain_channels = _plain_union(order, applied, info)
+        assert whole[k] and union[k] == plain_union[k]  # whole: any channels listed for it are ignored
         assert (
-            old_channels[k][0] == 0 and old_channels[k][1].size == info.tensor_channels[k]
-        )  # the old loop: every channel
+            plain_channels[k][0] == 0 and plain_channels[k][1].size == info.tensor_channels[k]
+        )  # the plain loop: every channel
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Cohort mode (issue 10): one Flower node trains many virtual clients per call, with the results of one node each."""
+"""Cohort mode: one Flower node trains many virtual clients per call, with the results of one node each."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ServerApp driver: ``server.evaluate_every``, and results written byte for byte as before."""
+"""The ServerApp driver: ``server.evaluate_every``, results written byte for byte as a plain pandas writer
+writes them, aggregation bit for bit the plain float64 arithmetic, and the write-behind order."""
 
 from __future__ import annotations
 
@@ -204,16 +205,16 @@ def test_appends_write_the_pandas_writers_bytes(tmp_path):
     from fedelastic.results import _Table
     from tests.pandas_writer import PandasTable
 
-    (tmp_path / "new").mkdir(), (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir(), (tmp_path / "pandas").mkdir()
     for name, keep_last, plain in (("mixed", False, False), ("single", True, False), ("plain", False, True)):
-        new, old = _Table(tmp_path / "new", name, keep_rows=False), PandasTable(tmp_path / "old", name)
+        new, old = _Table(tmp_path / "new", name, keep_rows=False), PandasTable(tmp_path / "pandas", name)
         for r in range(1, 10):
             rows = _mixed_rows(r, plain)
             if keep_last:  # one row per append, as the rounds table
                 rows = rows[r % 3 : r % 3 + 1]
             new.append([dict(row) for row in rows])
             old.append([dict(row) for row in rows])
-            _same_files(tmp_path / "new", tmp_path / "old", name)
+            _same_files(tmp_path / "new", tmp_path / "pandas", name)
         assert len(pd.read_parquet(tmp_path / "new" / f"{name}.parquet")) == (9 if keep_last else 27)
         assert (new.direct_parts >= 4) == plain  # None in a column: always through pandas
         extra = [{**_mixed_rows(1)[0], "surprise": 1}]  # a key the table has no column for: refused by both
@@ -221,12 +222,12 @@ def test_appends_write_the_pandas_writers_bytes(tmp_path):
             new.append(extra)
         with pytest.raises(ValueError, match="surprise"):
             old.append(extra)
-        _same_files(tmp_path / "new", tmp_path / "old", name)
+        _same_files(tmp_path / "new", tmp_path / "pandas", name)
 
 
 @pytest.mark.parametrize("write_every_s", [0, 3600])
 def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scenario, tmp_path, monkeypatch, write_every_s):
-    """Every append of a real run (failed clients, late ones, NaN columns) also goes to the old writer,
+    """Every append of a real run (failed clients, late ones, NaN columns) also goes to the pandas writer,
     whether each round is appended on its own (0) or the rounds are appended together (3600)."""
     import fedelastic.fl.client as client
     import fedelastic.results as results
@@ -240,14 +241,14 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
         return real_train(*args, seed=seed, **kwargs)
 
     monkeypatch.setattr(client, "train_local", flaky)
-    old_dir = tmp_path / "old"
-    old_dir.mkdir()
+    pandas_dir = tmp_path / "pandas"
+    pandas_dir.mkdir()
     oracles: dict[str, PandasTable] = {}
     direct: dict[str, int] = {}
     real_append = results._Table.append
 
     def both(self, rows):
-        oracle = oracles.setdefault(self.csv.stem, PandasTable(old_dir, self.csv.stem))
+        oracle = oracles.setdefault(self.csv.stem, PandasTable(pandas_dir, self.csv.stem))
         oracle.append([dict(row) for row in rows])
         real_append(self, rows)
         direct[self.csv.stem] = self.direct_parts
@@ -262,7 +263,7 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
     clients = pd.read_parquet(run_dir / "clients.parquet")
     assert set(clients.status) >= {"counted", "failed", "late"}  # the rows cover those kinds
     for name in ("clients", "rounds"):
-        _same_files(run_dir, old_dir, name)
+        _same_files(run_dir, pandas_dir, name)
     if write_every_s == 0:  # the rows took the fast path too
         assert direct["clients"] >= 1 and direct["rounds"] >= 2, direct
     else:  # round 0's row at once (the first hand-over), every later row at the end: one append each
@@ -270,10 +271,10 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
         assert len(list((run_dir / "clients.parquet").iterdir())) == 1
 
 
-# -- aggregation: bit for bit the arithmetic of before ---------------------------------------------
+# -- aggregation: bit for bit the plain float64 arithmetic, written out here -----------------------
 
 
-def _old_value_and_weight(upd, name, current):  # fedelastic/sim/aggregate.py at b83672d
+def _plain_value_and_weight(upd, name, current):  # a tensor's float64 values and per-element weights
     value = np.asarray(upd.arrays[name], dtype=np.float64)
     w = np.full(current.shape, float(upd.weight))
     if name in upd.channel_masks:
@@ -284,7 +285,7 @@ def _old_value_and_weight(upd, name, current):  # fedelastic/sim/aggregate.py at
     return value, w
 
 
-def _old_aggregate_partial(global_state, updates):
+def _plain_aggregate_partial(global_state, updates):
     new_state = {}
     for name, current in global_state.items():
         num = np.zeros(current.shape, dtype=np.float64)
@@ -292,7 +293,7 @@ def _old_aggregate_partial(global_state, updates):
         for upd in updates:
             if name not in upd.arrays:
                 continue
-            value, w = _old_value_and_weight(upd, name, current)
+            value, w = _plain_value_and_weight(upd, name, current)
             num += w * value
             den += w
         trained = den > 0
@@ -301,7 +302,7 @@ def _old_aggregate_partial(global_state, updates):
     return new_state
 
 
-def _old_aggregate_buffered(global_state, updates, bases, discounts):
+def _plain_aggregate_buffered(global_state, updates, bases, discounts):
     new_state = {}
     for name, current in global_state.items():
         num = np.zeros(current.shape, dtype=np.float64)
@@ -309,7 +310,7 @@ def _old_aggregate_buffered(global_state, updates, bases, discounts):
         for upd, base, discount in zip(updates, bases, discounts):
             if name not in upd.arrays:
                 continue
-            value, w = _old_value_and_weight(upd, name, current)
+            value, w = _plain_value_and_weight(upd, name, current)
             num += discount * w * (value - np.asarray(base[name], dtype=np.float64))
             den += w
         trained = den > 0
@@ -318,7 +319,7 @@ def _old_aggregate_buffered(global_state, updates, bases, discounts):
     return new_state
 
 
-def test_aggregation_is_bit_for_bit_the_old_arithmetic():
+def test_aggregation_is_bit_for_bit_the_plain_float64_arithmetic():
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_buffered, aggregate_partial
 
     rng = np.random.default_rng(7)
@@ -339,8 +340,8 @@ def test_aggregation_is_bit_for_bit_the_old_arithmetic():
         bases.append({k: (v + rng.normal(scale=0.01, size=v.shape)).astype(v.dtype) for k, v in state.items()})
     discounts = [1 / math.sqrt(1 + i % 3) for i in range(9)]
     for new, old in (
-        (aggregate_partial(state, updates), _old_aggregate_partial(state, updates)),
-        (aggregate_buffered(state, updates, bases, discounts), _old_aggregate_buffered(state, updates, bases, discounts)),
+        (aggregate_partial(state, updates), _plain_aggregate_partial(state, updates)),
+        (aggregate_buffered(state, updates, bases, discounts), _plain_aggregate_buffered(state, updates, bases, discounts)),
     ):
         for k in state:
             assert new[k].dtype == old[k].dtype and new[k].tobytes() == old[k].tobytes(), k
@@ -551,7 +552,7 @@ def test_a_hand_over_interrupted_by_ctrl_c_writes_each_job_once(tmp_path):
 def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_built(make_scenario, monkeypatch, policy, node_mode):
     """Handed over as the messages leave (GuardedGrid's on_sent), after the cohort packed them and
     before any client runs: never while the driver's thread still builds them, nor at the empty
-    send of Flower's evaluate step, while the driver evaluates the model (issue 10)."""
+    send of Flower's evaluate step, while the driver evaluates the model."""
     import fedelastic.fl.cohort as cohort
     import fedelastic.fl.runner as runner
     import fedelastic.results as results

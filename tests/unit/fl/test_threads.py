@@ -1,4 +1,4 @@
-"""The kept threads that run client calls and cohort trainings (fl/threads.py, issue 10)."""
+"""The kept threads that run client calls and cohort trainings (fl/threads.py)."""
 
 from __future__ import annotations
 

@@ -479,7 +479,7 @@ def test_bn_bias_selects_norms_biases_and_head():
         assert sel.mask[k] == (role in ("norm_weight", "norm_bias", "bias") or k in head)
 
 
-# ---- issue 7: probes within memory, BatchNorm mode, no-budget, later failures, optimizer ---------------
+# ---- probes within memory, BatchNorm mode, no budget, later failures, optimizer ----------------------
 @pytest.mark.parametrize("name", ["elastic_tensor", "static_elastic", "elastic_layer", "tinytrain"])
 def test_no_probe_larger_than_the_device_is_reported_as_fitting(name):
     # the issue's example: mcu_net width 16 on stm32f746 (320 KiB); the whole importance probe needs
