@@ -6,8 +6,10 @@ as ``from tests.support import ...``. No test module imports another test module
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import tomli_w
@@ -124,6 +126,30 @@ def user_models(tmp: Path, monkeypatch) -> None:
     (tmp / "faulty_models.py").write_text(USER_MODELS)
     monkeypatch.syspath_prepend(str(tmp))
     monkeypatch.setenv("PYTHONPATH", str(tmp) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def full_disk(monkeypatch, when: Callable[[str, list[int]], bool]) -> None:
+    """The disk fills up while a results part is written: for a part of table ``name`` (clients,
+    rounds, tasks) holding rows of the rounds listed, ``when(name, rounds)`` says whether it fails
+    with ENOSPC.
+
+    The fault comes from pyarrow's ``parquet.write_table``, which writes every part of a results
+    table, so the writer's own recovery runs as on a real full disk (the temporary part removed, the
+    CSV cut back). A full disk cannot be made on demand for a test (root writes past permissions).
+    """
+    import pyarrow.parquet as pq
+
+    real = pq.write_table
+
+    def write_table(table, where, *args, **kwargs):
+        if isinstance(where, (str, os.PathLike)):  # a file; pandas' in-memory writes pass through
+            name = Path(where).parent.name.removesuffix(".parquet")
+            rounds = table.column("round").to_pylist() if "round" in table.column_names else []
+            if when(name, rounds):
+                raise OSError(errno.ENOSPC, "No space left on device", str(where))
+        return real(table, where, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", write_table)
 
 
 def frames(run_dir: Path):

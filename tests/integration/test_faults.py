@@ -25,7 +25,15 @@ import torch
 from fedelastic.cli import main
 from fedelastic.devices import builtin_profile_dir
 from fedelastic.results import read_status
-from tests.support import only_run_dir, run_cli, scenario_file, small_scenario_dict, user_models, write_toml
+from tests.support import (
+    full_disk,
+    only_run_dir,
+    run_cli,
+    scenario_file,
+    small_scenario_dict,
+    user_models,
+    write_toml,
+)
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -498,21 +506,13 @@ def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recover
 
 
 def test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree(tmp_path, monkeypatch, capsys):
-    import errno
+    writes = {"rounds": 0}
 
-    import fedelastic.results as results
+    def third_rounds_write(name, rounds):  # the disk fills up while round 2's row is written
+        writes[name] = writes.get(name, 0) + 1
+        return name == "rounds" and writes["rounds"] == 3
 
-    real = results._Table.append
-    calls = {"rounds": 0}
-
-    def append(self, rows):
-        if self.csv.name == "rounds.csv":
-            calls["rounds"] += 1
-            if calls["rounds"] == 3:  # the disk fills up while round 2 is written
-                raise OSError(errno.ENOSPC, "No space left on device", str(self.parquet))
-        return real(self, rows)
-
-    monkeypatch.setattr(results._Table, "append", append)
+    full_disk(monkeypatch, third_rounds_write)
     code, out = run_cli(["run", scenario_file(tmp_path, simulation={"write_every_s": 0})], capsys)
     run_dir = only_run_dir(tmp_path)
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
