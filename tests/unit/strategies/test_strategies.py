@@ -1,7 +1,7 @@
 """Tests of the individual strategies and of the probes they rely on.
 
 The shared contract (budgets, only-selected-change, backward nodes, configs, determinism) is in
-``test_strategy_contract.py``; this file checks what is specific to each method.
+``tests/contract/test_strategy_contract.py``; this file checks what is specific to each method.
 """
 
 from __future__ import annotations
