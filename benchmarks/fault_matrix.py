@@ -34,12 +34,17 @@ KINDS = {  # test function -> kind of case
     "test_report_draws_empty_and_non_finite_runs": "report of empty / NaN / inf runs",
     "test_a_stopped_runtime_ends_the_server_wait_at_once": "Flower runtime stops under the server",
     "test_compare_resume_skips_finished_cells_and_resumes_a_killed_one": "comparison interrupted, then --resume",
-    # tests/test_signals.py
+    # tests/integration/test_signals.py
     "test_a_signal_after_round_2_writes_the_rounds_marks_the_run_and_exits_with_its_code": "SIGINT / SIGTERM of the driver",
     "test_sigterm_writes_the_rounds_kept_for_a_later_write": "SIGINT / SIGTERM of the driver",
     "test_sigterm_on_ray_writes_the_rounds_and_exits_143": "SIGINT / SIGTERM of the driver",
 }
-FILES = ("tests/test_faults.py", "tests/test_signals.py", "tests/test_untrusted.py", "tests/test_bad_input.py")
+FILES = (
+    "tests/integration/test_faults.py",
+    "tests/integration/test_signals.py",
+    "tests/integration/test_untrusted.py",
+    "tests/integration/test_bad_input.py",
+)
 KIND_OF_FILE = {  # every case of these files is one kind
     "test_untrusted": "untrusted run folder or model file (refused before its code runs)",
     "test_bad_input": "bad input (exit 2, one line)",

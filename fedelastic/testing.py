@@ -3,7 +3,7 @@
 Like scikit-learn's ``check_estimator``: a strategy of your own (a notebook's, a package's) proves
 itself with ``fedelastic.testing.check_strategy(MyStrategy)``, which raises ``AssertionError``
 naming the check, the model and the device at the first breach. The built-in strategies pass the
-same checks (``tests/test_strategy_contract.py``). It trains tiny CPU models (``small_cnn`` and
+same checks (``tests/contract/test_strategy_contract.py``). It trains tiny CPU models (``small_cnn`` and
 ``mcu_net`` at width 8 on 128 8x8 digits, 7 steps of batch 16) on a GPU-class and an MCU-class
 device profile (``jetson_nano``, ``stm32h743``); it takes seconds per strategy.
 

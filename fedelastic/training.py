@@ -319,7 +319,7 @@ def _add_to_union(
 
     A tensor without a channel mask trains whole, its share being its ratio: its union with any
     channels is all its channels, so it is marked in ``whole`` without a per-tensor loop (a full
-    selection has no masked tensor). tests/test_client_fast_paths.py checks this against the per-tensor
+    selection has no masked tensor). tests/unit/fl/test_client_fast_paths.py checks this against the per-tensor
     union of channel index arrays.
     """
     ratios = selection.ratios

@@ -27,7 +27,7 @@ failures and the reported figures.
 
 The weights agree with the per-client loop to float32 rounding, not bit for bit: a batched
 convolution is a grouped convolution with its own summation order, and the padded loss sums the
-same terms in another order (tests/test_vectorized.py states the tolerance).
+same terms in another order (tests/unit/test_vectorized.py states the tolerance).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The results writer before issue 10's driver work (fedelastic/results.py at b83672d), kept as a test oracle.
+"""A results writer that goes through pandas for every append, kept as a test oracle.
 
-``_Table.append`` now builds its Parquet parts without pandas for rows whose value types it has
-already seen written; its files must stay byte for byte what this pandas writer wrote. Only the
+``_Table.append`` builds its Parquet parts without pandas for rows whose value types it has
+already seen written; its files must stay byte for byte what this pandas writer writes. Only the
 parts of ``_Table`` that write (``__init__``, ``_write_part``, ``append``) are copied, unchanged.
 """
 

@@ -50,7 +50,7 @@ def _unmasked_sums(name: str, current: np.ndarray, having: list[ClientUpdate]) -
     0.0. A sum over the first axis of a C-ordered array is not along the fast axis in memory,
     where numpy adds each row in turn (its documented rule for ``np.add.reduce``; pairwise
     summation is only used along the fast axis, hence not for a tensor of one element).
-    tests/test_client_fast_paths.py checks it against per-element Python sums, with values whose
+    tests/unit/fl/test_client_fast_paths.py checks it against per-element Python sums, with values whose
     sum depends on the order. None where the loop should run instead: one element, a shape that
     differs (the loop names it) or more than ``_STACKED_MAX`` elements (memory stays flat).
     """

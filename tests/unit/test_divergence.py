@@ -1,0 +1,135 @@
+"""The divergence detector on hand-built sequences, and its settings' errors.
+
+Runs that diverge end to end (status 'diverged', exit 4, rejected clients) are in
+``tests/integration/test_diverged_runs.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedelastic.divergence import Detector, collapse_share, weight_norm
+from fedelastic.errors import ConfigError
+
+# -- the detector, on hand-built sequences -----------------------------------------------------
+
+
+def test_a_loss_ten_times_its_first_value_diverges():
+    d = Detector(loss_factor=10)
+    assert d.observe(1, train_loss=2.3) == "" and d.observe(2, train_loss=2.1) == ""
+    reason = d.observe(3, train_loss=40.0)  # 40 > 10 x 2.3
+    assert "40" in reason and "2.3" in reason
+    assert (d.first.round, d.first.reason) == (3, reason)
+    assert d.observe(4, train_loss=1.0) == "" and d.first.round == 3  # the first divergence is kept
+
+
+def test_a_loss_below_the_factor_does_not_diverge():
+    d = Detector(loss_factor=10)
+    for rnd, loss in enumerate([2.3, 5.0, 22.9], start=1):  # 22.9 < 23.0
+        assert d.observe(rnd, train_loss=loss) == ""
+    assert d.first is None
+
+
+def test_the_initial_test_loss_is_the_reference_with_ln_classes_as_its_floor():
+    d = Detector(loss_factor=10, classes=10)
+    d.observe(0, test_loss=0.02)  # a pretrained model: tiny loss; the floor ln(10) = 2.303 is the reference
+    assert d.observe(1, train_loss=0.5) == ""  # new classes: 25 x 0.02, yet no divergence
+    assert d.observe(2, train_loss=23.0) == "" and d.observe(3, train_loss=23.1) != ""  # 10 x 2.3026 = 23.03
+    fresh = Detector(loss_factor=10, classes=10)
+    fresh.observe(0, test_loss=2.3)
+    assert fresh.observe(1, train_loss=1.26e13) != ""  # a first round that already exploded is caught
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_loss_diverges(bad):
+    d = Detector()
+    assert d.observe(1, train_loss=bad) == f"the mean train loss is {bad:g}" and d.first.round == 1
+
+
+def test_a_norm_above_the_factor_or_non_finite_diverges():
+    d = Detector(norm_factor=100)
+    assert d.observe(0, norm=8.0) == ""  # the reference
+    assert d.observe(1, norm=9.0) == "" and d.observe(2, norm=799.0) == ""
+    assert "900" in d.observe(3, norm=900.0) and d.first.round == 3
+    assert "nan" in Detector().observe(1, norm=math.nan)
+
+
+def test_a_majority_of_rejected_updates_diverges():
+    d = Detector(rejected_share=0.5)
+    assert d.observe(1, trained=4, rejected=1) == "" and d.observe(2, trained=4, rejected=2) == ""
+    assert d.observe(3, trained=4, rejected=3) == "3 of 4 clients that trained sent non-finite updates"
+    assert Detector().observe(1, trained=1, rejected=1) != ""
+
+
+def test_predictions_that_collapse_to_one_class_diverge():
+    d = Detector(collapse_share=0.95)
+    balanced = np.array([34, 33, 33])
+    assert d.observe(0, predicted=np.array([100, 0, 0]), actual=balanced) == ""  # collapsed from the start
+    assert d.observe(1, predicted=np.array([0, 100, 0]), actual=balanced) == ""  # still: never spread
+    assert d.observe(2, predicted=np.array([40, 30, 30]), actual=balanced) == ""
+    assert d.observe(3, predicted=np.array([94, 3, 3]), actual=balanced) == ""  # 94% < 95%
+    assert d.observe(4, predicted=np.array([2, 96, 2]), actual=balanced) == "96.0% of the test predictions are class 1"
+
+
+def test_collapse_needs_three_classes_and_a_test_set_that_is_not_one_class():
+    two = Detector()
+    two.observe(0, predicted=np.array([50, 50]), actual=np.array([50, 50]))
+    assert two.observe(1, predicted=np.array([100, 0]), actual=np.array([50, 50])) == ""
+    skewed = Detector()
+    skewed.observe(0, predicted=np.array([50, 25, 25]), actual=np.array([96, 2, 2]))
+    assert skewed.observe(1, predicted=np.array([100, 0, 0]), actual=np.array([96, 2, 2])) == ""
+    assert collapse_share(np.array([3, 1])) == 0.75 and collapse_share(np.zeros(3)) == 0.0
+
+
+def test_a_threshold_of_zero_turns_its_check_off():
+    d = Detector(loss_factor=0, norm_factor=0, collapse_share=0)
+    d.observe(0, norm=1.0, predicted=np.array([40, 30, 30]), actual=np.array([34, 33, 33]))
+    assert d.observe(1, train_loss=1.0) == ""
+    assert d.observe(2, train_loss=1e9, norm=1e9, predicted=np.array([100, 0, 0]), actual=np.array([34, 33, 33])) == ""
+    assert d.observe(3, norm=math.inf) != ""  # a non-finite figure always diverges
+
+
+def test_weight_norm_by_hand():
+    state = {"w": np.array([3.0, 4.0], dtype=np.float32), "steps": np.array([7]), "bn.var": np.array([12.0])}
+    assert weight_norm(state, {"w"}) == 5.0  # sqrt(9 + 16); the int tensor and the unnamed buffer left out
+    assert weight_norm(state) == 13.0  # sqrt(9 + 16 + 144)
+    assert math.isnan(weight_norm({**state, "bn.var": np.array([np.nan])}, {"w"}))  # a NaN buffer, named or not
+    assert math.isnan(weight_norm({"w": np.array([np.inf, 0.0])}))
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("divergence", "loss_factor", 0.5),
+        ("divergence", "norm_factor", -1.0),
+        ("divergence", "collapse_share", 0.4),
+        ("divergence", "rejected_share", 1.0),
+        ("simulation", "on_divergence", "pause"),
+    ],
+)
+def test_bad_divergence_settings_name_their_key(make_scenario, section, key, value):
+    with pytest.raises(ConfigError, match=key):
+        make_scenario(**{section: {key: value}})
+
+
+def test_the_detector_goes_on_from_its_state_as_if_never_stopped():
+    def feed(d, rounds):
+        return [d.observe(r, train_loss=loss, norm=norm, predicted=p, actual=np.array([34, 33, 33])) for r, loss, norm, p in rounds]
+
+    rounds = [
+        (0, None, 8.0, np.array([40, 30, 30])),
+        (1, 2.3, 9.0, np.array([40, 30, 30])),
+        (2, 30.0, 9.5, np.array([98, 1, 1])),
+        (3, 2.0, 900.0, np.array([40, 30, 30])),
+    ]
+    whole = Detector(classes=3)
+    expected = feed(whole, rounds)
+    assert [bool(r) for r in expected] == [False, False, True, True]
+    first = Detector(classes=3)
+    feed(first, rounds[:2])
+    resumed = Detector()
+    resumed.load_state(first.state())
+    assert feed(resumed, rounds[2:]) == expected[2:] and resumed.first == whole.first
