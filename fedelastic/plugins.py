@@ -111,7 +111,8 @@ def claim(table: dict[str, Any], name: str, value: Any, *, where: str, key: str)
     """``table[name] = value``, unless another definition has ``name``: a ConfigError naming ``key``."""
     if name in table and not same_definition(table[name], value):
         taken = table[name]
-        has = f"{taken.__module__}.{taken.__qualname__}" if isinstance(taken, type) else repr(taken)
+        qualname = getattr(taken, "__qualname__", None)
+        has = f"{taken.__module__}.{qualname}" if isinstance(qualname, str) else repr(taken)
         raise ConfigError(where, key, f"a name not registered yet ({has} has it)", name)
     table[name] = value
 
