@@ -44,6 +44,8 @@ def test_every_register_function_is_on_the_top_level_api_without_loading_torch()
         "import sys, fedelastic as fe\n"
         "names = ['register_strategy', 'register_model', 'register_dataset', 'register_policy', 'register_aggregator']\n"
         "assert all(n in fe.__all__ for n in names)\n"
+        "from fedelastic.sim.policies import Policy\n"
+        "assert fe.Policy is Policy and fe.Aggregator.name == 'fedavg' and fe.SelectionStrategy.probe is None\n"
         "fe.register_policy, fe.register_aggregator, fe.register_strategy\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
     )
