@@ -2,7 +2,11 @@
 
 The Python API (imported lazily, so ``import fedelastic`` stays light)::
 
-    from fedelastic import Scenario, run, compare, register_strategy, register_dataset
+    from fedelastic import Scenario, run, compare, register_strategy, register_model, register_dataset
+
+The extension points (strategies, models, datasets, server policies, aggregators) all register
+through ``register_*`` functions here (the classes subclass ``SelectionStrategy``, ``Policy`` and
+``Aggregator``); :mod:`fedelastic.plugins` describes them in one place.
 """
 
 __version__ = "0.1.0"
@@ -17,8 +21,13 @@ _API = {
     "ComparisonResult": ("fedelastic.api", "ComparisonResult"),
     "Scenario": ("fedelastic.scenario", "Scenario"),
     "register_strategy": ("fedelastic.selection", "register"),
+    "register_model": ("fedelastic.models", "register_model"),
     "register_dataset": ("fedelastic.data", "register_dataset"),
+    "register_policy": ("fedelastic.sim.policies", "register_policy"),
+    "register_aggregator": ("fedelastic.sim.aggregators", "register_aggregator"),
     "SelectionStrategy": ("fedelastic.selection", "SelectionStrategy"),
+    "Policy": ("fedelastic.sim.policies", "Policy"),
+    "Aggregator": ("fedelastic.sim.aggregators", "Aggregator"),
 }
 __all__ = sorted(_API)
 

@@ -1,11 +1,32 @@
-"""Loading a user's callable named in a scenario: ``"package.module:callable"`` or ``"path/to/file.py:callable"``.
+"""The extension points, in one place, and the loading of a user's callable named in a scenario.
 
-Models (``model.name``) and datasets (``data.dataset``) name their factories this way. A module
-must be importable (the current directory is not on Python's path unless you run with
-``PYTHONPATH=.`` or install your package); a relative file path is taken from the scenario
-file's folder, then the current directory. A file is loaded once per process, under a module
-name of its own. Every failure is a :class:`ConfigError` naming the scenario and the key.
-Standard library only: importing this module imports nothing heavy.
+Everything that plugs in registers the same way, with a function of the top-level API
+(``import fedelastic as fe``), under the name a scenario key then takes:
+
+* a selection strategy: ``@fe.register_strategy`` on the class; ``train.strategy``; runs in every client;
+* a model: ``fe.register_model(name, factory)``; ``model.name``; built by the driver and every client;
+* a dataset: ``fe.register_dataset(name, factory)``; ``data.dataset``; loaded by the driver and every client;
+* a server policy: ``@fe.register_policy`` on the class; ``server.policy``; runs in the driver (the server);
+* an aggregator: ``@fe.register_aggregator`` on the class; ``server.aggregator``; runs in the driver.
+
+(Device profiles are TOML files, not registered: a ``fleet`` key names a profile of ``device_profiles/``
+or of a folder in ``device_dirs``, or a ``.toml`` file's path.)
+
+Classes (strategies, policies, aggregators) are class decorators and register under their own
+``name``; factories (models, datasets) register under a name, as a callable or a
+``"package.module:callable"`` / ``"path/to/file.py:callable"`` string, and
+``@fe.register_model("mine")`` is the decorator form. Registering the same definition again (a
+re-run notebook cell) is harmless; a name that another definition has is a ConfigError, as is
+anything that is not the expected kind of value. What a notebook or script registers is carried to
+Ray's workers with the run (:func:`registered`, :func:`adopt`; Ray pickles a notebook's functions
+and classes by value), so it works with the default Ray backend as well as in-process.
+
+A scenario can also name a factory directly: ``"package.module:callable"`` (the module
+must be importable: the current directory is not on Python's path unless you run with
+``PYTHONPATH=.`` or install your package) or ``"path/to/file.py:callable"`` (a relative path is
+taken from the scenario file's folder, then the current directory). A file is loaded once per
+process, under a module name of its own. Every failure is a :class:`ConfigError` naming the
+scenario and the key. Standard library only: importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -22,6 +43,105 @@ from typing import Any
 from .errors import ConfigError
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+Factory = str | Callable[..., Any]  # a callable, or "package.module:callable" / "file.py:callable"
+
+
+def same_definition(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one definition run again: equal, or the same qualified name defined
+    in the same file (a module reloaded or imported under a second name, a re-run script) or in
+    ``__main__`` (a re-run notebook cell, whose file Jupyter names anew when the cell changes).
+
+    Lambdas are one definition only when equal.
+    """
+    if a is b or a == b:
+        return True
+    qualname = getattr(a, "__qualname__", None)
+    if not isinstance(qualname, str) or qualname != getattr(b, "__qualname__", None) or "<lambda>" in qualname:
+        return False
+    if getattr(a, "__module__", None) == getattr(b, "__module__", None) == "__main__":
+        return True
+    files = [_defined_in(x) for x in (a, b)]
+    return files[0] is not None and files[0] == files[1]
+
+
+def _defined_in(obj: Any) -> str | None:
+    """The file ``obj`` (a function or a class) was defined in, or None."""
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_filename
+    return getattr(sys.modules.get(getattr(obj, "__module__", "")), "__file__", None)
+
+
+def register_factory(table: dict[str, Factory], name: str, factory: Factory | None, *, where: str):
+    """Put ``factory`` in ``table`` under ``name``, for ``register_model`` and ``register_dataset``
+    (``where`` names it in errors); without ``factory``, a decorator that does.
+
+    ``factory`` is a callable or a ``module:callable`` / ``file.py:callable`` string. Registering the
+    same factory again (:func:`same_definition`) is harmless; a name another factory has (a
+    built-in's included) is a ConfigError, as is a name that is empty or holds ``:``.
+    """
+    if factory is None:
+
+        def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+            register_factory(table, name, f, where=where)
+            return f
+
+        return decorate
+    if not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ConfigError(where, "name", "a non-empty name without ':'", name)
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise ConfigError(where, name, "a callable or 'package.module:callable' / 'file.py:callable'", factory)
+    claim(table, name, factory, where=where, key="name")
+    return factory
+
+
+def class_name(cls: Any, base: type, *, where: str, key: str) -> str:
+    """The ``name`` of a class registered with ``where`` (``register_policy``, say): ``cls`` must
+    subclass ``base`` and set a ``name`` of its own, the value of the scenario key ``key``."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(where, "class", f"a subclass of {base.__module__}.{base.__qualname__}", cls)
+    name = vars(cls).get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(where, f"{cls.__name__}.name", f"a non-empty string of its own (the {key} value)", name)
+    return name
+
+
+def claim(table: dict[str, Any], name: str, value: Any, *, where: str, key: str) -> None:
+    """``table[name] = value``, unless another definition has ``name``: a ConfigError naming ``key``."""
+    if name in table and not same_definition(table[name], value):
+        taken = table[name]
+        qualname = getattr(taken, "__qualname__", None)
+        has = f"{taken.__module__}.{qualname}" if isinstance(qualname, str) else repr(taken)
+        raise ConfigError(where, key, f"a name not registered yet ({has} has it)", name)
+    table[name] = value
+
+
+def user_entries(table: dict[str, Factory], shipped: dict[str, Factory]) -> dict[str, Factory]:
+    """The entries of ``table`` that the user's code added (not those in ``shipped``)."""
+    return {k: v for k, v in table.items() if k not in shipped or shipped[k] != v}
+
+
+def registered() -> dict[str, dict[str, Any]]:
+    """What the user's code (a notebook, a script) registered that clients use: strategies, models
+    and datasets (policies and aggregators run in the driver). The client app carries it to Ray's
+    workers, where :func:`adopt` registers it; Ray pickles a class or function by reference when
+    its module is importable there, by value when it is not (``__main__``, a function's locals).
+    """
+    from . import models, selection
+    from .data import registry
+
+    return {"strategies": selection.plugins(), "models": models.user_entries(), "datasets": registry.user_datasets()}
+
+
+def adopt(entries: dict[str, dict[str, Any]]) -> None:
+    """Register what :func:`registered` gathered in the driver, unless this process knows the name already."""
+    from . import models, selection
+    from .data import registry
+
+    selection.adopt(entries.get("strategies", {}))
+    models.adopt(entries.get("models", {}))
+    registry.adopt(entries.get("datasets", {}))
 
 
 def plugin_file(path: str, context: str = "<scenario>") -> Path:

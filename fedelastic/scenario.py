@@ -488,8 +488,9 @@ def validate(scenario: Scenario) -> Scenario:
 def _resolve_dataset(scenario: Scenario, src: str) -> Scenario:
     """The dataset factory ``data.dataset`` names, found now (its module or file runs). A path is
     made absolute (Ray's workers and a resume find it). With Ray, a name registered in this
-    process becomes its ``module:callable`` or path, which the workers load: a ConfigError when
-    there is none (a function of a notebook, a closure)."""
+    process becomes its ``module:callable`` or path where it has one (a resume finds it); a
+    function of a notebook or a closure keeps its name: the run carries it to the workers
+    (:func:`fedelastic.plugins.registered`)."""
     from .data.registry import DATASETS, SHIPPED, resolve_dataset
     from .plugins import plugin_file
 
@@ -505,12 +506,7 @@ def _resolve_dataset(scenario: Scenario, src: str) -> Scenario:
         return scenario  # registered in this process, which runs the clients
     target = entry if isinstance(entry, str) else _import_path(factory)
     if target is None:
-        raise ConfigError(
-            src, "data.dataset", "a dataset Ray's workers can load: one registered in a notebook or script runs "
-            "with simulation.backend = 'inprocess'; for Ray, register a function of an importable module, or name "
-            "'package.module:callable' or 'file.py:callable'",
-            name,
-        )  # fmt: skip
+        return scenario  # a notebook's function, a closure: carried to the workers by value
     return replace(scenario, data=replace(scenario.data, dataset=target))
 
 

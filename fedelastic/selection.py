@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -25,6 +24,7 @@ from .config import from_dict
 from .costmodel import CostModel
 from .errors import ConfigError
 from .modelinfo import ModelInfo
+from .plugins import same_definition
 
 PROBES = ("importance", "fisher")
 #: how :attr:`SelectionStrategy.empty_note` starts when its selection was carried from an earlier round
@@ -188,29 +188,27 @@ class SelectionStrategy:
 REGISTRY: dict[str, type[SelectionStrategy]] = {}
 
 
-def _same_definition(a: type, b: type) -> bool:
-    """The same class statement, run again: a module reloaded, or imported under a second name
-    (``strategies.full`` in a source tree and the installed ``fedelastic.strategies.full``)."""
-    files = [getattr(sys.modules.get(c.__module__), "__file__", None) for c in (a, b)]
-    return a is b or (a.__qualname__ == b.__qualname__ and files[0] is not None and files[0] == files[1])
-
-
 def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
-    """Class decorator: register a strategy under ``cls.name``; anything else is a ConfigError."""
+    """Class decorator (``fedelastic.register_strategy``): register a strategy under ``cls.name``.
+
+    Registering the same class again (a re-run notebook cell) is harmless; a name another class has
+    (a built-in's included), or a class that is not a :class:`SelectionStrategy` with a non-empty
+    ``name``, a known ``probe`` and a frozen ``config_cls``, is a ConfigError.
+    """
     where = "<register_strategy>"
     if not (isinstance(cls, type) and issubclass(cls, SelectionStrategy)):
         raise ConfigError(where, "strategy", "a subclass of fedelastic.selection.SelectionStrategy", cls)
     if not isinstance(getattr(cls, "name", None), str) or not cls.name.strip():
         raise ConfigError(where, f"{cls.__name__}.name", "a non-empty string", getattr(cls, "name", None))
     _load()  # the built-ins first: a user's class cannot take a built-in name before they load
-    if cls.name in REGISTRY and not _same_definition(REGISTRY[cls.name], cls):
+    if cls.name in REGISTRY and not same_definition(REGISTRY[cls.name], cls):
         raise ConfigError(
             where, f"{cls.__name__}.name", f"a name not registered yet ({REGISTRY[cls.name].__module__} has it)", cls.name
         )
     if cls.probe is not None and cls.probe not in PROBES:
-        raise ValueError(f"strategy {cls.name!r}: probe must be one of {PROBES}")
+        raise ConfigError(where, f"{cls.__name__}.probe", f"None or one of {PROBES}", cls.probe)
     if not (dataclasses.is_dataclass(cls.config_cls) and cls.config_cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
-        raise ValueError(f"strategy {cls.name!r}: config_cls must be a frozen dataclass")
+        raise ConfigError(where, f"{cls.__name__}.config_cls", "a frozen dataclass", cls.config_cls)
     REGISTRY[cls.name] = cls
     return cls
 

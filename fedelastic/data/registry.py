@@ -12,9 +12,8 @@ A factory is called with no argument (``synth_digits`` also takes ``size=``, the
 from 0. The run splits it into train and test by ``data.test_fraction`` and partitions the
 training part with the built-in partitioners (iid, dirichlet, shards).
 
-A factory registered in a notebook or script is known to that process: it runs with
-``simulation.backend = "inprocess"``. Ray's workers are other processes: there, name an
-importable ``module:callable`` or a ``file.py:callable``.
+A factory registered in a notebook or script is carried to Ray's workers with the run
+(:func:`fedelastic.plugins.registered`), by value when its module is not importable there.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..plugins import load_callable
+from ..plugins import load_callable, register_factory, user_entries
 
 DATASETS: dict[str, str | Callable[..., Any]] = {
     "digits": "fedelastic.data:load_digits_dataset",
@@ -41,39 +40,18 @@ def register_dataset(name: str, factory: str | Callable[..., Any] | None = None)
     Without ``factory``, a decorator: ``@register_dataset("mine")``. Registering the same factory
     again is harmless; a name another factory has (a built-in's included) is a ConfigError.
     """
-    if factory is None:
-
-        def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-            register_dataset(name, f)
-            return f
-
-        return decorate
-    where = "<register_dataset>"
-    if not isinstance(name, str) or not name.strip() or ":" in name:
-        raise ConfigError(where, "name", "a non-empty name without ':'", name)
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise ConfigError(where, name, "a callable or 'package.module:callable' / 'file.py:callable'", factory)
-    if name in DATASETS and not _same(DATASETS[name], factory):
-        raise ConfigError(where, "name", f"a name not registered yet ({DATASETS[name]!r} has it)", name)
-    DATASETS[name] = factory
-    return factory
-
-
-def _same(a: Any, b: Any) -> bool:
-    """The same factory: equal, or one function defined at the same place (a re-run notebook cell)."""
-    if a == b:
-        return True
-    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return (
-        code_a is not None
-        and code_b is not None
-        and (a.__module__, a.__qualname__, code_a.co_filename) == (b.__module__, b.__qualname__, code_b.co_filename)
-    )
+    return register_factory(DATASETS, name, factory, where="<register_dataset>")
 
 
 def user_datasets() -> dict[str, str | Callable[..., Any]]:
     """The entries a user added to :data:`DATASETS`."""
-    return {k: v for k, v in DATASETS.items() if SHIPPED.get(k) is not v}
+    return user_entries(DATASETS, SHIPPED)
+
+
+def adopt(entries: dict[str, str | Callable[..., Any]]) -> None:
+    """Add datasets carried from the driver (see :func:`user_datasets`), unless already known here."""
+    for name, factory in entries.items():
+        DATASETS.setdefault(name, factory)
 
 
 def is_plugin(name: str) -> bool:

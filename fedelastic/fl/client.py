@@ -296,17 +296,16 @@ def check_same_code() -> None:
 def make_client_app(scenario: Scenario) -> ClientApp:
     """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process).
 
-    It carries the strategies and model names the driver's code registered (a notebook's, say),
+    It carries the strategies, models and datasets the driver's code registered (a notebook's, say),
     so that Ray workers, which run none of that code, know them too.
     """
-    from .. import models, selection
+    from .. import plugins
 
-    strategies, names = selection.plugins(), models.user_entries()
+    registered = plugins.registered()
     app = ClientApp()
 
-    def adopt_plugins() -> None:  # module functions: Ray ships them by reference, the dicts by value
-        selection.adopt(strategies)
-        models.adopt(names)
+    def adopt_plugins() -> None:  # a module function: Ray ships it by reference, the dicts by value
+        plugins.adopt(registered)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

@@ -208,17 +208,16 @@ class RunEnvironment:
         return strategy
 
 
-def warm_worker(scenario: Scenario, strategies: dict, names: dict, info: ModelInfo | None = None) -> None:
-    """Build in a Ray worker, before its first client call, what every call needs: the driver's
-    strategies and model names, the data and the client model.
+def warm_worker(scenario: Scenario, registered: dict, info: ModelInfo | None = None) -> None:
+    """Build in a Ray worker, before its first client call, what every call needs: what the
+    driver's code registered (:func:`fedelastic.plugins.registered`), the data and the client model.
 
     ``info`` is the driver's model description, used instead of describing the model again here
     (the same object the worker would build: the description is deterministic).
     """
-    from .. import models, selection
+    from .. import plugins
 
-    selection.adopt(strategies)
-    models.adopt(names)
+    plugins.adopt(registered)
     warm_up(scenario, info)
 
 

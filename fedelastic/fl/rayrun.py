@@ -91,11 +91,11 @@ def start_actors_early(scenario: Scenario) -> int:
     """
     from ray import cloudpickle
 
-    from .. import models, selection
+    from .. import plugins
     from .env import warm_worker
 
     env = environment(scenario)
-    warm = partial(warm_worker, scenario, selection.plugins(), models.user_entries(), env.info)
+    warm = partial(warm_worker, scenario, plugins.registered(), env.info)
     root, paths = _driver_paths()
     init = partial(_loader("warm_with_driver_code"), root, paths, cloudpickle.dumps(warm))
     return create_early_actors(client_resources(scenario.simulation), init)

@@ -1,10 +1,11 @@
-"""Model definitions shipped with fedelastic, and loading of a user's own factory.
+"""Model definitions shipped with fedelastic, and the model plug-in point (:data:`MODELS`).
 
-A model name is a built-in name (see :data:`BUILTIN`), ``"package.module:callable"`` (the module
-must be importable: the current directory is not on Python's path unless you run with
-``PYTHONPATH=.`` or install your package), or ``"path/to/file.py:callable"`` (a relative path is
-taken from the scenario file's folder, then the current directory). The factory is called as
-``factory(num_classes=..., in_channels=..., input_size=...)``.
+A model name is an entry of :data:`MODELS` (a built-in, or one registered with
+:func:`register_model`), ``"package.module:callable"`` (the module must be importable: the
+current directory is not on Python's path unless you run with ``PYTHONPATH=.`` or install your
+package), or ``"path/to/file.py:callable"`` (a relative path is taken from the scenario file's
+folder, then the current directory). The factory is called as
+``factory(num_classes=..., in_channels=..., input_size=...)`` plus ``model.options``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..plugins import load_callable, plugin_file
+from ..plugins import load_callable, plugin_file, register_factory
+from ..plugins import user_entries as _user_entries
 
-# name -> "module:function", imported lazily so big definitions cost nothing until used
-BUILTIN: dict[str, str] = {
+# name -> a factory, or "module:function" imported lazily so big definitions cost nothing until used
+MODELS: dict[str, str | Callable[..., nn.Module]] = {
     "small_cnn": "fedelastic.models.small:small_cnn",
     "mcu_net": "fedelastic.models.small:mcu_net",
     "resnet50": "fedelastic.models.resnet:resnet50",
@@ -29,28 +31,38 @@ BUILTIN: dict[str, str] = {
     "vit_b16": "fedelastic.models.vit:vit_b16",
     "vit_tiny": "fedelastic.models.vit:vit_tiny",
 }
+BUILTIN = MODELS  # the same table under its earlier name (``BUILTIN["mine"] = "pkg.mod:factory"`` still works)
+_SHIPPED = dict(MODELS)
 
 
-_SHIPPED = dict(BUILTIN)
+def register_model(name: str, factory: str | Callable[..., nn.Module] | None = None):
+    """Register ``factory`` (a callable, or a ``module:callable`` / ``file.py:callable`` string) under ``name``.
+
+    Without ``factory``, a decorator: ``@register_model("mine")``. Registering the same factory
+    again is harmless; a name another factory has (a built-in's included) is a ConfigError.
+    """
+    return register_factory(MODELS, name, factory, where="<register_model>")
 
 
-def user_entries() -> dict[str, str]:
-    """Names the user's code added to :data:`BUILTIN` (``BUILTIN["mine"] = "pkg.mod:factory"``)."""
-    return {k: v for k, v in BUILTIN.items() if _SHIPPED.get(k) != v}
+def user_entries() -> dict[str, str | Callable[..., nn.Module]]:
+    """The entries the user's code added to :data:`MODELS`."""
+    return _user_entries(MODELS, _SHIPPED)
 
 
-def adopt(entries: dict[str, str]) -> None:
-    """Add model names carried from the driver (see :func:`user_entries`), unless already known here."""
+def adopt(entries: dict[str, str | Callable[..., nn.Module]]) -> None:
+    """Add models carried from the driver (see :func:`user_entries`), unless already known here."""
     for name, target in entries.items():
-        BUILTIN.setdefault(name, target)
+        MODELS.setdefault(name, target)
 
 
 def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model.name") -> Callable[..., nn.Module]:
-    """Return the factory for a built-in name or a ``module:callable`` path."""
-    target = BUILTIN.get(name, name)
+    """Return the factory for a registered name or a ``module:callable`` path."""
+    target = MODELS.get(name, name)
+    if callable(target):
+        return target
     if ":" not in target:
         raise ConfigError(
-            context, key, f"a built-in model {sorted(BUILTIN)}, 'package.module:callable' or 'file.py:callable'", name
+            context, key, f"a registered model {sorted(MODELS)}, 'package.module:callable' or 'file.py:callable'", name
         )
     return load_callable(target, name=name, context=context, key=key, returns="an nn.Module", prefix=_PREFIX)
 

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ConfigError
+from ..plugins import claim, class_name
 from .aggregate import ClientUpdate, aggregate_partial
 
 
@@ -65,9 +66,23 @@ AGGREGATORS: dict[str, type[Aggregator]] = {"fedavg": Aggregator}
 
 
 def register_aggregator(cls: type[Aggregator]) -> type[Aggregator]:
-    """Class decorator: make ``cls`` available as ``server.aggregator = cls.name``."""
-    AGGREGATORS[cls.name] = cls
+    """Class decorator (``fedelastic.register_aggregator``): make ``cls`` available as ``server.aggregator = cls.name``.
+
+    ``cls`` subclasses :class:`Aggregator` and sets its own ``name``; its ``defaults`` map option
+    names to numbers. Registering the same class again (a re-run notebook cell) is harmless; a
+    name another class has is a ConfigError, as is anything else.
+    """
+    where = "<register_aggregator>"
+    name = class_name(cls, Aggregator, where=where, key="server.aggregator")
+    defaults = cls.defaults
+    if not (isinstance(defaults, dict) and all(isinstance(k, str) and _number(v) for k, v in defaults.items())):
+        raise ConfigError(where, f"{cls.__name__}.defaults", "a dict of option name -> number", defaults)
+    claim(AGGREGATORS, name, cls, where=where, key=f"{cls.__name__}.name")
     return cls
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @register_aggregator

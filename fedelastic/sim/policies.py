@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from ..errors import ConfigError
+from ..plugins import claim, class_name
 from .clock import Trip, sync_round
 from .fleet import deadline_rho, deadline_rho_steps, deadline_steps
 
@@ -72,12 +74,23 @@ class Policy:
 POLICIES: dict[str, type[Policy]] = {}
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make ``cls`` available as ``server.policy = cls.name``."""
-    POLICIES[cls.name] = cls
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator (``fedelastic.register_policy``): make ``cls`` available as ``server.policy = cls.name``.
+
+    ``cls`` subclasses :class:`Policy` and sets its own ``name`` and a known ``deadline``.
+    Registering the same class again (a re-run notebook cell) is harmless; a name another class has
+    is a ConfigError, as is anything else.
+    """
+    where = "<register_policy>"
+    name = class_name(cls, Policy, where=where, key="server.policy")
+    if cls.deadline not in DEADLINES:
+        raise ConfigError(where, f"{cls.__name__}.deadline", f"one of {DEADLINES}", cls.deadline)
+    claim(POLICIES, name, cls, where=where, key=f"{cls.__name__}.name")
     return cls
 
 
+register = register_policy  # its earlier name
+DEADLINES = ("none", "optional", "required")  # what Policy.deadline may be
 register(Policy)
 
 
