@@ -135,6 +135,31 @@ def run_in(tree: Path, rounds: int, backend: str) -> dict:
     return got
 
 
+def summarise(runs: dict[str, list[dict]], backend: str) -> dict[str, dict]:
+    """Per figure: each side's median over its runs, their ratio, the median paired difference
+    (candidate - base, pair by pair) and in how many pairs the candidate's figure was smaller."""
+    summary = {}
+    for f in FIGURES[backend]:
+        diffs = [c[f] - b[f] for b, c in zip(runs["base"], runs["candidate"])]
+        base, candidate = (statistics.median(r[f] for r in runs[side]) for side in ("base", "candidate"))
+        summary[f] = {
+            "base": base,
+            "candidate": candidate,
+            "candidate_x_base": candidate / base,
+            "paired_difference": statistics.median(diffs),
+            "candidate_shorter": sum(d < 0 for d in diffs),
+        }
+    return summary
+
+
+def report_lines(summary: dict[str, dict], pairs: int) -> str:
+    return "\n".join(
+        f"{f:14s} base {s['base']:8.2f}  candidate {s['candidate']:8.2f} ({s['candidate_x_base']:.3f}x)  paired "
+        f"difference {s['paired_difference']:+7.2f}  candidate shorter in {s['candidate_shorter']} of {pairs}"
+        for f, s in summary.items()
+    )
+
+
 def git(*args: str) -> str:
     done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -183,19 +208,8 @@ def main(argv=None) -> None:
             for side in ("base", "candidate"):
                 if trees[side] != REPO and trees[side].exists():
                     git("worktree", "remove", "--force", str(trees[side]))
-    summary = {}
-    for f in FIGURES[args.backend]:
-        diffs = [c[f] - b[f] for b, c in zip(runs["base"], runs["candidate"])]
-        summary[f] = {
-            "base": statistics.median(r[f] for r in runs["base"]),
-            "candidate": statistics.median(r[f] for r in runs["candidate"]),
-            "paired_difference": statistics.median(diffs),
-            "candidate_shorter": sum(d < 0 for d in diffs),
-        }
-        s = summary[f]
-        s["candidate_x_base"] = s["candidate"] / s["base"]
-        print(f"{f:14s} base {s['base']:8.2f}  candidate {s['candidate']:8.2f} ({s['candidate_x_base']:.3f}x)  paired "
-              f"difference {s['paired_difference']:+7.2f}  candidate shorter in {s['candidate_shorter']} of {args.pairs}")  # fmt: skip
+    summary = summarise(runs, args.backend)
+    print(report_lines(summary, args.pairs))
     sums = {r["checksum"] for side in runs.values() for r in side}
     failed = [r["status"] for side in runs.values() for r in side if r["status"] != "completed"]
     print("same final model in every run" if len(sums) == 1 else f"final models differ: {sorted(sums)}")
