@@ -46,8 +46,20 @@ def test_the_working_tree_against_head_ends_on_one_model(tmp_path):
         pytest.skip("fedelastic/ has uncommitted changes: they may change results")
     report = _ab(tmp_path)
     assert not _changed(report)
-    assert {"round_ms", "round_mean_ms", "train_wall_ms", "train_cpu_ms", "gap_ms"} <= set(report["summary"])
+    assert {"round_ms", "round_mean_ms", "train_wall_ms", "train_cpu_ms", "gap_ms", "run_wall_s"} <= set(report["summary"])
     assert all(r["round_ms"] > 0 and r["train_cpu_ms"] > 0 for side in report["runs"].values() for r in side)
+
+
+@pytest.mark.ray
+def test_the_ray_backend_runs_both_trees_and_compares_their_models(tmp_path):
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "fedelastic"], capture_output=True, text=True)
+    if dirty.stdout.strip():
+        pytest.skip("fedelastic/ has uncommitted changes: they may change results")
+    report = _ab(tmp_path, "--backend", "ray")
+    assert report["backend"] == "ray" and not _changed(report)
+    assert set(report["summary"]) == {"round_ms", "round_mean_ms", "run_wall_s", "startup_s", "tree_cpu_s"}
+    for r in (r for side in report["runs"].values() for r in side):
+        assert 0 < r["startup_s"] < r["run_wall_s"] and r["tree_cpu_s"] > 0
 
 
 def test_a_patch_that_changes_the_average_is_reported(tmp_path):
