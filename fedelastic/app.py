@@ -35,14 +35,15 @@ APP_DIR = Path(__file__).resolve().parent.parent
 SRC = "<run config>"
 
 
-def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> Scenario:
-    """The scenario a run config names, with its other keys applied as dotted overrides."""
+def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_DIR, *, resolve: bool = True) -> Scenario:
+    """The scenario a run config names, with its other keys applied as dotted overrides
+    (``resolve=False``: type-checked only, see :func:`~fedelastic.api.load`)."""
     config = dict(run_config)
     path = config.pop("scenario", "")
     if not isinstance(path, str) or not path:
         raise ConfigError(SRC, "scenario", "the path of a scenario file", path)
     file = Path(path) if Path(path).is_absolute() else app_dir / path
-    return load(file, {key: value for key, value in config.items() if value != ""})
+    return load(file, {key: value for key, value in config.items() if value != ""}, resolve=resolve)
 
 
 def _log_round(row: dict) -> None:
@@ -87,11 +88,12 @@ server_app = ServerApp()
 
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
-    from .fl.runner import run_scenario
+    from . import orchestrate
 
-    scenario = scenario_from_run_config(context.run_config)
-    check_federation_size(grid, scenario)
-    run_dir = run_scenario(scenario, progress=_log_round, grid=grid)
+    scenario = scenario_from_run_config(context.run_config, resolve=False)  # validated by the run, after its folder checks
+    run_dir = orchestrate.run(
+        scenario, progress=_log_round, grid=grid, on_start=lambda valid: check_federation_size(grid, valid)
+    )
     log(INFO, "[fedelastic] results in %s", run_dir.resolve())
 
 
