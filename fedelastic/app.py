@@ -28,6 +28,7 @@ from flwr.supercore import log
 from .api import load
 from .errors import ConfigError
 from .scenario import Scenario
+from .sim.columns import RoundCol
 
 # The folder this package sits in: the app's folder when Flower loads the app from its bundle
 # (Flower puts that folder first on sys.path in the ServerApp process and every ClientApp actor).
@@ -52,10 +53,10 @@ def _log_round(row: dict) -> None:
     The run keeps Flower's own INFO lines off (``runner._flwr_quiet`` sets the ``flwr`` logger to
     WARNING), so this record goes straight to the logger's handlers, past its level.
     """
-    accuracy = row["test_accuracy"]
+    accuracy = row[RoundCol.TEST_ACCURACY]
     shown = "-" if accuracy != accuracy else f"{accuracy:.4f}"  # NaN: not evaluated (server.evaluate_every)
     logger = logging.getLogger("flwr")
-    args = (row["round"], shown, row["sim_time_s"], row["total_energy_j"])
+    args = (row[RoundCol.ROUND], shown, row[RoundCol.SIM_TIME_S], row[RoundCol.TOTAL_ENERGY_J])
     text = "[fedelastic] round %d: test accuracy %s, simulated time %.1f s, energy %.1f J"
     logger.handle(logger.makeRecord(logger.name, INFO, __file__, 0, text, args, None))
 

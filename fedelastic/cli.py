@@ -133,14 +133,16 @@ def _print_header(sc: Scenario) -> None:
 
 def _print_round(row: dict) -> None:
     """One line per round: accuracy, simulated time, energy, client counts, host time."""
-    r = row["round"]
+    from .sim.columns import RoundCol as R
+
+    r = row[R.ROUND]
     head = "initial" if r == 0 else f"round {r}"
-    acc = row["test_accuracy"]
+    acc = row[R.TEST_ACCURACY]
     console.print(
-        f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row['sim_time_s']:9.2f} s  "
-        f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
-        f"rejected {row.get('clients_rejected', 0)}  trained nothing {row.get('clients_no_steps', 0)}  "
-        f"host {row['host_wall_s']:.2f} s" + (f"  diverged: {row['divergence']}" if row.get("divergence") else ""),
+        f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row[R.SIM_TIME_S]:9.2f} s  "
+        f"energy {row[R.TOTAL_ENERGY_J]:9.1f} J  failed {row[R.CLIENTS_FAILED]}  not fitting {row[R.CLIENTS_NOT_FITTING]}  "
+        f"rejected {row.get(R.CLIENTS_REJECTED, 0)}  trained nothing {row.get(R.CLIENTS_NO_STEPS, 0)}  "
+        f"host {row[R.HOST_WALL_S]:.2f} s" + (f"  diverged: {row[R.DIVERGENCE]}" if row.get(R.DIVERGENCE) else ""),
         markup=False,
         highlight=False,
     )
