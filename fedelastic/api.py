@@ -153,6 +153,9 @@ def run(
     the run ends normally and its status records ``stopped_after_round``. A callback may also be an
     object with ``on_run_start(run)``, ``on_round_end(end) -> bool`` and ``on_run_end(run, outcome)``
     (:class:`fedelastic.sim.callbacks.Callback`).
+
+    The run takes the path ``fedelastic run`` takes (:func:`fedelastic.orchestrate.run`): its folder
+    is checked before a model file the scenario names is imported.
     """
     from . import orchestrate
     from .sim.callbacks import CallbackList

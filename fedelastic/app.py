@@ -8,7 +8,9 @@ the run config (``[tool.flwr.app.config]``, changed with ``flwr run --run-config
 * every other key is a dotted scenario key (``server.rounds``, ``train.lr``) whose value
   replaces the file's, validated like the file itself; an empty string keeps the file's value.
 
-The ServerApp owns the run's Recorder: the run folder is written as ``fedelastic run`` writes it.
+The ServerApp runs the scenario on its grid along the path ``fedelastic run`` takes
+(:func:`fedelastic.orchestrate.run`) and owns the run's Recorder: the run folder is written as
+``fedelastic run`` writes it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ APP_DIR = Path(__file__).resolve().parent.parent
 SRC = "<run config>"
 
 
-def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_DIR, *, resolve: bool = True) -> Scenario:
+def scenario_from_run_config(
+    run_config: Mapping[str, Any], app_dir: Path = APP_DIR, *, resolve: bool = True
+) -> Scenario:
     """The scenario a run config names, with its other keys applied as dotted overrides
     (``resolve=False``: type-checked only, see :func:`~fedelastic.api.load`)."""
     config = dict(run_config)
@@ -91,7 +95,7 @@ server_app = ServerApp()
 def _server_main(grid: Grid, context: Context) -> None:
     from . import orchestrate
 
-    scenario = scenario_from_run_config(context.run_config, resolve=False)  # validated by the run, after its folder checks
+    scenario = scenario_from_run_config(context.run_config, resolve=False)  # the run validates it, after its folder checks
     run_dir = orchestrate.run(
         scenario, progress=_log_round, grid=grid, on_start=lambda valid: check_federation_size(grid, valid)
     )
