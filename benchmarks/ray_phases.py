@@ -191,7 +191,10 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
             runner._loader = loader
             rayrun._loader = loader
 
-    wrap(api, "prepare_run", "driver: imports and data beside ray.init")
+    import importlib.util
+
+    home = importlib.import_module("fedelastic.orchestrate") if importlib.util.find_spec("fedelastic.orchestrate") else api
+    wrap(home, "prepare_run", "driver: imports and data beside ray.init")  # api.prepare_run in older code
     start = getattr(raypool, "start_ray", None)
     if start is None:  # code from before issue 10's changes
         instrument()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
 from .errors import ConfigError
-from .scenario import Scenario, parse_scenario, validate
+from .scenario import Scenario, parse_scenario
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -153,72 +153,15 @@ def run(
     the run ends normally and its status records ``stopped_after_round``. A callback may also be an
     object with ``on_run_start(run)``, ``on_round_end(end) -> bool`` and ``on_run_end(run, outcome)``
     (:class:`fedelastic.sim.callbacks.Callback`).
+
+    The run takes the path ``fedelastic run`` takes (:func:`fedelastic.orchestrate.run`): its folder
+    is checked before a model file the scenario names is imported.
     """
-    from .fl.raypool import quick_shutdown, start_ray_early
-
-    sc = load(scenario, overrides, resolve=False, **kw)
-    check_run_folder(sc, run_id)  # a bad folder fails now, before Ray's start and before a model file's code runs
-    sc = validate(sc)
-
+    from . import orchestrate
     from .sim.callbacks import CallbackList
 
     on_round = CallbackList([progress, *callbacks])  # every callback sees every round
-
-    started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
-    try:
-        from .fl.runner import run_scenario
-
-        return RunResult(run_scenario(sc, run_id=run_id, progress=on_round))
-    finally:
-        if started:  # the run stops Ray itself; this is for a run that ended before its runtime began
-            quick_shutdown()
-
-
-def check_run_folder(sc: Scenario, run_id: str | None = None) -> None:
-    """What the run folder needs, checked before Ray starts (a second, where ``ray.init`` takes
-    several): plain folder names, no run with this ``run_id``, and an ``output_dir`` that is (or
-    can be made) a folder this process can write to. The same errors as the run's own
-    (``runner.new_run_dir``), which still makes the folder."""
-    import os
-
-    from .errors import FedelasticError
-    from .scenario import PLAIN_NAME, is_plain_name
-
-    src = sc.source or "<scenario>"
-    names = [(src, "name", sc.name)] + ([] if run_id is None else [("<command line>", "--run-id", run_id)])
-    for where, key, value in names:
-        if not is_plain_name(value):
-            raise ConfigError(
-                where, key, PLAIN_NAME, value
-            )
-    output_dir = Path(sc.output_dir)
-    base = output_dir / sc.name
-    if run_id is not None and (base / run_id).exists() and not (base / run_id).is_dir():
-        raise ConfigError(src, "output_dir", "a folder (a file is in the way)", str(base / run_id))
-    if run_id is not None and (base / run_id).exists():
-        raise FedelasticError(
-            f"{base / run_id}: a run with this id exists; continue it with `fedelastic run --resume {base / run_id}` "
-            "or choose another --run-id"
-        )
-    nearest = base
-    while not nearest.exists() and nearest.parent != nearest:
-        nearest = nearest.parent
-    if not nearest.is_dir():
-        raise ConfigError(src, "output_dir", "a folder (a file is in the way)", str(nearest))
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise ConfigError(src, "output_dir", "a folder fedelastic can write to (Permission denied)", str(output_dir))
-
-
-def prepare_run(sc: Scenario) -> None:
-    """What a run builds first, done ahead (while Ray starts): the runtime's imports (Flower's
-    simulation engine included), the data and the model's description (cached for the run)."""
-    from .fl.runner import environment
-
-    env = environment(sc)
-    _ = env.data, env.info
-    if sc.simulation.backend == "ray":  # imported by the run right after Ray is up, on the start-up's critical path
-        import flwr.server.superlink.fleet.vce.backend.raybackend  # noqa: F401
-        import flwr.simulation  # noqa: F401
+    return RunResult(orchestrate.run(load(scenario, overrides, resolve=False, **kw), run_id=run_id, progress=on_round))
 
 
 @dataclass

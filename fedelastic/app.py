@@ -8,7 +8,9 @@ the run config (``[tool.flwr.app.config]``, changed with ``flwr run --run-config
 * every other key is a dotted scenario key (``server.rounds``, ``train.lr``) whose value
   replaces the file's, validated like the file itself; an empty string keeps the file's value.
 
-The ServerApp owns the run's Recorder: the run folder is written as ``fedelastic run`` writes it.
+The ServerApp runs the scenario on its grid along the path ``fedelastic run`` takes
+(:func:`fedelastic.orchestrate.run`) and owns the run's Recorder: the run folder is written as
+``fedelastic run`` writes it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flwr.supercore import log
 from .api import load
 from .errors import ConfigError
 from .scenario import Scenario
+from .sim.columns import RoundCol
 
 # The folder this package sits in: the app's folder when Flower loads the app from its bundle
 # (Flower puts that folder first on sys.path in the ServerApp process and every ClientApp actor).
@@ -35,14 +38,17 @@ APP_DIR = Path(__file__).resolve().parent.parent
 SRC = "<run config>"
 
 
-def scenario_from_run_config(run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> Scenario:
-    """The scenario a run config names, with its other keys applied as dotted overrides."""
+def scenario_from_run_config(
+    run_config: Mapping[str, Any], app_dir: Path = APP_DIR, *, resolve: bool = True
+) -> Scenario:
+    """The scenario a run config names, with its other keys applied as dotted overrides
+    (``resolve=False``: type-checked only, see :func:`~fedelastic.api.load`)."""
     config = dict(run_config)
     path = config.pop("scenario", "")
     if not isinstance(path, str) or not path:
         raise ConfigError(SRC, "scenario", "the path of a scenario file", path)
     file = Path(path) if Path(path).is_absolute() else app_dir / path
-    return load(file, {key: value for key, value in config.items() if value != ""})
+    return load(file, {key: value for key, value in config.items() if value != ""}, resolve=resolve)
 
 
 def _log_round(row: dict) -> None:
@@ -51,10 +57,10 @@ def _log_round(row: dict) -> None:
     The run keeps Flower's own INFO lines off (``runner._flwr_quiet`` sets the ``flwr`` logger to
     WARNING), so this record goes straight to the logger's handlers, past its level.
     """
-    accuracy = row["test_accuracy"]
+    accuracy = row[RoundCol.TEST_ACCURACY]
     shown = "-" if accuracy != accuracy else f"{accuracy:.4f}"  # NaN: not evaluated (server.evaluate_every)
     logger = logging.getLogger("flwr")
-    args = (row["round"], shown, row["sim_time_s"], row["total_energy_j"])
+    args = (row[RoundCol.ROUND], shown, row[RoundCol.SIM_TIME_S], row[RoundCol.TOTAL_ENERGY_J])
     text = "[fedelastic] round %d: test accuracy %s, simulated time %.1f s, energy %.1f J"
     logger.handle(logger.makeRecord(logger.name, INFO, __file__, 0, text, args, None))
 
@@ -87,11 +93,12 @@ server_app = ServerApp()
 
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
-    from .fl.runner import run_scenario
+    from . import orchestrate
 
-    scenario = scenario_from_run_config(context.run_config)
-    check_federation_size(grid, scenario)
-    run_dir = run_scenario(scenario, progress=_log_round, grid=grid)
+    scenario = scenario_from_run_config(context.run_config, resolve=False)  # the run validates it, after its folder checks
+    run_dir = orchestrate.run(
+        scenario, progress=_log_round, grid=grid, on_start=lambda valid: check_federation_size(grid, valid)
+    )
     log(INFO, "[fedelastic] results in %s", run_dir.resolve())
 
 

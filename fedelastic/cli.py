@@ -6,7 +6,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
@@ -16,6 +16,9 @@ from rich.table import Table
 
 from .errors import ConfigError, FedelasticError, RunFailed, Terminated
 from .summary import console, report
+
+if TYPE_CHECKING:
+    from .scenario import Scenario
 
 
 def cmd_report(args) -> None:
@@ -80,73 +83,69 @@ _AT_EXIT: list = []
 
 
 def cmd_run(args) -> int:
-    from .fl.raypool import quick_shutdown, start_ray_early
-    from .scenario import load_scenario, validate
+    from . import orchestrate
 
     if (args.scenario is None) == (args.resume is None):
         raise ConfigError("<command line>", "scenario", "a scenario file, or --resume RUN_DIR (not both)")
     if args.resume is not None:
         if args.rounds is not None or args.backend or args.output_dir or args.run_id or args.overrides:
             raise ConfigError("<command line>", "--resume", "no other options (a run resumes with its own config)")
-        sc = None
+        run_dir = orchestrate.resume(args.resume, progress=_print_round)
     else:
-        if args.overrides:
-            from .api import load, parse_overrides
-
-            sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"), resolve=False)
-        else:
-            sc = load_scenario(args.scenario, resolve=False)
-        if args.rounds is not None:
-            sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
-        if args.backend:
-            sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
-        if args.output_dir is not None:
-            sc = _override("--output-dir", lambda: replace(sc, output_dir=args.output_dir))
-        from .api import check_run_folder
-
-        check_run_folder(sc, args.run_id)  # a bad folder fails now, before a model file's code runs
-        sc = validate(sc)  # last: imports a model file named by the scenario (its code runs with the user's rights)
-        console.print(
-            f"{sc.name}: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
-            f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}",
-            markup=False,
-            highlight=False,
-        )
-
-    def progress(row: dict) -> None:
-        r = row["round"]
-        head = "initial" if r == 0 else f"round {r}"
-        acc = row["test_accuracy"]
-        console.print(
-            f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row['sim_time_s']:9.2f} s  "
-            f"energy {row['total_energy_j']:9.1f} J  failed {row['clients_failed']}  not fitting {row['clients_not_fitting']}  "
-            f"rejected {row.get('clients_rejected', 0)}  trained nothing {row.get('clients_no_steps', 0)}  "
-            f"host {row['host_wall_s']:.2f} s" + (f"  diverged: {row['divergence']}" if row.get("divergence") else ""),
-            markup=False,
-            highlight=False,
-        )
-
-    if args.resume is not None:
-        from .fl.runner import resume_run
-
-        run_dir = resume_run(args.resume, progress=progress)
-    else:
-        from .api import prepare_run
-
-        started = start_ray_early(sc, lambda: prepare_run(sc))  # Ray starts while the runtime is imported
-        try:
-            from .fl.runner import run_scenario
-
-            run_dir = run_scenario(sc, run_id=args.run_id, progress=progress)
-        finally:
-            if started:  # the run stops Ray itself; this is for a run that ended before its runtime began
-                quick_shutdown()
+        run_dir = orchestrate.run(_scenario(args), run_id=args.run_id, progress=_print_round, on_start=_print_header)
     skip_final_gc()
     try:
         report(run_dir)
     except Exception as exc:  # noqa: BLE001 (the run is finished and on disk; a report failure must not hide it)
         console.print(f"warning: the report failed ({type(exc).__name__}: {exc}); results are in {run_dir}", markup=False)
     return exit_code(run_dir)
+
+
+def _scenario(args) -> Scenario:
+    """The scenario file with the command line's overrides applied, type-checked (not yet validated:
+    the run checks its folder before it imports a model file the scenario names)."""
+    from .scenario import load_scenario
+
+    if args.overrides:
+        from .api import load, parse_overrides
+
+        sc = load(args.scenario, parse_overrides(args.overrides, "<command line>"), resolve=False)
+    else:
+        sc = load_scenario(args.scenario, resolve=False)
+    if args.rounds is not None:
+        sc = _override("--rounds", lambda: replace(sc, server=replace(sc.server, rounds=args.rounds)))
+    if args.backend:
+        sc = replace(sc, simulation=replace(sc.simulation, backend=args.backend))
+    if args.output_dir is not None:
+        sc = _override("--output-dir", lambda: replace(sc, output_dir=args.output_dir))
+    return sc
+
+
+def _print_header(sc: Scenario) -> None:
+    """The run's header line: its fleet, strategy, rounds and backend."""
+    console.print(
+        f"{sc.name}: {sc.num_clients} clients ({', '.join(f'{n}x {d}' for d, n in sc.fleet.items())}), "
+        f"strategy {sc.train.strategy}, {sc.server.rounds} rounds, backend {sc.simulation.backend}",
+        markup=False,
+        highlight=False,
+    )
+
+
+def _print_round(row: dict) -> None:
+    """One line per round: accuracy, simulated time, energy, client counts, host time."""
+    from .sim.columns import RoundCol as R
+
+    r = row[R.ROUND]
+    head = "initial" if r == 0 else f"round {r}"
+    acc = row[R.TEST_ACCURACY]
+    console.print(
+        f"{head:>12}  accuracy {'  -  ' if acc != acc else f'{acc:.3f}'}  simulated {row[R.SIM_TIME_S]:9.2f} s  "
+        f"energy {row[R.TOTAL_ENERGY_J]:9.1f} J  failed {row[R.CLIENTS_FAILED]}  not fitting {row[R.CLIENTS_NOT_FITTING]}  "
+        f"rejected {row.get(R.CLIENTS_REJECTED, 0)}  trained nothing {row.get(R.CLIENTS_NO_STEPS, 0)}  "
+        f"host {row[R.HOST_WALL_S]:.2f} s" + (f"  diverged: {row[R.DIVERGENCE]}" if row.get(R.DIVERGENCE) else ""),
+        markup=False,
+        highlight=False,
+    )
 
 
 _WHOLE = ("fleet", "strategy", "used", "lr", "bn")  # columns of the comparison table shown uncut

@@ -53,6 +53,7 @@ from .seedstats import curves as curves
 from .seedstats import exit_code as exit_code
 from .seedstats import interval as interval
 from .seedstats import interval_text as interval_text
+from .sim.columns import RoundCol
 
 
 @dataclass(frozen=True)
@@ -320,13 +321,14 @@ class _Cells:
             label = f"{cell.fleet} / {cell.strategy} / tune lr {cell.lr:g}, bn {cell.bn_mode}"
             run_dir, status, error = self._execute(sc, label)
             r = _read(run_dir, "rounds")
-            evaluated = r[r.val_accuracy.notna()] if r is not None and "val_accuracy" in r else pd.DataFrame()
+            scored = r is not None and RoundCol.VAL_ACCURACY in r  # a run with a validation share
+            evaluated = r[r[RoundCol.VAL_ACCURACY].notna()] if scored else pd.DataFrame()
             self.tuning.append(
                 {
                     "fleet": cell.fleet, "strategy": cell.strategy, "lr": cell.lr, "bn_mode": cell.bn_mode,
                     "status": status, "error": error,
-                    "val_accuracy": float(evaluated.val_accuracy.iloc[-1]) if len(evaluated) else float("nan"),
-                    "val_loss": float(evaluated.val_loss.iloc[-1]) if len(evaluated) else float("nan"),
+                    "val_accuracy": float(evaluated[RoundCol.VAL_ACCURACY].iloc[-1]) if len(evaluated) else float("nan"),
+                    "val_loss": float(evaluated[RoundCol.VAL_LOSS].iloc[-1]) if len(evaluated) else float("nan"),
                     "chosen": False, "run_dir": str(run_dir),
                 }
             )  # fmt: skip

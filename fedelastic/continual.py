@@ -38,14 +38,25 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .data.stream import Stream
 
 #: A round collapsed when one class takes more than this share of the predictions ...
 COLLAPSE_SHARE = 0.9
 #: ... on test data of at least this many classes.
 COLLAPSE_MIN_CLASSES = 3
+
+
+class StreamSource(Protocol):
+    """What continual evaluation reads of a run's environment (:class:`fedelastic.fl.env.RunEnvironment`)."""
+
+    @property
+    def stream(self) -> Stream | None: ...
+
 
 _warned: set[str] = set()  # the collapse warnings given in this process
 
@@ -223,7 +234,7 @@ def collapse_message(entry: dict) -> str:
     )
 
 
-def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[list[dict], float, float]:
+def evaluate_tasks(env: StreamSource, model, server_round: int, sim_time_s: float) -> tuple[list[dict], float, float]:
     """Rows of the accuracy matrix for ``server_round``, and (accuracy, loss) averaged over seen tasks (see
     :func:`evaluate_stream`)."""
     rows, accuracy, loss, _, _ = evaluate_stream(env, model, server_round, sim_time_s)
@@ -231,7 +242,7 @@ def evaluate_tasks(env, model, server_round: int, sim_time_s: float) -> tuple[li
 
 
 def evaluate_stream(
-    env, model, server_round: int, sim_time_s: float
+    env: StreamSource, model, server_round: int, sim_time_s: float
 ) -> tuple[list[dict], float, float, np.ndarray | None, np.ndarray | None]:
     """Rows of the accuracy matrix for ``server_round``, (accuracy, loss) averaged over seen tasks, and the
     counts per class of the predictions and of the labels pooled over the seen tasks' test data (the
@@ -242,6 +253,8 @@ def evaluate_stream(
     number of classes their test data has (for :func:`collapse`).
     """
     stream = env.stream
+    if stream is None:
+        raise ValueError("not a continual run: the scenario has no [stream]")
     current = max((j for j, s in enumerate(stream.segments) if s.start <= max(server_round, 1)), default=0)
     rows, seen_acc, seen_loss = [], [], []
     seen_counts: np.ndarray | None = None

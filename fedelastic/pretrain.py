@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from .data.registry import is_plugin
 from .errors import ConfigError
 from .optim import SGD
 from .training import batches, seed_everything, torch_threads
+
+if TYPE_CHECKING:
+    from .fl.env import RunEnvironment
 
 
 def cache_dir() -> Path:
@@ -45,7 +49,7 @@ def load_weights(path: str | Path, model: torch.nn.Module, *, src: str, key: str
     return state
 
 
-def pretrain_key(env) -> str:
+def pretrain_key(env: RunEnvironment) -> str:
     """The cache key: a hash of everything that shapes the pretrained weights (the pretraining
     config, model, data and the seed of pretraining and split: ``Scenario.split_seed``)."""
     sc = env.scenario
@@ -64,13 +68,13 @@ def pretrain_key(env) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def pretrain(env) -> dict:
+def pretrain(env: RunEnvironment) -> dict:
     """Train centrally on the source task, on ``simulation.torch_threads`` threads; returns the state dict."""
     with torch_threads(env.scenario.simulation.torch_threads):
         return _pretrain(env)
 
 
-def _pretrain(env) -> dict:
+def _pretrain(env: RunEnvironment) -> dict:
     from .training import evaluate_model  # noqa: PLC0415 (training imports torch: loaded when needed)
 
     sc, cfg = env.scenario, env.scenario.model.pretrain
@@ -94,7 +98,7 @@ def _pretrain(env) -> dict:
     return model.state_dict()
 
 
-def initial_state(env) -> dict:
+def initial_state(env: RunEnvironment) -> dict:
     """The run's starting state dict."""
     sc = env.scenario
     model = env.new_model()

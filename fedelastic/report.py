@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .sim.columns import ClientCol, RoundCol
 from .units import fmt_bytes
 
 _CSS = """
@@ -59,12 +60,11 @@ def _figure(png: str, alt: str, caption: str) -> str:
 def accuracy_figure(rounds: pd.DataFrame) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    rounds = rounds[rounds.test_accuracy.notna()]  # rounds skipped by server.evaluate_every
-    ax.plot(rounds.sim_time_s, rounds.test_accuracy, marker="o")
-    for r in rounds.itertuples():
-        ax.annotate(
-            str(r.round), (r.sim_time_s, r.test_accuracy), fontsize=7, xytext=(3, -9), textcoords="offset points"
-        )
+    rounds = rounds[rounds[RoundCol.TEST_ACCURACY].notna()]  # rounds skipped by server.evaluate_every
+    ax.plot(rounds[RoundCol.SIM_TIME_S], rounds[RoundCol.TEST_ACCURACY], marker="o")
+    points = rounds[[RoundCol.ROUND, RoundCol.SIM_TIME_S, RoundCol.TEST_ACCURACY]].itertuples(index=False)
+    for n, time_s, accuracy in points:
+        ax.annotate(str(n), (time_s, accuracy), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.set(xlabel="simulated time (s)", ylabel="global test accuracy", ylim=(0, 1))
     ax.grid(alpha=0.3)
     return _figure(_png(fig), "accuracy against simulated time", "Global test accuracy after each round (numbered).")
@@ -72,12 +72,12 @@ def accuracy_figure(rounds: pd.DataFrame) -> str:
 
 def energy_by_class(clients: pd.DataFrame) -> pd.DataFrame:
     """Per device class: clients, and active and idle energy summed over the run (J)."""
-    g = clients.groupby("device_class")
+    g = clients.groupby(ClientCol.DEVICE_CLASS)
     return pd.DataFrame(
         {
-            "clients": g.partition_id.nunique(),
-            "active_j": g.emulated_energy_j.sum(min_count=1),
-            "idle_j": g.emulated_idle_energy_j.sum(min_count=1),
+            "clients": g[ClientCol.PARTITION_ID].nunique(),
+            "active_j": g[ClientCol.EMULATED_ENERGY_J].sum(min_count=1),
+            "idle_j": g[ClientCol.EMULATED_IDLE_ENERGY_J].sum(min_count=1),
         }
     ).fillna(0.0)
 
@@ -98,8 +98,10 @@ def energy_figure(clients: pd.DataFrame) -> str:
 
 def memory_by_device(clients: pd.DataFrame) -> pd.DataFrame:
     """Per device: the highest emulated peak training memory and the device's training memory."""
-    g = clients.groupby("device")
-    out = pd.DataFrame({"peak_bytes": g.emulated_peak_memory_bytes.max(), "budget_bytes": g.device_memory_bytes.max()})
+    g = clients.groupby(ClientCol.DEVICE)
+    out = pd.DataFrame(
+        {"peak_bytes": g[ClientCol.EMULATED_PEAK_MEMORY_BYTES].max(), "budget_bytes": g[ClientCol.DEVICE_MEMORY_BYTES].max()}
+    )
     out["share"] = out.peak_bytes / out.budget_bytes
     return out
 
@@ -132,7 +134,9 @@ def memory_figure(clients: pd.DataFrame) -> str:
 def selection_heatmap(clients: pd.DataFrame) -> str:
     """Fraction of the model's parameters each client trained in each round (blank: not sampled)."""
     plt = _plt()
-    table = clients.pivot_table(index=["device", "partition_id"], columns="round", values="fraction_params_trained")
+    table = clients.pivot_table(
+        index=[ClientCol.DEVICE, ClientCol.PARTITION_ID], columns=ClientCol.ROUND, values=ClientCol.FRACTION_PARAMS_TRAINED
+    )
     fig, ax = plt.subplots(figsize=(min(2 + 0.5 * table.shape[1], 12), 0.8 + 0.22 * len(table)))
     image = ax.imshow(table.to_numpy(float), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
     ax.set_yticks(range(len(table)), [f"{d} #{p}" for d, p in table.index], fontsize=7)
@@ -148,18 +152,18 @@ def selection_heatmap(clients: pd.DataFrame) -> str:
 
 
 def device_table(clients: pd.DataFrame) -> str:
-    g = clients.groupby(["device", "device_class"])
+    g = clients.groupby([ClientCol.DEVICE, ClientCol.DEVICE_CLASS])
     t = pd.DataFrame(
         {
-            "clients": g.partition_id.nunique(),
-            "fits": g.fits.mean().map("{:.0%}".format),
-            "failed": g.error.apply(lambda e: int((e.fillna("") != "").sum())),
-            "train s/round": g.emulated_train_time_s.mean().map("{:.3g}".format),
-            "comm s/round": g.emulated_comm_time_s.mean().map("{:.3g}".format),
-            "energy J/round": g.emulated_energy_j.mean().map("{:.3g}".format),
-            "peak memory": g.emulated_peak_memory_bytes.max().map(fmt_bytes),
-            "device memory": g.device_memory_bytes.max().map(fmt_bytes),
-            "params trained": g.fraction_params_trained.mean().map("{:.0%}".format),
+            "clients": g[ClientCol.PARTITION_ID].nunique(),
+            "fits": g[ClientCol.FITS].mean().map("{:.0%}".format),
+            "failed": g[ClientCol.ERROR].apply(lambda e: int((e.fillna("") != "").sum())),
+            "train s/round": g[ClientCol.EMULATED_TRAIN_TIME_S].mean().map("{:.3g}".format),
+            "comm s/round": g[ClientCol.EMULATED_COMM_TIME_S].mean().map("{:.3g}".format),
+            "energy J/round": g[ClientCol.EMULATED_ENERGY_J].mean().map("{:.3g}".format),
+            "peak memory": g[ClientCol.EMULATED_PEAK_MEMORY_BYTES].max().map(fmt_bytes),
+            "device memory": g[ClientCol.DEVICE_MEMORY_BYTES].max().map(fmt_bytes),
+            "params trained": g[ClientCol.FRACTION_PARAMS_TRAINED].mean().map("{:.0%}".format),
         }
     )
     return t.reset_index().to_html(index=False, border=0)
@@ -284,14 +288,14 @@ def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
     state = status.get("status", "unknown")
     last = rounds.iloc[-1]
-    evaluated = rounds[rounds.test_accuracy.notna()]
-    accuracy = evaluated.test_accuracy.iloc[-1] if len(evaluated) else float("nan")
+    evaluated = rounds[rounds[RoundCol.TEST_ACCURACY].notna()]
+    accuracy = evaluated[RoundCol.TEST_ACCURACY].iloc[-1] if len(evaluated) else float("nan")
     head = (
         f'<p>Status <b class="{"" if state == "completed" else "bad"}">{html.escape(state)}</b>'
         + (f": {html.escape(str(status['error']))}" if status.get("error") else "")
-        + f". {int(last['round'])} rounds, final test accuracy <b>{accuracy:.3f}</b> after "
-        f"{last.sim_time_s:.1f} s of simulated time and {last.total_energy_j:.1f} J; "
-        f"{clients.partition_id.nunique()} clients on {clients.device.nunique()} device types.</p>"
+        + f". {int(last[RoundCol.ROUND])} rounds, final test accuracy <b>{accuracy:.3f}</b> after "
+        f"{last[RoundCol.SIM_TIME_S]:.1f} s of simulated time and {last[RoundCol.TOTAL_ENERGY_J]:.1f} J; "
+        f"{clients[ClientCol.PARTITION_ID].nunique()} clients on {clients[ClientCol.DEVICE].nunique()} device types.</p>"
     )
     sections = [
         "<h2>Accuracy against simulated time</h2>" + accuracy_figure(rounds),

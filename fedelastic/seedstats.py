@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .sim.columns import ClientCol as C
+from .sim.columns import RoundCol as R
+
 
 def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dict:
     """One run's headline figures.
@@ -23,23 +26,23 @@ def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dic
     ``sim_time_s``), never a made-up time. Only evaluated rounds count (``server.evaluate_every``
     skips some: their accuracy is NaN), and ``final_accuracy`` is the last evaluated round's.
     """
-    trained = rounds[rounds["round"] > 0]
-    evaluated = rounds.test_accuracy.dropna()
+    trained = rounds[rounds[R.ROUND] > 0]
+    evaluated = rounds[R.TEST_ACCURACY].dropna()
     row = {
         "final_accuracy": float(evaluated.iloc[-1]) if len(evaluated) else float("nan"),
-        "sim_time_s": float(rounds.sim_time_s.iloc[-1]),
-        "energy_j": float(rounds.total_energy_j.iloc[-1]),
-        "peak_memory_bytes": float(clients.emulated_peak_memory_bytes.max()),
-        "fits_fraction": float(clients.fits.mean()),
-        "mean_train_time_per_round_s": float(clients.emulated_train_time_s.mean()),
-        "fraction_params_trained": float(clients.fraction_params_trained.mean()),
-        "host_wall_s": float(trained.host_wall_s.sum()),
+        "sim_time_s": float(rounds[R.SIM_TIME_S].iloc[-1]),
+        "energy_j": float(rounds[R.TOTAL_ENERGY_J].iloc[-1]),
+        "peak_memory_bytes": float(clients[C.EMULATED_PEAK_MEMORY_BYTES].max()),
+        "fits_fraction": float(clients[C.FITS].mean()),
+        "mean_train_time_per_round_s": float(clients[C.EMULATED_TRAIN_TIME_S].mean()),
+        "fraction_params_trained": float(clients[C.FRACTION_PARAMS_TRAINED].mean()),
+        "host_wall_s": float(trained[R.HOST_WALL_S].sum()),
     }
     if target:
-        hit = rounds[rounds.test_accuracy >= target]
+        hit = rounds[rounds[R.TEST_ACCURACY] >= target]
         row["reached_target"] = bool(len(hit))
-        row["time_to_target_s"] = float(hit.sim_time_s.iloc[0]) if len(hit) else float("nan")
-        row["energy_to_target_j"] = float(hit.total_energy_j.iloc[0]) if len(hit) else float("nan")
+        row["time_to_target_s"] = float(hit[R.SIM_TIME_S].iloc[0]) if len(hit) else float("nan")
+        row["energy_to_target_j"] = float(hit[R.TOTAL_ENERGY_J].iloc[0]) if len(hit) else float("nan")
     return row
 
 
@@ -157,8 +160,8 @@ def curves(runs: pd.DataFrame) -> pd.DataFrame:
     """
     if "status" in runs:
         runs = runs[runs.status == USED]
-    runs = runs[runs.test_accuracy.notna()]
-    g = runs.groupby(["fleet", "strategy", "round"], sort=False)
-    out = g.agg(sim_time_s=("sim_time_s", "mean"), accuracy=("test_accuracy", "mean")).reset_index()
-    out["accuracy_ci95"] = g.test_accuracy.apply(lambda v: ci95(v.to_numpy())).to_numpy()
+    runs = runs[runs[R.TEST_ACCURACY].notna()]  # runs.csv: the runs' rounds tables, with fleet and strategy
+    g = runs.groupby(["fleet", "strategy", R.ROUND], sort=False)
+    out = g.agg(sim_time_s=(R.SIM_TIME_S, "mean"), accuracy=(R.TEST_ACCURACY, "mean")).reset_index()
+    out["accuracy_ci95"] = g[R.TEST_ACCURACY].apply(lambda v: ci95(v.to_numpy())).to_numpy()
     return out

@@ -10,6 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import FedelasticError
+from .sim.columns import ClientCol as C
+from .sim.columns import RoundCol as R
 from .units import fmt_bytes
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -39,11 +41,11 @@ def report(run_dir: Path) -> None:
         continual_report(run_dir)
     status = read_status(run_dir)
     last = rounds.iloc[-1]
-    evaluated = rounds.test_accuracy.dropna()  # the last evaluated round's (server.evaluate_every)
+    evaluated = rounds[R.TEST_ACCURACY].dropna()  # the last evaluated round's (server.evaluate_every)
     accuracy = evaluated.iloc[-1] if len(evaluated) else float("nan")
     table = Table(
         title=escape(
-            f"{run_dir}  ({status['status']}; final accuracy {accuracy:.3f}, simulated {last.sim_time_s:.1f} s)"
+            f"{run_dir}  ({status['status']}; final accuracy {accuracy:.3f}, simulated {last[R.SIM_TIME_S]:.1f} s)"
         )
     )
     for col in (
@@ -59,23 +61,23 @@ def report(run_dir: Path) -> None:
         "trained params",
     ):
         table.add_column(col, justify="right", overflow="fold", no_wrap=col == "device")  # names whole
-    for device, g in clients.groupby("device") if len(clients) else ():
+    for device, g in clients.groupby(C.DEVICE) if len(clients) else ():
         table.add_row(
             escape(str(device)),
             str(len(g)),
-            f"{g.fits.mean():.0%}",
-            str(int((g.fits.astype(bool) & (g.steps == 0)).sum())),
+            f"{g[C.FITS].mean():.0%}",
+            str(int((g[C.FITS].astype(bool) & (g[C.STEPS] == 0)).sum())),
             str(int(_failed(g))),
-            f"{g.emulated_train_time_s.mean():.3g} s"
+            f"{g[C.EMULATED_TRAIN_TIME_S].mean():.3g} s"
             + (
-                f" ± {g.emulated_train_time_band_s.mean():.2g}"
-                if "emulated_train_time_band_s" in g and g.emulated_train_time_band_s.mean() > 0
+                f" ± {g[C.EMULATED_TRAIN_TIME_BAND_S].mean():.2g}"
+                if C.EMULATED_TRAIN_TIME_BAND_S in g and g[C.EMULATED_TRAIN_TIME_BAND_S].mean() > 0
                 else ""
             ),
-            f"{g.emulated_energy_j.mean():.3g} J",
-            fmt_bytes(g.emulated_peak_memory_bytes.max()),
-            fmt_bytes(g.device_memory_bytes.iloc[0]),
-            f"{g.fraction_params_trained.mean():.0%}",
+            f"{g[C.EMULATED_ENERGY_J].mean():.3g} J",
+            fmt_bytes(g[C.EMULATED_PEAK_MEMORY_BYTES].max()),
+            fmt_bytes(g[C.DEVICE_MEMORY_BYTES].iloc[0]),
+            f"{g[C.FRACTION_PARAMS_TRAINED].mean():.0%}",
         )
     console.print(table)
     for message, count in status.get("errors", {}).items():
@@ -99,9 +101,11 @@ def report(run_dir: Path) -> None:
 
 def _failed(g) -> int:
     """Client rows that carry an error (an empty or missing error reads back as '' or NaN), rejected updates aside."""
-    if "error" not in g:
+    from .sim.records import REJECTED
+
+    if C.ERROR not in g:
         return 0
-    failed = g.error.notna() & (g.error.astype(str) != "")
-    if "status" in g:
-        failed &= g.status != "rejected"
+    failed = g[C.ERROR].notna() & (g[C.ERROR].astype(str) != "")
+    if C.STATUS in g:
+        failed &= g[C.STATUS] != REJECTED
     return int(failed.sum())

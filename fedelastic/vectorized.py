@@ -33,6 +33,7 @@ same terms in another order (tests/unit/test_vectorized.py states the tolerance)
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ from .training import (
     select_and_charge,
     step_cap,
 )
+
+if TYPE_CHECKING:
+    from .fl.env import RunEnvironment
 
 _SOURCE = "<vectorised training>"
 
@@ -384,7 +388,7 @@ def train_cohort_vmap(
     return results
 
 
-def check_vectorizable(env) -> None:
+def check_vectorizable(env: RunEnvironment) -> None:
     """Raise :class:`ConfigError` (naming the scenario file and key) if ``env``'s scenario cannot
     be trained vectorised: what :func:`train_cohort_vmap` refuses, checked before any training."""
     from .quant import device_numerics
@@ -411,7 +415,7 @@ def check_vectorizable(env) -> None:
         raise _refuse(exc.key, exc.expected.removesuffix(" (vectorised training)"), exc.got, src) from None
 
 
-def train_partitions_vmap(env, model: nn.Module, jobs: list[CohortJob]) -> list[LocalResult]:
+def train_partitions_vmap(env: RunEnvironment, model: nn.Module, jobs: list[CohortJob]) -> list[LocalResult]:
     """:func:`fedelastic.fl.client.train_partition` for a cohort of jobs, in one vectorised call.
 
     Each job gets the scenario's training settings, its device's cost model and numerics, its

@@ -201,7 +201,8 @@ class RunEnvironment:
         options = t.options if rho is None else {**t.options, "rho": rho}
         strategy = make_strategy(t.strategy, options, src=self.scenario.source or "<scenario>")
         config = strategy.config
-        if dataclasses.is_dataclass(config) and type(config).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        params = getattr(type(config), "__dataclass_params__", None)  # a dataclass's parameters; None otherwise
+        if params is not None and params.frozen:
             if len(self._strategies) >= STRATEGY_CACHE:
                 del self._strategies[next(iter(self._strategies))]  # the oldest
             self._strategies[rho] = (type(strategy), config)  # shared by its instances: it cannot change

@@ -211,7 +211,7 @@ def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
     """Start the local Ray cluster of ``scenario`` now, with ``prepare()`` (the driver's imports
     and data) on a thread beside it; True if this call started Ray.
 
-    The entry points (``api.run``, ``fedelastic run``) call it before they import the runtime, so
+    The one run path (:func:`fedelastic.orchestrate.run`) calls it before it imports the runtime, so
     that ``ray.init`` overlaps those imports too. Best effort: an error of ``prepare``
     or of ``ray.init`` is left for the run, which meets it again and reports it as usual. The
     caller shuts Ray down (:func:`quick_shutdown`) if the run ends before it does.

@@ -87,7 +87,7 @@ def start_actors_early(scenario: Scenario) -> int:
     :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,
     with the driver's model description (:func:`env.warm_worker`), while the driver sets the run
     up. Flower's Ray backend then takes these actors (``raypool.early_actors``) instead of
-    creating its own. Call it after the runtime's imports and the data (``api.prepare_run``).
+    creating its own. Call it after the runtime's imports and the data (``orchestrate.prepare_run``).
     """
     from ray import cloudpickle
 

@@ -35,7 +35,7 @@ from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, vali
 from .checkpoint import CHECKPOINT, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .env import environment
+from .env import RunEnvironment, environment
 from .raypool import start_ray_beside
 from .server import server_main
 from .threads import STOPPING, KeptThread, wait_out
@@ -278,7 +278,7 @@ def _require_budget(cost, config, strategy: str, src: str) -> None:
         )  # fmt: skip
 
 
-def _preflight(scenario: Scenario, env) -> dict:
+def _preflight(scenario: Scenario, env: RunEnvironment) -> dict:
     """Everything that can be checked before a runtime starts (:func:`check_inputs`, then the
     starting weights); returns them."""
     check_inputs(scenario, env)
@@ -293,7 +293,7 @@ def _preflight(scenario: Scenario, env) -> dict:
     return state
 
 
-def check_inputs(scenario: Scenario, env) -> None:
+def check_inputs(scenario: Scenario, env: RunEnvironment) -> None:
     """The checks of data, model, strategy and profiles (all but the starting weights), made before
     a new run's folder exists: bad input leaves nothing behind. Cached in ``env``: cheap the second time."""
     src = scenario.source or "<scenario>"
@@ -330,7 +330,7 @@ def check_inputs(scenario: Scenario, env) -> None:
             )  # fmt: skip
 
 
-def _preflight_beside_ray(scenario: Scenario, env) -> dict:
+def _preflight_beside_ray(scenario: Scenario, env: RunEnvironment) -> dict:
     """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up.
 
     A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had

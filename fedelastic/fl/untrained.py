@@ -8,11 +8,15 @@ initialisation it does not: the run ends near chance, and nothing else would say
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..training import LocalTraining, train_local
+
+if TYPE_CHECKING:
+    from .env import RunEnvironment
 
 SMALL_SHARE = 0.5  # below it, most of an untrained model keeps its random weights: the run learns little
 
@@ -21,7 +25,7 @@ class UntrainedModelWarning(UserWarning):
     """A strategy that trains part of the model starts from an untrained model."""
 
 
-def trained_shares(env, state: dict) -> dict[str, float]:
+def trained_shares(env: RunEnvironment, state: dict) -> dict[str, float]:
     """Share of the model's parameters the strategy's first selection trains, per device of the fleet.
 
     One step of the real trainer (probe and selection included) on a copy of the starting weights,
@@ -51,7 +55,7 @@ def trained_shares(env, state: dict) -> dict[str, float]:
     return shares
 
 
-def warn_if_untrained_partial(env, state: dict) -> None:
+def warn_if_untrained_partial(env: RunEnvironment, state: dict) -> None:
     """Warn (:class:`UntrainedModelWarning`, once) when the run starts from the factory's weights (no
     ``model.pretrain``, no ``model.weights``) and its strategy trains less than :data:`SMALL_SHARE`
     of the parameters on every device."""

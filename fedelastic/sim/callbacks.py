@@ -17,11 +17,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ..divergence import Detector
+    from .engine import RoundEngine
+
 OUTCOMES = ("completed", "stopped", "diverged", "failed")
+
+
+class Run(Protocol):
+    """What a callback reads of its run: the server strategy (:class:`fedelastic.fl.server.PartialFedAvg`),
+    whose ``engine`` holds the clock and the fleet and whose ``detector`` watches for divergence."""
+
+    @property
+    def engine(self) -> RoundEngine: ...
+
+    @property
+    def detector(self) -> Detector: ...
 
 
 @dataclass
@@ -32,20 +47,20 @@ class RoundEnd:
     round: int
     row: dict
     weights: Callable[[], dict[str, np.ndarray]]
-    run: Any
+    run: Run
     tasks: list[dict] = field(default_factory=list)  # a continual run's accuracy-matrix rows of this round
 
 
 class Callback:
     """A callback that does nothing; subclass it and override what you need."""
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: Run) -> None:
         pass
 
     def on_round_end(self, end: RoundEnd) -> bool:
         return False
 
-    def on_run_end(self, run: Any, outcome: str) -> None:
+    def on_run_end(self, run: Run, outcome: str) -> None:
         pass
 
 
@@ -87,7 +102,7 @@ class CallbackList(Callback):
     def __init__(self, callbacks: Iterable[Any] = ()):
         self.callbacks = [as_callback(cb) for cb in callbacks if cb is not None]
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: Run) -> None:
         for cb in self.callbacks:
             if hasattr(cb, "on_run_start"):
                 cb.on_run_start(run)
@@ -96,7 +111,7 @@ class CallbackList(Callback):
         """Whether some callback asked to stop the run."""
         return any([bool(cb.on_round_end(end)) for cb in self.callbacks if hasattr(cb, "on_round_end")])
 
-    def on_run_end(self, run: Any, outcome: str) -> None:
+    def on_run_end(self, run: Run, outcome: str) -> None:
         for cb in self.callbacks:
             if hasattr(cb, "on_run_end"):
                 cb.on_run_end(run, outcome)
@@ -125,7 +140,7 @@ class ContinualReport(Callback):
     def __init__(self, folder: Any, recover_share: float):
         self.folder, self.recover_share = folder, recover_share
 
-    def on_run_end(self, run: Any, outcome: str) -> None:
+    def on_run_end(self, run: Run, outcome: str) -> None:
         if outcome == "completed":
             from ..continual import report
 

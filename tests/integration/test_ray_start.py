@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fedelastic import api
+from fedelastic import api, orchestrate
 from fedelastic.errors import ConfigError, FedelasticError
 from fedelastic.fl import raypool
 from fedelastic.runtime import backend
@@ -71,7 +71,7 @@ def test_an_output_dir_that_cannot_be_written_fails_before_ray_starts(make_scena
 
 def test_the_check_lets_a_new_output_dir_and_a_free_run_id_through(make_scenario, tmp_path):
     sc = make_scenario(output_dir=str(tmp_path / "not" / "yet" / "there"))
-    api.check_run_folder(sc, "free")  # no error, and nothing made
+    orchestrate.check_run_folder(sc, "free")  # no error, and nothing made
     assert not (tmp_path / "not").exists()
 
 
