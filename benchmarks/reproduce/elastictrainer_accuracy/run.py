@@ -119,16 +119,19 @@ def build(name: str, opts: dict) -> tuple[torch.nn.Module, tuple[int, ...]]:
     return build_with_input(name, num_classes=10, input_size=32, in_channels=3, **opts)
 
 
-def pretrain(name: str, opts: dict, d: dict, dev: str, epochs: int) -> dict:
-    """AdamW at 1e-3 with a cosine schedule (SGD at lr 0.05 left both models at chance: README)."""
-    torch.manual_seed(0)
+def pretrain(name: str, opts: dict, d: dict, dev: str, epochs: int, start: dict | None = None, cycle: int = 0) -> dict:
+    """AdamW at 1e-3 with a cosine schedule (SGD at lr 0.05 left both models at chance: README), from
+    ``start`` (an earlier cycle's weights: a warm restart, fresh optimizer) or the factory's init."""
+    torch.manual_seed(cycle)
     model, _ = build(name, opts)
+    if start is not None:
+        model.load_state_dict(start)
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
     steps = epochs * (len(d["src_x"]) // 64)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     x, y = torch.from_numpy(d["src_x"]).to(dev), torch.from_numpy(d["src_y"]).to(dev)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(cycle)
     for epoch in range(epochs):
         if epoch % 5 == 0:
             print(
@@ -168,7 +171,15 @@ def finetune(name: str, opts: dict, state: dict, strategy: str, lr: float, seed:
             "max_class_share": share, "train_loss": r.train_loss, "diverged": bool(diverged), "steps": r.steps,
             "selections": r.selections, "emulated_train_s": r.train_time_s, "overhead_s": r.overhead_time_s,
             "fraction_trained": float(np.mean(r.ratios > 0)) if r.ratios is not None else 0.0,
+            "first_trained_depth": first_trained(r.ratios), "forward_share": cost.forward_time_s / cost.full_step_time_s(),
             "wall_s": time.time() - t0}  # fmt: skip
+
+
+def first_trained(ratios: np.ndarray | None) -> float:
+    """Depth of the earliest tensor any selection trained, as a share of the tensors (0: the first layer)."""
+    if ratios is None or not np.any(ratios > 0):
+        return 1.0
+    return float(np.argmax(ratios > 0) / len(ratios))
 
 
 def ci95(v: list[float]) -> float:
@@ -177,26 +188,55 @@ def ci95(v: list[float]) -> float:
     return float(stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
-def pretrained_state(name: str, opts: dict, d: dict, args: argparse.Namespace, pre_epochs: int) -> tuple[dict, float]:
-    """The pretrained weights (read from ``--pretrained-cache`` when it holds this exact recipe) and their time."""
+def recalibrate_norms(name: str, opts: dict, state: dict, x: np.ndarray, dev: str) -> dict:
+    """``state`` with every BatchNorm's running statistics re-estimated over ``x`` (an exact average).
+
+    MobileNetV2's norms keep Keras' momentum (0.001 in PyTorch terms): after a few hundred pretraining
+    steps their running statistics are still mostly their initial 0 / 1, so an eval-mode (or frozen-BN)
+    model predicts one class. Averaging them over the source once, as a deployed model would be
+    calibrated, removes that; after the 3,750 steps of the GPU recipe it changes them little.
+    """
+    model, _ = build(name, opts)
+    model.load_state_dict(state)
+    model.to(dev).train()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the batches seen
+    with torch.no_grad():
+        for i in range(0, len(x), 250):
+            model(torch.from_numpy(x[i : i + 250]).to(dev))
+    fresh = model.state_dict()
+    return {k: (fresh[k].detach().clone() if "running" in k or "num_batches" in k else v) for k, v in state.items()}
+
+
+def pretrained_state(name: str, opts: dict, d: dict, args: argparse.Namespace, cycles: list[int]) -> tuple[dict, float]:
+    """The pretrained weights after ``cycles`` cosine cycles of that many epochs each (each cycle's read from
+    ``--pretrained-cache`` when it holds that exact recipe), their norms' statistics recalibrated on the
+    source (:func:`recalibrate_norms`), and the time pretraining took here."""
     t0 = time.time()
-    key = "-".join([name, *(f"{k}{v}" for k, v in sorted(opts.items())), f"src{len(d['src_x'])}", f"ep{pre_epochs}"])
-    path = args.pretrained_cache / f"{key}.pt" if args.pretrained_cache else None
-    if path is not None and path.exists():
-        print(f"{name}: pretrained state read from {path}", flush=True)
-        return torch.load(path, map_location=args.device), 0.0
-    state = pretrain(name, opts, d, args.device, pre_epochs)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-    return state, time.time() - t0
+    state: dict | None = None
+    for i in range(len(cycles)):
+        done = "+".join(map(str, cycles[: i + 1]))
+        key = "-".join([name, *(f"{k}{v}" for k, v in sorted(opts.items())), f"src{len(d['src_x'])}", f"ep{done}"])
+        path = args.pretrained_cache / f"{key}.pt" if args.pretrained_cache else None
+        if path is not None and path.exists():
+            print(f"{name}: pretrained state (epochs {done}) read from {path}", flush=True)
+            state = torch.load(path, map_location=args.device, weights_only=True)
+            continue
+        state = pretrain(name, opts, d, args.device, cycles[i], state, cycle=i)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+    assert state is not None
+    return recalibrate_norms(name, opts, state, d["src_x"], args.device), time.time() - t0
 
 
 def tune_and_run(name: str, opts: dict, state: dict, d: dict, args: argparse.Namespace, epochs: int) -> dict:
-    """Per strategy: the best of ``LRS`` on the validation split (seed 0), then ``--seeds`` test runs at it."""
+    """Per strategy: the best of ``--lrs`` on the validation split (seed 0), then ``--seeds`` test runs at it."""
     out: dict = {"tuning": [], "runs": []}
     for strategy in args.strategies:
-        scores = [finetune(name, opts, state, strategy, lr, 0, d, args.device, epochs, "va") for lr in LRS]
+        scores = [finetune(name, opts, state, strategy, lr, 0, d, args.device, epochs, "va") for lr in args.lrs]
         out["tuning"] += scores
         usable = [s for s in scores if not s["diverged"]] or scores
         best = max(usable, key=lambda s: (s["accuracy"], -s["lr"]))["lr"]
@@ -247,8 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--source-n", type=int, default=8000, help="clean source images to pretrain on")
     ap.add_argument("--target-n", type=int, default=4000, help="target images: 40%% train, 10%% validation, 50%% test")
+    ap.add_argument("--lrs", nargs="+", type=float, default=list(LRS), help="the validation split's lr grid")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--pretrain-epochs", type=int, default=30)
+    ap.add_argument("--pretrain-epochs", type=int, nargs="+", default=[30],
+                    help="epochs of each cosine cycle (several: warm restarts from the previous cycle's weights)")  # fmt: skip
     ap.add_argument("--pretrained-cache", type=Path, default=None, help="folder to keep / reuse pretrained weights in")
     ap.add_argument(
         "--probe-shifts", nargs="*", default=[], help="shifts whose gap (before) is measured, not fine-tuned"
@@ -261,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time()
     d = load_data(args.data, args.quick, args.source_n, args.target_n)
     shifts = {parse_shift(t).label(): parse_shift(t) for t in args.shifts}
-    epochs, pre_epochs = (2, 1) if args.quick else (8, args.pretrain_epochs)
+    epochs, pre_epochs = (2, [1]) if args.quick else (8, args.pretrain_epochs)
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                  "torch": torch.__version__, "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv,
                  "sizes": {k: len(v) for k, v in d.items() if k.endswith("_y")}, "models": {}}  # fmt: skip
