@@ -21,13 +21,36 @@ def run():
 
 
 def test_shift_text_parses_to_the_named_fields(run):
-    assert run.parse_shift("rotation=90") == Shift(rotation=90.0)
-    assert run.parse_shift("blur=1.5,noise=0.1") == Shift(blur=1.5, noise=0.1)
-    assert run.parse_shift("clean").is_identity
+    assert run.parse_shift("rotation=90") == (Shift(rotation=90.0), 0)
+    assert run.parse_shift("blur=1.5,noise=0.1") == (Shift(blur=1.5, noise=0.1), 0)
+    assert run.parse_shift("clean")[0].is_identity
+    assert run.parse_shift("labels=1") == (Shift(), 1)
+    assert run.shift_label("rotation=90,labels=3") == "rotation=90,labels+3"
     with pytest.raises(SystemExit, match="rotate"):  # a field that does not exist names the ones that do
         run.parse_shift("rotate=90")
     with pytest.raises(SystemExit, match="FIELD=NUMBER"):
         run.parse_shift("blur")
+
+
+def test_a_label_offset_relabels_every_target_split_and_keeps_the_images(run):
+    x = np.random.default_rng(0).random((10, 3, 4, 4)).astype(np.float32)
+    y = np.arange(10)
+    d = {
+        "src_x": x,
+        "src_y": y,
+        "tr_x": x[:4],
+        "tr_y": y[:4],
+        "va_x": x[4:6],
+        "va_y": y[4:6],
+        "te_x": x[6:],
+        "te_y": y[6:],
+    }
+    out = run.shifted(d, "labels=1")
+    assert (
+        out["tr_y"].tolist() == [1, 2, 3, 4] and out["va_y"].tolist() == [5, 6] and out["te_y"].tolist() == [7, 8, 9, 0]
+    )
+    np.testing.assert_array_equal(out["te_x"], x[6:])
+    assert out["src_y"] is y  # the source is untouched
 
 
 def test_recalibrated_norm_statistics_are_the_exact_average_over_the_data(run):

@@ -61,18 +61,31 @@ LRS = (0.003, 0.01, 0.03)
 MIN_SOURCE_ACCURACY = 0.5  # a pretrained model below this on its own source data is not "pretrained"
 
 
-def parse_shift(text: str) -> Shift:
-    """``rotation=90`` or ``blur=1.5,noise=0.1`` (``Shift`` fields) as a :class:`Shift`; ``clean`` is none."""
+def parse_shift(text: str) -> tuple[Shift, int]:
+    """``rotation=90`` or ``blur=1.5,noise=0.1`` (``Shift`` fields; ``clean``: none) as a :class:`Shift`, and
+    a label offset: ``labels=K`` relabels class ``y`` as ``(y + K) % 10`` (new classes on the same images)."""
     if text == "clean":
-        return Shift()
+        return Shift(), 0
     fields = {f.name for f in dataclasses.fields(Shift)}
-    kv = {}
+    kv, offset = {}, 0
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key not in fields or not value:
-            raise SystemExit(f"--shifts: {part!r}: expected FIELD=NUMBER with FIELD one of {sorted(fields)}")
-        kv[key] = float(value)
-    return Shift(**kv)
+        if key == "labels" and value.isdigit():
+            offset = int(value) % 10
+        elif key not in fields or not value:
+            raise SystemExit(
+                f"--shifts: {part!r}: expected FIELD=NUMBER with FIELD one of {sorted(fields | {'labels'})}"
+            )
+        else:
+            kv[key] = float(value)
+    return Shift(**kv), offset
+
+
+def shift_label(text: str) -> str:
+    shift, offset = parse_shift(text)
+    return (
+        ",".join(([] if shift.is_identity else [shift.label()]) + ([f"labels+{offset}"] if offset else [])) or "clean"
+    )
 
 
 def load_data(path: Path | None, quick: bool, source_n: int = 8000, target_n: int = 4000) -> dict[str, np.ndarray]:
@@ -98,11 +111,16 @@ def load_data(path: Path | None, quick: bool, source_n: int = 8000, target_n: in
     return split
 
 
-def shifted(d: dict[str, np.ndarray], shift: Shift) -> dict[str, np.ndarray]:
-    """``d`` with its target splits under ``shift`` (seeded as the first run's: one image, one shifted image)."""
+def shifted(d: dict[str, np.ndarray], text: str) -> dict[str, np.ndarray]:
+    """``d`` with its target splits under the shift ``text`` names (:func:`parse_shift`; seeded as the first
+    run's: one image, one shifted image), their labels offset as it says."""
+    shift, offset = parse_shift(text)
     n_tr, n_va = len(d["tr_x"]), len(d["va_x"])
     tgt = apply_shift(np.concatenate([d["tr_x"], d["va_x"], d["te_x"]]), shift, seed=1)
-    return {**d, "tr_x": tgt[:n_tr], "va_x": tgt[n_tr : n_tr + n_va], "te_x": tgt[n_tr + n_va :]}
+    out = {**d, "tr_x": tgt[:n_tr], "va_x": tgt[n_tr : n_tr + n_va], "te_x": tgt[n_tr + n_va :]}
+    for split in ("tr", "va", "te"):
+        out[f"{split}_y"] = (d[f"{split}_y"] + offset) % 10
+    return out
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, dev: str) -> tuple[float, float]:
@@ -333,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start = time.time()
     d = load_data(args.data, args.quick, args.source_n, args.target_n)
-    shifts = {parse_shift(t).label(): parse_shift(t) for t in args.shifts}
+    shifts = {shift_label(t): t for t in args.shifts}
     epochs, pre_epochs = (2, [1]) if args.quick else (8, args.pretrain_epochs)
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                  "torch": torch.__version__, "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv,
@@ -352,9 +370,10 @@ def main(argv: list[str] | None = None) -> None:
                        "clean_target_test_accuracy": clean_acc, "probe_gaps": {}, "shifts": {}}  # fmt: skip
         print(f"{name} {opts}: source {src_acc:.3f}, clean target test {clean_acc:.3f}", flush=True)
         for text in args.probe_shifts:
-            acc = accuracy(probe_model, shifted(d, parse_shift(text))["te_x"], d["te_y"], args.device)[0]
-            entry["probe_gaps"][parse_shift(text).label()] = acc
-            print(f"  gap probe {parse_shift(text).label()}: pretrained accuracy {acc:.3f}", flush=True)
+            probe = shifted(d, text)
+            acc = accuracy(probe_model, probe["te_x"], probe["te_y"], args.device)[0]
+            entry["probe_gaps"][shift_label(text)] = acc
+            print(f"  gap probe {shift_label(text)}: pretrained accuracy {acc:.3f}", flush=True)
         if src_acc < MIN_SOURCE_ACCURACY:  # fine-tuning a model that learned nothing tells nothing about the claim
             entry["void"] = f"pretraining reached {src_acc:.3f} on the source, below {MIN_SOURCE_ACCURACY}"
             print(f"{name}: {entry['void']}: not fine-tuned", flush=True)
