@@ -1,15 +1,15 @@
 """The ElasticTrainer accuracy script's shift parsing and norm recalibration, against hand computations."""
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from fedelastic.data.shifts import Shift
+from tests.support import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce" / "elastictrainer_accuracy" / "run.py"
+SCRIPT = ROOT / "benchmarks" / "reproduce" / "elastictrainer_accuracy" / "run.py"
 
 
 @pytest.fixture(scope="module")
