@@ -233,11 +233,12 @@ FLEETS = {
     "2 TX2 +\n2 nRF52840": {"jetson_tx2": 2, "nrf52840": 2},
 }
 FLEET_ROUNDS = 2  # time only: two rounds (the first with the probe) give the round clock
+FEW_STEPS = 16  # a second workload: local steps capped at this many a round (the full epoch is 38)
 
 #: a round deadline, on a fleet of two Jetson generations; deadlines as shares of full training's
 #: round time without one (``None``: wait for all)
 DEADLINE_FLEET = {"jetson_tx2": 2, "jetson_nano": 2}
-DEADLINE_SHARES = (None, 0.6, 0.3, 0.15)
+DEADLINE_SHARES = (None, 0.6, 0.3)
 
 #: non-IID clients: Dirichlet concentration over labels (``None``: IID)
 ALPHAS = (None, 0.3, 0.1)
@@ -247,8 +248,10 @@ ROTATIONS = (30.0, 90.0)
 STREAM = {"domain_rounds": 5, "samples_per_round": 32, "buffer_size": 128, "eval_samples": 300}
 
 
-def fleet_runs(arm: str) -> dict[str, dict]:
-    return {label: run_arm(arm, {"fleet": fleet, "server.rounds": FLEET_ROUNDS}) for label, fleet in FLEETS.items()}
+def fleet_runs(arm: str, max_steps: int = 0) -> dict[str, dict]:
+    """``arm`` on each fleet of ``FLEETS`` (``max_steps``: the local step cap, 0: one epoch)."""
+    changes = {"server.rounds": FLEET_ROUNDS} | ({"train.max_steps": max_steps} if max_steps else {})
+    return {label: run_arm(arm, {"fleet": fleet, **changes}) for label, fleet in FLEETS.items()}
 
 
 def deadline_runs(arm: str, full_round_s: float) -> dict[str, dict]:
@@ -313,13 +316,16 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
     tta = f"time to {TARGET:g} accuracy, full / {short}"
 
     ref, mine = fleet_runs("full"), fleet_runs(arm)
+    few_ref, few_mine = fleet_runs("full", FEW_STEPS), fleet_runs(arm, FEW_STEPS)
     runs["mcu_next_to_jetson"] = {x: {"full": ref[x], arm: mine[x]} for x in ref}
+    runs[f"mcu_next_to_jetson_{FEW_STEPS}_steps"] = {x: {"full": few_ref[x], arm: few_mine[x]} for x in ref}
     fleet_panel = {
         "title": "MCU next to a Jetson (round = slowest client)",
         "xlabel": "fleet",
         "x": list(ref),
         "series": {
             clock: [value_ratio(ref[x], mine[x], mean_round_time) for x in ref],
+            f"{clock}, {FEW_STEPS} steps a round": [value_ratio(few_ref[x], few_mine[x], mean_round_time) for x in ref],
             f"TX2 client's train time, full / {short}": [
                 value_ratio(ref[x], mine[x], lambda s: s["devices"]["jetson_tx2"]["mean_train_time_s"]) for x in ref
             ],
