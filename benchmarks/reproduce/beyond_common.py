@@ -235,22 +235,25 @@ FLEETS = {
 FLEET_ROUNDS = 2  # time only: two rounds (the first with the probe) give the round clock
 FEW_STEPS = 16  # a second workload: local steps capped at this many a round (the full epoch is 38)
 
-#: a round deadline, on a fleet of two Jetson generations; deadlines as shares of full training's
-#: round time without one (``None``: wait for all)
+#: the fleet of the accuracy panels (deadline, non-IID, continual): two Jetson generations (on these
+#: profiles the Nano's roofline is faster than the TX2's measured tables, so the TX2s set the pace)
 DEADLINE_FLEET = {"jetson_tx2": 2, "jetson_nano": 2}
+#: a round deadline: shares of full training's round time without one (``None``: wait for all)
 DEADLINE_SHARES = (None, 0.6, 0.3)
 
 #: non-IID clients: Dirichlet concentration over labels (``None``: IID)
-ALPHAS = (None, 0.3, 0.1)
+ALPHAS = (None, 0.1)
 
 #: a continual shift: clean digits for 5 rounds, then rotated by this many degrees for 5 more
 ROTATIONS = (30.0, 90.0)
 STREAM = {"domain_rounds": 5, "samples_per_round": 32, "buffer_size": 128, "eval_samples": 300}
 
 
-def fleet_runs(arm: str, max_steps: int = 0) -> dict[str, dict]:
-    """``arm`` on each fleet of ``FLEETS`` (``max_steps``: the local step cap, 0: one epoch)."""
+def fleet_runs(arm: str, max_steps: int = 0, batch: int = 0) -> dict[str, dict]:
+    """``arm`` on each fleet of ``FLEETS`` (``max_steps``: the local step cap, 0: one epoch;
+    ``batch``: the batch size, 0: ``BASE``'s)."""
     changes = {"server.rounds": FLEET_ROUNDS} | ({"train.max_steps": max_steps} if max_steps else {})
+    changes |= {"train.batch_size": batch} if batch else {}
     return {label: run_arm(arm, {"fleet": fleet, **changes}) for label, fleet in FLEETS.items()}
 
 
@@ -268,7 +271,8 @@ def deadline_runs(arm: str, full_round_s: float) -> dict[str, dict]:
 def alpha_runs(arm: str) -> dict[str, dict]:
     out = {}
     for alpha in ALPHAS:
-        changes = {} if alpha is None else {"data.partitioner": "dirichlet", "data.alpha": alpha}
+        changes: dict[str, Any] = {"fleet": DEADLINE_FLEET}  # IID: the deadline panel's run without one
+        changes |= {} if alpha is None else {"data.partitioner": "dirichlet", "data.alpha": alpha}
         out["IID" if alpha is None else f"{alpha:g}"] = run_arm(arm, changes)
     return out
 
@@ -277,7 +281,12 @@ def continual_runs(arm: str) -> dict[str, dict]:
     out = {}
     for rot in ROTATIONS:
         stream = STREAM | {"domains": [{}, {"rotation": rot}]}
-        changes = {"data.shift": {}, "stream": stream, "server.rounds": 2 * STREAM["domain_rounds"]}
+        changes = {
+            "fleet": DEADLINE_FLEET,
+            "data.shift": {},
+            "stream": stream,
+            "server.rounds": 2 * STREAM["domain_rounds"],
+        }
         out[f"{rot:g}"] = run_arm(arm, changes)
     return out
 
@@ -319,6 +328,8 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
     few_ref, few_mine = fleet_runs("full", FEW_STEPS), fleet_runs(arm, FEW_STEPS)
     runs["mcu_next_to_jetson"] = {x: {"full": ref[x], arm: mine[x]} for x in ref}
     runs[f"mcu_next_to_jetson_{FEW_STEPS}_steps"] = {x: {"full": few_ref[x], arm: few_mine[x]} for x in ref}
+    b1_ref, b1_mine = fleet_runs("full", FEW_STEPS, 1), fleet_runs(arm, FEW_STEPS, 1)
+    runs[f"mcu_next_to_jetson_{FEW_STEPS}_steps_batch_1"] = {x: {"full": b1_ref[x], arm: b1_mine[x]} for x in ref}
     fleet_panel = {
         "title": "MCU next to a Jetson (round = slowest client)",
         "xlabel": "fleet",
@@ -326,11 +337,15 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
         "series": {
             clock: [value_ratio(ref[x], mine[x], mean_round_time) for x in ref],
             f"{clock}, {FEW_STEPS} steps a round": [value_ratio(few_ref[x], few_mine[x], mean_round_time) for x in ref],
+            f"{clock}, batch 1, {FEW_STEPS} steps": [value_ratio(b1_ref[x], b1_mine[x], mean_round_time) for x in ref],
             f"TX2 client's train time, full / {short}": [
                 value_ratio(ref[x], mine[x], lambda s: s["devices"]["jetson_tx2"]["mean_train_time_s"]) for x in ref
             ],
         },
-        "notes": [f"used: full {counted(ref[x])}\n{short} {counted(mine[x])}" for x in ref],
+        "notes": [
+            f"used: full {counted(ref[x])}, {short} {counted(mine[x])}\nbatch 1: {counted(b1_ref[x])}, {counted(b1_mine[x])}"
+            for x in ref
+        ],
     }
 
     base_full = run_arm("full", {"fleet": DEADLINE_FLEET})
@@ -351,7 +366,7 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
     ref, mine = alpha_runs("full"), alpha_runs(arm)
     runs["non_iid"] = {x: {"full": ref[x], arm: mine[x]} for x in ref}
     alpha_panel = {
-        "title": "non-IID clients (4 TX2, Dirichlet over labels)",
+        "title": "non-IID clients (2 TX2 + 2 Nano, Dirichlet over labels)",
         "xlabel": "Dirichlet alpha (smaller: more skewed)",
         "x": list(ref),
         "series": {
@@ -364,7 +379,7 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
     ref, mine = continual_runs("full"), continual_runs(arm)
     runs["continual"] = {x: {"full": ref[x], arm: mine[x]} for x in ref}
     continual_panel = {
-        "title": "continual shift (4 TX2; clean for 5 rounds, then rotated)",
+        "title": "continual shift (2 TX2 + 2 Nano; clean for 5 rounds, then rotated)",
         "xlabel": "rotation after the shift (degrees)",
         "x": list(ref),
         "series": {
