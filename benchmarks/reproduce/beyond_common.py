@@ -60,6 +60,8 @@ ARMS: dict[str, dict[str, Any]] = {
 TARGET = 0.6
 
 OK_STATES = ("completed", "completed_with_errors")
+#: set by ``--cached-only``: draw from the cached runs, run nothing (missing runs count as not run)
+CACHED_ONLY = False
 
 
 def scenario(arm: str, changes: dict[str, Any]) -> dict:
@@ -89,6 +91,8 @@ def run_arm(arm: str, changes: dict[str, Any], *, fresh: bool = False) -> dict:
     cache = OUT / "cache" / f"{key}.json"
     if cache.is_file() and not fresh:
         return json.loads(cache.read_text())
+    if CACHED_ONLY:
+        return {"arm": arm, "changes": changes, "status": "not run", "why": "--cached-only"}
     import fedelastic.api as fe
 
     sc["output_dir"] = str(OUT)
@@ -174,7 +178,8 @@ def ratio(reference: float, method: float) -> float:
 def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, float], floor: float, ylabel: str) -> None:
     """Four panels: each ``{"title", "xlabel", "x": [labels], "series": {label: [y or None]},
     "notes": [str per x]}``; y is the headline ratio (inf: the reference never gets there, drawn
-    at the top with an arrow; None: the run failed or diverged, drawn as an x). Horizontal lines:
+    at the top and labelled; None: a run of the pair failed, diverged or was not run: an x near the
+    bottom, no value). Horizontal lines:
     the claim's single-device figures (``lines``: label -> value) and the floor below which it stops holding."""
     import matplotlib
 
@@ -199,8 +204,10 @@ def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, flo
             if drawn:
                 ax.plot(*zip(*drawn), marker="o", color=colours[i], label=label)
             for x, y in zip(xs, ys):
-                if y is None:
-                    ax.plot(x, floor, marker="x", color="red", markersize=10)
+                if y is None:  # a run of the pair failed, diverged or was not run: no value, a mark at the bottom
+                    ax.plot(x, top * 0.12, marker="x", color=colours[i], markersize=9)
+                elif math.isnan(y):  # neither run has the figure (e.g. neither reaches the target)
+                    ax.annotate("neither", (x, top * 0.12), ha="center", fontsize=7, color=colours[i])
                 elif math.isinf(y):
                     ax.annotate("ref. never", (x, top * 0.95), ha="center", va="bottom", fontsize=7, color=colours[i])
         for x, note in zip(xs, panel.get("notes", [])):
@@ -217,7 +224,8 @@ def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, flo
         ax.set_xlabel(panel["xlabel"])
         ax.set_ylabel(ylabel)
         ax.set_title(panel["title"], fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

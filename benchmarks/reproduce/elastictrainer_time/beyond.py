@@ -1,6 +1,6 @@
 """Beyond the paper: where ElasticTrainer's time claim (2.0x per step at rho 0.5) stops holding across a fleet.
 
-    python benchmarks/reproduce/elastictrainer_time/beyond.py
+    python benchmarks/reproduce/elastictrainer_time/beyond.py [--cached-only]
 
 ``elastic_tensor`` at rho 0.5 against ``full`` in fedelastic's own simulation (in-process), along
 four axes: half of a TX2 fleet replaced by MCUs; a round deadline (``deadline_drop``) on TX2s and
@@ -27,6 +27,7 @@ CLAIM, FLOOR = 2.0, 1.5  # the reproduced single-device step speedup; below FLOO
 
 
 def main() -> None:
+    bc.CACHED_ONLY = "--cached-only" in sys.argv[1:]
     panels, runs = bc.panels_for(ARM, SHORT)
     bc.write(HERE, "beyond", {"arm": ARM, "claim": CLAIM, "floor": FLOOR, "target": bc.TARGET,
                               "base": bc.BASE, "arms": bc.ARMS, "panels": panels, "runs": runs})  # fmt: skip

@@ -1,6 +1,6 @@
 """Beyond the paper: where TinyTrain's compute claim (7.4x fewer backward MACs) stops paying across a fleet.
 
-    python benchmarks/reproduce/tinytrain/beyond.py
+    python benchmarks/reproduce/tinytrain/beyond.py [--cached-only]
 
 ``tinytrain`` (its defaults: the device's whole training memory, 30% of full's backward MACs)
 against ``full`` in fedelastic's own simulation (in-process), along the four axes of
@@ -46,6 +46,7 @@ def backward_macs(summary: dict, device: str, forward: float) -> float:
 
 
 def main() -> None:
+    bc.CACHED_ONLY = "--cached-only" in sys.argv[1:]
     panels, runs = bc.panels_for(ARM, SHORT)
     forward = forward_macs_per_step()
     fleet = runs["mcu_next_to_jetson"]
