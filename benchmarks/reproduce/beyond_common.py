@@ -60,6 +60,8 @@ ARMS: dict[str, dict[str, Any]] = {
 TARGET = 0.6
 
 OK_STATES = ("completed", "completed_with_errors")
+#: a series value with no point at that x (the series is measured elsewhere only)
+SKIP = "skip"
 #: set by ``--cached-only``: draw from the cached runs, run nothing (missing runs count as not run)
 CACHED_ONLY = False
 
@@ -192,18 +194,20 @@ def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, flo
     colours = sns.color_palette("deep")
     for ax, panel in zip(axes.flat, panels, strict=False):
         xs = list(range(len(panel["x"])))
-        finite = [y for s in panel["series"].values() for y in s if y is not None and math.isfinite(y)]
+        finite = [y for s in panel["series"].values() for y in s if isinstance(y, float) and math.isfinite(y)]
         claim = max(lines.values())
         top = max([claim * 1.3, *finite]) * 1.1 if finite else claim * 1.3
         for i, (label, ys) in enumerate(panel["series"].items()):
             drawn = [
                 (x, min(y, top * 0.95) if math.isinf(y) else y)
                 for x, y in zip(xs, ys)
-                if y is not None and not math.isnan(y)
+                if y is not None and y != SKIP and not math.isnan(y)
             ]
             if drawn:
                 ax.plot(*zip(*drawn), marker="o", color=colours[i], label=label)
             for x, y in zip(xs, ys):
+                if y == SKIP:
+                    continue
                 if y is None:  # a run of the pair failed, diverged or was not run: no value, a mark at the bottom
                     ax.plot(x, top * 0.12, marker="x", color=colours[i], markersize=9)
                 elif math.isnan(y):  # neither run has the figure (e.g. neither reaches the target)

@@ -64,7 +64,9 @@ def main() -> None:
     for panel in panels:
         print(panel["title"])
         for i, x in enumerate(panel["x"]):
-            vals = "  ".join(f"{k}: {v[i] if v[i] is None else round(v[i], 2)}" for k, v in panel["series"].items())
+            vals = "  ".join(
+                f"{k}: {v[i] if not isinstance(v[i], float) else round(v[i], 2)}" for k, v in panel["series"].items()
+            )
             print(f"  {x!r}: {vals}  [{panel['notes'][i]!r}]")
 
 
