@@ -34,7 +34,7 @@ def main() -> None:
     ablation = bc.run_arm(ARM, skewed | {"train.lr": bc.ARMS["full"]["lr"]})
     runs["non_iid_ablation_lr"] = {f"{bc.ALPHAS[-1]:g}": {ARM: ablation}}
     panels[2]["series"][f"time to {bc.TARGET:g}, full / {SHORT} at lr {bc.ARMS['full']['lr']:g}"] = [
-        None
+        bc.SKIP
         if x != f"{bc.ALPHAS[-1]:g}"
         else bc.value_ratio(runs["non_iid"][x]["full"], ablation, lambda s: bc.time_to(s, bc.TARGET))
         for x in panels[2]["x"]
