@@ -265,7 +265,11 @@ def fleet_runs(arm: str, max_steps: int = 0, batch: int = 0) -> dict[str, dict]:
     """``arm`` on each fleet of ``FLEETS`` (``max_steps``: the local step cap, 0: one epoch;
     ``batch``: the batch size, 0: ``BASE``'s)."""
     changes = {"server.rounds": FLEET_ROUNDS} | ({"train.max_steps": max_steps} if max_steps else {})
-    changes |= {"train.batch_size": batch} if batch else {}
+    # at batch 1 each arm's lr is scaled down by the batch (lr / 16): at its batch-16 lr every arm but
+    # TinyTrain collapsed in the first round (all test predictions in one class)
+    changes |= (
+        {"train.batch_size": batch, "train.lr": ARMS[arm]["lr"] * batch / BASE["train"]["batch_size"]} if batch else {}
+    )
     return {label: run_arm(arm, {"fleet": fleet, **changes}) for label, fleet in FLEETS.items()}
 
 
