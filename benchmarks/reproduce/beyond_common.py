@@ -190,7 +190,7 @@ def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, flo
     import seaborn as sns
 
     sns.set_theme(style="whitegrid", font_scale=0.8)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     colours = sns.color_palette("deep")
     for ax, panel in zip(axes.flat, panels, strict=False):
         xs = list(range(len(panel["x"])))
@@ -213,10 +213,10 @@ def plot_panels(panels: list[dict], path: Path, title: str, lines: dict[str, flo
                 elif math.isnan(y):  # neither run has the figure (e.g. neither reaches the target)
                     ax.annotate("neither", (x, top * 0.12), ha="center", fontsize=7, color=colours[i])
                 elif math.isinf(y):
-                    ax.annotate("ref. never", (x, top * 0.95), ha="center", va="bottom", fontsize=7, color=colours[i])
+                    ax.annotate("full never", (x, top * 0.93), ha="center", va="top", fontsize=7, color=colours[i])
         for x, note in zip(xs, panel.get("notes", [])):
             if note:
-                ax.annotate(note, (x, 0.02), xycoords=("data", "axes fraction"), ha="center", fontsize=6.5, color="0.3")
+                ax.annotate(note, (x, 0.02), xycoords=("data", "axes fraction"), ha="center", fontsize=6, color="0.3")
         for label, value in lines.items():
             ax.axhline(value, ls="--", color="0.4", lw=1)
             ax.text(xs[-1] + 0.45, value, f"{label} {value:g}x", va="bottom", ha="right", fontsize=7, color="0.4")
@@ -347,7 +347,7 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
     b1_ref, b1_mine = fleet_runs("full", FEW_STEPS, 1), fleet_runs(arm, FEW_STEPS, 1)
     runs[f"mcu_next_to_jetson_{FEW_STEPS}_steps_batch_1"] = {x: {"full": b1_ref[x], arm: b1_mine[x]} for x in ref}
     fleet_panel = {
-        "title": "MCU next to a Jetson (round = slowest client)",
+        "title": "MCU next to a Jetson (round = slowest client; used client-rounds: full, method)",
         "xlabel": "fleet",
         "x": list(ref),
         "series": {
@@ -359,7 +359,7 @@ def panels_for(arm: str, short: str) -> tuple[list[dict], dict]:
             ],
         },
         "notes": [
-            f"used: full {counted(ref[x])}, {short} {counted(mine[x])}\nbatch 1: {counted(b1_ref[x])}, {counted(b1_mine[x])}"
+            f"used: {counted(ref[x])}, {counted(mine[x])}\nbatch 1: {counted(b1_ref[x])}, {counted(b1_mine[x])}"
             for x in ref
         ],
     }
