@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "reproduce"))
+from tests.support import ROOT
 
-import beyond_common as bc  # noqa: E402
+
+def _load_beyond_common():
+    path = ROOT / "benchmarks" / "reproduce" / "beyond_common.py"
+    spec = importlib.util.spec_from_file_location("beyond_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bc = _load_beyond_common()
 
 
 def _summary(status: str, rows: list[tuple[float, float, float]], **extra) -> dict:
