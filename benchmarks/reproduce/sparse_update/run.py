@@ -58,6 +58,11 @@ def arms() -> list[dict]:
     ]
 
 
+def untrained_head(group: dict, seeds: list[int]) -> dict:
+    """Per seed, the test accuracy of the prototype head before any step (each run's ``before``)."""
+    return {"per_seed": [float(np.mean([r["before"] for r in group["runs"] if r["seed_group"] == s])) for s in seeds]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -85,7 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         out = fs.tune_and_run(arms(), tasks, args.seeds, lrs=LRS)
         doc["accuracy"] = out
         doc["gains"] = {f"sparse_update - {b}": fs.gain(out, "sparse_update", b) for b in ("full", "last_layer", "bn_bias")}
-        print("\n| arm | lr (validation) | test accuracy, mean ± 95% (3 seeds) | per seed | fits 256 KiB | peak KiB (batch 1) | diverged |")
+        doc["untrained_head"] = untrained_head(out["full"], args.seeds)
+        doc["gains"]["full - untrained head"] = fs.gain({"full": out["full"], "none": doc["untrained_head"]}, "full", "none")
+        print(f"untrained prototype head: per seed {[round(v, 3) for v in doc['untrained_head']['per_seed']]}")
+        print(f"\n| arm | lr (validation) | test accuracy, mean ± 95% ({len(args.seeds)} seeds) | per seed | fits 256 KiB | peak KiB (batch 1) | diverged |")
         print("|---|---|---|---|---|---|---|")
         for label, g in out.items():
             print(f"| {label} | {g['lr']:g} | {g['mean']:.3f} ± {g['ci95']:.3f} | {[round(v, 3) for v in g['per_seed']]} | "
