@@ -395,7 +395,7 @@ app.add_typer(profile_app, name="profile")
 
 def _call(command: str, fn, **args) -> int:
     """Run one command; map its errors to one line on stderr and the exit code."""
-    from .signals import sigterm_as_interrupt
+    from .signals import calls_returned, sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():
@@ -407,9 +407,11 @@ def _call(command: str, fn, **args) -> int:
         _error(f"run failed: {exc}")
         return 1
     except Terminated as exc:
+        calls_returned()
         _error(f"{exc}; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
         return 143
     except KeyboardInterrupt:
+        calls_returned()
         _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
         return 130
     except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)

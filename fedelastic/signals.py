@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,3 +42,12 @@ def reclaim_sigterm() -> None:
     """SIGTERM is :func:`sigterm_as_interrupt`'s again, inside that block (``ray.init`` sets its own handler, ``sys.exit``)."""
     if _HANDLING and _main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+
+
+def calls_returned(timeout_s: float = 30.0) -> None:
+    """After Ctrl-C or SIGTERM, before the command exits: wait until no kept thread is inside a
+    client call (one ended inside torch at interpreter exit aborts the process: exit 134 instead
+    of 130 or 143). Nothing to wait for if no run started."""
+    threads = sys.modules.get("fedelastic.fl.threads")
+    if threads is not None:
+        threads.wait_idle(timeout_s)

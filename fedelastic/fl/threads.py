@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 
 #: Set while a run is being stopped (Ctrl-C, SIGTERM): a cohort's training thread starts no further
@@ -11,6 +13,22 @@ from collections.abc import Callable
 #: still inside torch when the interpreter exits is ended mid-call, which aborts the process
 #: ("terminate called without an active exception", exit 134 instead of 130).
 STOPPING = threading.Event()
+
+
+_KEPT: weakref.WeakSet[KeptThread] = weakref.WeakSet()  # every kept thread of this process
+
+
+def wait_idle(timeout_s: float) -> bool:
+    """After Ctrl-C or SIGTERM, before the interpreter exits: stop cohorts between members
+    (:data:`STOPPING`) and wait up to ``timeout_s`` until no kept thread is inside a call (a daemon
+    thread ended inside torch at exit aborts the process). Whether every kept thread is idle."""
+    STOPPING.set()
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while any(t.busy for t in list(_KEPT)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def wait_out(done: threading.Event, timeout_s: float) -> None:
@@ -32,18 +50,22 @@ class KeptThread:
 
     def __init__(self, name: str) -> None:
         self.retired = False
+        self.busy = False  # inside a call (see wait_idle)
+        _KEPT.add(self)
         self._calls: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self) -> None:
         while not self.retired:
             work, done = self._calls.get()
+            self.busy = True
             try:
                 work()
             except BaseException:
                 self.retired = True
                 raise
             finally:
+                self.busy = False
                 done.set()
 
     def close(self) -> None:
