@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pretrain-epochs", type=int, default=15)
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="the validation lr grid")
     ap.add_argument("--arms", nargs="+", default=[a["label"] for a in arms()], help="the arms to run")
-    ap.add_argument("--budget-kib", type=float, default=emulate.BUDGET_KIB,
-                    help="the accuracy arms' device training memory in KiB (the emulated table stays at 256)")
+    ap.add_argument(
+        "--budget-kib",
+        type=float,
+        default=emulate.BUDGET_KIB,
+        help="the accuracy arms' device training memory in KiB (the emulated table stays at 256)",
+    )
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
@@ -92,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
                 return [(*split(d, 100, VAL), args.steps, BATCH, 100)]
             return [(*split(d, seed, TEST), args.steps, BATCH, seed)]
 
-        out = fs.tune_and_run([a for a in arms(args.budget_kib) if a["label"] in args.arms], tasks, args.seeds, lrs=tuple(args.lrs))
+        out = fs.tune_and_run(
+            [a for a in arms(args.budget_kib) if a["label"] in args.arms], tasks, args.seeds, lrs=tuple(args.lrs)
+        )
         doc["accuracy"] = out
         doc["gains"] = {f"sparse_update - {b}": fs.gain(out, "sparse_update", b) for b in ("full", "last_layer", "bn_bias")
                         if "sparse_update" in out and b in out}  # fmt: skip
