@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
             return [(*split(d, seed, TEST), args.steps, BATCH, seed)]
 
         out = fs.tune_and_run(
-            [a for a in arms(args.budget_kib, dict(args.strategy_option)) if a["label"] in args.arms], tasks, args.seeds, lrs=tuple(args.lrs)
+            [a for a in arms(args.budget_kib, dict(args.strategy_option)) if a["label"] in args.arms],
+            tasks,
+            args.seeds,
+            lrs=tuple(args.lrs),
         )
         doc["accuracy"] = out
         doc["gains"] = {f"sparse_update - {b}": fs.gain(out, "sparse_update", b) for b in ("full", "last_layer", "bn_bias")
