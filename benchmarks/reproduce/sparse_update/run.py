@@ -65,7 +65,7 @@ def strategy_option(text: str) -> tuple[str, object]:
     """Parse ``KEY=VALUE``; VALUE is read as JSON (``8``, ``0.5``, ``[0.25, 1]``), else kept as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"--strategy-option: expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
