@@ -3,6 +3,7 @@ fine-tuning and above last layer and bias-only (a small transfer run on CPU).
 
     python benchmarks/reproduce/sparse_update/run.py [--seeds 0 1 2] [--steps 200] [--pretrain-epochs 15]
         [--lrs 1e-3 1e-2 0.1] [--arms full last_layer bn_bias sparse_update] [--budget-kib 256]
+        [--strategy-option KEY=VALUE ...]
 
 Accuracy (setting in ``../fewshot.py`` and the README): the pretrained ``mcu_net`` (digits 0-4, clean)
 transferred to digits 5-9 rotated 90 degrees: per seed, 100 training and 100 test images per class
@@ -49,14 +50,26 @@ def split(d: dict, seed: int, n_test: int) -> tuple[tuple, tuple]:
     return (d["tgt_x"][tr], d["tgt_y"][tr]), (d["tgt_x"][te], d["tgt_y"][te])
 
 
-def arms(budget_kib: float = emulate.BUDGET_KIB) -> list[dict]:
+def arms(budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None) -> list[dict]:
+    """The arms; ``options`` go to the ``sparse_update`` strategy's config (none: its defaults)."""
     base = {"device": fs.mcu_device("stm32f746", budget_kib), "profile": "stm32f746"}
     return [
         {"label": "full", "strategy": "full", "reference": True, **base},
         {"label": "last_layer", "strategy": "last_layer", "reference": True, **base},
         {"label": "bn_bias", "strategy": "bn_bias", "reference": True, **base},
-        {"label": "sparse_update", "strategy": "sparse_update", **base},
+        {"label": "sparse_update", "strategy": "sparse_update", "options": dict(options or {}), **base},
     ]
+
+
+def strategy_option(text: str) -> tuple[str, object]:
+    """Parse ``KEY=VALUE``; VALUE is read as JSON (``8``, ``0.5``, ``[0.25, 1]``), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def untrained_head(group: dict, seeds: list[int]) -> dict:
@@ -76,6 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=emulate.BUDGET_KIB,
         help="the accuracy arms' device training memory in KiB (the emulated table stays at 256)",
+    )
+    ap.add_argument(
+        "--strategy-option",
+        type=strategy_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the sparse_update strategy's config (repeatable; e.g. max_weight_layers=8)",
     )
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
@@ -97,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
             return [(*split(d, seed, TEST), args.steps, BATCH, seed)]
 
         out = fs.tune_and_run(
-            [a for a in arms(args.budget_kib) if a["label"] in args.arms], tasks, args.seeds, lrs=tuple(args.lrs)
+            [a for a in arms(args.budget_kib, dict(args.strategy_option)) if a["label"] in args.arms],
+            tasks,
+            args.seeds,
+            lrs=tuple(args.lrs),
         )
         doc["accuracy"] = out
         doc["gains"] = {f"sparse_update - {b}": fs.gain(out, "sparse_update", b) for b in ("full", "last_layer", "bn_bias")
