@@ -414,8 +414,31 @@ def _final(ref: dict, mine: dict, short: str) -> str:
     return f"final acc.: full {acc(ref)}\n{short} {acc(mine)}"
 
 
+def print_panels(panels: list[dict]) -> None:
+    """Each panel's series and notes, one line per x value."""
+    for panel in panels:
+        print(panel["title"])
+        for i, x in enumerate(panel["x"]):
+            vals = "  ".join(
+                f"{k}: {v[i] if not isinstance(v[i], float) else round(v[i], 2)}" for k, v in panel["series"].items()
+            )
+            print(f"  {x!r}: {vals}  [{panel['notes'][i]!r}]")
+
+
+def _statuses(tree: Any) -> list[str]:
+    """The ``status`` of every run summary in ``tree`` (nested dicts)."""
+    if not isinstance(tree, dict):
+        return []
+    if "status" in tree and "arm" in tree:
+        return [tree["status"]]
+    return [st for value in tree.values() for st in _statuses(value)]
+
+
 def write(here: Path, stem: str, payload: dict) -> None:
-    """``<stem>.json`` beside the script, NaN and inf written as strings (plain JSON)."""
+    """``<stem>.json`` beside the script, NaN and inf written as strings (plain JSON). With
+    ``--cached-only`` and no cached run at all, nothing is written: the committed figure stays."""
+    if CACHED_ONLY and all(st == "not run" for st in _statuses(payload.get("runs"))):
+        raise SystemExit(f"--cached-only: no run is cached under {OUT / 'cache'}; {stem}.json and the figure are left as they are")
 
     def plain(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):

@@ -45,13 +45,7 @@ def main() -> None:
         panels, HERE / "beyond.png", "ElasticTrainer (elastic_tensor, rho 0.5) against full across a fleet",
         {"single device, per step": CLAIM}, FLOOR, "full / elastic_tensor (x faster)",
     )  # fmt: skip
-    for panel in panels:
-        print(panel["title"])
-        for i, x in enumerate(panel["x"]):
-            vals = "  ".join(
-                f"{k}: {v[i] if not isinstance(v[i], float) else round(v[i], 2)}" for k, v in panel["series"].items()
-            )
-            print(f"  {x!r}: {vals}  [{panel['notes'][i]!r}]")
+    bc.print_panels(panels)
 
 
 if __name__ == "__main__":

@@ -61,13 +61,7 @@ def main() -> None:
         panels, HERE / "beyond.png", "TinyTrain against full across a fleet",
         {"single device, backward MACs": MACS, "single device, step": STEP}, FLOOR, "full / TinyTrain (x less)",
     )  # fmt: skip
-    for panel in panels:
-        print(panel["title"])
-        for i, x in enumerate(panel["x"]):
-            vals = "  ".join(
-                f"{k}: {v[i] if not isinstance(v[i], float) else round(v[i], 2)}" for k, v in panel["series"].items()
-            )
-            print(f"  {x!r}: {vals}  [{panel['notes'][i]!r}]")
+    bc.print_panels(panels)
 
 
 if __name__ == "__main__":
