@@ -59,7 +59,8 @@ def exit_code(run_dir: Path) -> int:
     if status["status"] == "diverged":
         d = status.get("divergence", {})
         console.print(
-            f"diverged in round {d.get('round')}: {d.get('reason')}; lower train.lr, or see docs/reference/status.md (Divergence)",
+            f"diverged in round {d.get('round')}: {d.get('reason')}; most likely at fault: "
+            f"{d.get('advice') or 'train.lr'} (docs/reference/status.md, Divergence)",
             markup=False,
             highlight=False,
         )

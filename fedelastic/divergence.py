@@ -19,11 +19,17 @@ divergence when
 * **more than ``rejected_share`` of the round's trained clients sent non-finite updates**
   (rejected, not averaged). Default 0.5: a lone bad client leaves the global model untouched
   (its row says ``rejected``), a majority means the setting itself breaks training;
-* **the predictions collapse to one class**: at least ``collapse_share`` of the test predictions
-  fall in one class, on a test set with at least 3 classes whose own largest class is below that
-  share, after an evaluation in which they did not (a model that starts collapsed, e.g. untrained,
-  has not diverged until it has predicted more than one class). Default 0.95: with 3 or more
-  classes such a model is at chance or below.
+* **the global model's test loss is non-finite** (NaN or inf: the model broke, even if later
+  rounds bring it back);
+* **the predictions collapse to one class while the test loss went up**: at least
+  ``collapse_share`` of the test predictions fall in one class, on a test set with at least 3
+  classes whose own largest class is below that share, *and* the test loss of that evaluation is
+  above ``(1 + collapse_margin)`` x its reference (the initial model's test loss, at least
+  ``ln(classes)``). A collapse alone is not divergence: a model early in training, barely
+  trained or training few parameters, often predicts one class for a while as its loss falls
+  (0.103 accuracy, all class 3, at a test loss of 2.3017 below its initial 2.3047). Defaults
+  0.95 and 0.1, chosen on 268 traced runs (``benchmarks/divergence_rule.py``,
+  ``docs/reference/status.md``).
 
 A check whose threshold is 0 is off. The detector is pure (numpy only) and deterministic.
 """
@@ -39,13 +45,35 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Divergence:
-    """The first round that showed divergence, and why (one line)."""
+    """The first round that showed divergence, why (one line), and which checks fired
+    (``loss``, ``norm``, ``rejected``, ``test_loss``, ``collapse``)."""
 
     round: int
     reason: str
+    checks: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"round": self.round, "reason": self.reason}
+        return {"round": self.round, "reason": self.reason, "checks": list(self.checks)}
+
+
+def advice(divergence: dict, *, lr: float, bn_mode: str, pretrained: bool) -> str:
+    """The setting most likely at fault for a divergence (``Divergence.to_dict()``), in one sentence.
+
+    Non-finite client updates or train loss from the first round, before any large step could
+    have been taken, point at the data or the model's forward; otherwise the step size does,
+    with frozen BatchNorm statistics (which let activations grow unchecked) named beside it.
+    """
+    checks = set(divergence.get("checks") or ())
+    rnd = int(divergence.get("round", 0))
+    non_finite = "rejected" in checks or "nan" in divergence.get("reason", "") or "inf" in divergence.get("reason", "")
+    if non_finite and rnd <= 1:
+        return (
+            "non-finite values from the first round: check the data for NaN/inf values and the model's "
+            f"forward; if both are sound, lower train.lr (now {lr:g})"
+        )
+    frozen = bn_mode == "frozen" or (bn_mode == "auto" and pretrained)
+    tail = ' or set train.bn_mode = "train" (frozen BatchNorm statistics let activations grow)' if frozen else ""
+    return f"lower train.lr (now {lr:g}){tail}"
 
 
 def collapse_share(predicted: np.ndarray) -> float:
@@ -82,13 +110,14 @@ class Detector:
         collapse_share: float = 0.95,
         rejected_share: float = 0.5,
         classes: int = 0,
+        collapse_margin: float = 0.1,
     ):
         self.loss_factor, self.norm_factor = loss_factor, norm_factor
         self.collapse_share, self.rejected_share = collapse_share, rejected_share
+        self.collapse_margin = collapse_margin
         self.classes = classes  # the model's output classes (0: unknown), for the loss floor ln(classes)
         self.loss_ref: float | None = None
         self.norm_ref: float | None = None
-        self.spread = False  # an evaluation has seen predictions not collapsed
         self.first: Divergence | None = None
 
     def observe(
@@ -106,8 +135,8 @@ class Detector:
         """Why round ``rnd`` shows divergence ('' if it does not); the first such round is kept in :attr:`first`.
 
         ``train_loss``: the mean train loss of the clients whose updates were used (None: none);
-        ``test_loss``: the global model's test loss (None: not evaluated), used only as the loss
-        reference when it is the first finite loss seen (the initial model's);
+        ``test_loss``: the global model's test loss (None: not evaluated); the first finite one
+        (the initial model's) is the loss reference;
         ``norm``: the global weights' L2 norm after the round (round 0: the initial model, the
         reference); ``trained``/``rejected``: clients that trained, and how many of those sent a
         non-finite update; ``predicted``/``actual``: counts per class of the test predictions
@@ -115,15 +144,16 @@ class Detector:
         """
         if self.loss_ref is None and test_loss is not None and math.isfinite(test_loss):
             self.loss_ref = self._floor(test_loss)
-        reasons = [
-            self._loss(train_loss),
-            self._norm(norm),
-            self._rejected(trained, rejected),
-            self._collapse(predicted, actual),
-        ]
-        reason = "; ".join(r for r in reasons if r)
+        checks = {
+            "loss": self._loss(train_loss),
+            "norm": self._norm(norm),
+            "rejected": self._rejected(trained, rejected),
+            "test_loss": "" if test_loss is None or math.isfinite(test_loss) else f"the test loss is {test_loss:g}",
+            "collapse": self._collapse(predicted, actual, test_loss),
+        }
+        reason = "; ".join(r for r in checks.values() if r)
         if reason and self.first is None:
-            self.first = Divergence(rnd, reason)
+            self.first = Divergence(rnd, reason, tuple(k for k, r in checks.items() if r))
         return reason
 
     def state(self) -> dict:
@@ -132,17 +162,20 @@ class Detector:
         return {
             "loss_ref": math.nan if self.loss_ref is None else self.loss_ref,
             "norm_ref": math.nan if self.norm_ref is None else self.norm_ref,
-            "spread": self.spread,
             "classes": self.classes,
             "first_round": -1 if first is None else first.round,
             "first_reason": "" if first is None else first.reason,
+            "first_checks": "" if first is None else ",".join(first.checks),
         }
 
     def load_state(self, doc: dict) -> None:
         self.loss_ref = None if math.isnan(doc["loss_ref"]) else float(doc["loss_ref"])
         self.norm_ref = None if math.isnan(doc["norm_ref"]) else float(doc["norm_ref"])
-        self.spread, self.classes = bool(doc["spread"]), int(doc["classes"])
-        self.first = Divergence(int(doc["first_round"]), str(doc["first_reason"])) if doc["first_round"] >= 0 else None
+        self.classes = int(doc["classes"])
+        checks = tuple(c for c in str(doc.get("first_checks", "")).split(",") if c)
+        self.first = (
+            Divergence(int(doc["first_round"]), str(doc["first_reason"]), checks) if doc["first_round"] >= 0 else None
+        )
 
     def _loss(self, loss: float | None) -> str:
         if loss is None:
@@ -176,17 +209,20 @@ class Detector:
             return ""
         return f"{rejected} of {trained} clients that trained sent non-finite updates"
 
-    def _collapse(self, predicted: np.ndarray | None, actual: np.ndarray | None) -> str:
-        if predicted is None or self.collapse_share <= 0:
-            return ""
+    def _collapse(self, predicted: np.ndarray | None, actual: np.ndarray | None, test_loss: float | None) -> str:
+        if predicted is None or self.collapse_share <= 0 or test_loss is None or not math.isfinite(test_loss):
+            return ""  # not evaluated, off, or a non-finite test loss (its own check)
         labels = np.asarray(actual if actual is not None else predicted)
         if np.count_nonzero(labels) < 3 or collapse_share(labels) >= self.collapse_share:
             return ""  # too few classes, or a test set that is itself one class: nothing to tell
         share = collapse_share(np.asarray(predicted))
-        if share < self.collapse_share:
-            self.spread = True
+        if share < self.collapse_share or self.loss_ref is None:
             return ""
-        if not self.spread:
-            return ""  # collapsed from the start (e.g. untrained): not a collapse yet
+        bound = (1 + self.collapse_margin) * self.loss_ref
+        if test_loss <= bound:
+            return ""  # collapsed, but the loss did not go up: barely trained, not broken
         top = int(np.argmax(predicted))
-        return f"{share:.1%} of the test predictions are class {top}"
+        return (
+            f"{share:.1%} of the test predictions are class {top} and the test loss {test_loss:.4g} is above "
+            f"{1 + self.collapse_margin:g} x its reference {self.loss_ref:.4g}"
+        )

@@ -369,7 +369,12 @@ class DivergenceConfig:
     )
     norm_factor: float = field(100.0, help="diverged when the global weights' L2 norm exceeds this x the initial; 0: off")
     collapse_share: float = field(
-        0.95, help="diverged when this share of test predictions falls in one class (3+ classes); 0: off"
+        0.95,
+        help="diverged when this share of test predictions falls in one class (3+ classes) while the test loss "
+        "is above (1 + collapse_margin) x its initial value (at least ln(classes)); 0: off",
+    )
+    collapse_margin: float = field(
+        0.1, help="a collapse counts only with a test loss above (1 + this) x its reference (see collapse_share)"
     )
     rejected_share: float = field(
         0.5, help="diverged when more than this share of a round's trained clients send non-finite updates"
@@ -384,6 +389,7 @@ class DivergenceConfig:
             "a share in (0.5, 1], or 0 (off)",
         )
         check(0 <= self.rejected_share < 1, "rejected_share", "a share in [0, 1)")
+        check(self.collapse_margin >= 0, "collapse_margin", "a margin >= 0")
 
 
 @dataclass(frozen=True)

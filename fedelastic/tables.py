@@ -72,19 +72,38 @@ class _Table:
         self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
     def load(self, keep) -> list[dict]:
-        """Read back an earlier run's rows (resume), keeping those where ``keep(row)``, and rewrite both files."""
-        if not self.parquet.exists():
-            return []
-        frame = pd.read_parquet(self.parquet)
-        self.columns = list(frame.columns)
-        self._column_set = frozenset(self.columns)
+        """Read back an earlier run's rows (resume), keeping those where ``keep(row)``, and rewrite both files.
+
+        The rewrite is a database's: the kept rows are written under temporary names in the run
+        folder, then renamed over the old files (the CSV first, then the Parquet folder, swapped
+        through ``.<name>.parquet.old``), so a kill at any instant leaves the old table or the new
+        one, never less; the next load finishes or undoes a swap it finds half done. The Parquet
+        folder is the table (its parts are renamed into place after the CSV rows are appended);
+        one with no part, or parts with no column, reads as empty.
+        """
+        _settle_swap(self.parquet)
+        frame = read_parquet_table(self.parquet)
         rows = [r for r in frame.to_dict("records") if keep(r)]
+        final_csv, final_parquet = self.csv, self.parquet
+        new_csv = final_csv.with_name(f".{final_csv.name}.new")
+        new_parquet = final_parquet.with_name(f".{final_parquet.name}.new")
+        _remove(new_csv)
+        _remove(new_parquet)
+        self.columns = list(frame.columns) if rows else None  # no row kept: the first append names them
+        self._column_set = frozenset(self.columns or ())
         self.rows, self.n_rows, self._parts = [], 0, 0
         self._set_schema(None)
-        self.csv.unlink(missing_ok=True)
-        _remove(self.parquet)
+        self.csv, self.parquet = new_csv, new_parquet
+        try:
+            if rows:
+                self.append(rows)
+        finally:
+            self.csv, self.parquet = final_csv, final_parquet
         if rows:
-            self.append(rows)
+            os.replace(new_csv, final_csv)
+        else:
+            final_csv.unlink(missing_ok=True)
+        _swap_in(new_parquet if rows else None, final_parquet)
         return rows
 
     def _write_part(self, rows: list[dict], merge: bool = False) -> tuple[Path, Path]:
@@ -236,6 +255,44 @@ def _plain(frame: pd.DataFrame, schema) -> bool:
         if arrow is None or str(schema.field(name).type) != arrow:
             return False
     return True
+
+
+def read_parquet_table(path: Path) -> pd.DataFrame:
+    """A table's Parquet folder (or file) as a DataFrame; an empty one (no columns) when it does not
+    exist, holds no part, or its parts hold no column (a run killed before its first rows)."""
+    if path.is_dir() and not any(path.glob("part-*.parquet")):
+        return pd.DataFrame()
+    if not path.exists():
+        return pd.DataFrame()
+    frame = pd.read_parquet(path)
+    return frame if len(frame.columns) else pd.DataFrame()
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def _swap_in(new: Path | None, final: Path) -> None:
+    """Put the folder ``new`` in place of ``final`` (None: remove ``final``), through ``_old(final)``:
+    at every instant one of ``final`` and ``_old(final)`` holds a whole table (:func:`_settle_swap`)."""
+    old = _old(final)
+    _remove(old)
+    if final.exists():
+        os.replace(final, old)
+    if new is not None:
+        os.replace(new, final)
+    _remove(old)
+
+
+def _settle_swap(final: Path) -> None:
+    """Finish or undo a :func:`_swap_in` that a kill cut short: the old folder comes back if the new
+    one never arrived, and is removed if it did."""
+    old = _old(final)
+    if old.exists():
+        if final.exists():
+            _remove(old)
+        else:
+            os.replace(old, final)
 
 
 def _remove(path: Path) -> None:

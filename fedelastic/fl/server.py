@@ -157,7 +157,9 @@ class PartialFedAvg(FedAvg):
         self._round_start = time.perf_counter()
         self._sampled: list[int] = []
         d = self.sc.divergence
-        self.detector = Detector(d.loss_factor, d.norm_factor, d.collapse_share, d.rejected_share)
+        self.detector = Detector(
+            d.loss_factor, d.norm_factor, d.collapse_share, d.rejected_share, collapse_margin=d.collapse_margin
+        )
         self._norm: float | None = None  # the global weights' norm after the round (None: not aggregated)
         self._params = frozenset(env.info.tensor_names)  # the norm's tensors: the trainable ones
 
@@ -257,7 +259,7 @@ class PartialFedAvg(FedAvg):
         reason = self.detector.observe(
             server_round,
             train_loss=loss,
-            test_loss=test_loss if server_round == 0 else None,
+            test_loss=test_loss if self.evaluates(server_round) else None,
             norm=self._norm,
             trained=trained,
             rejected=r.clients_rejected,

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..divergence import advice
+
 if TYPE_CHECKING:
     from ..divergence import Detector
     from .engine import RoundEngine
@@ -129,7 +131,10 @@ class ResultsWriter(Callback):
             self.recorder.add_tasks(end.tasks)
         first = end.run.detector.first
         if first is not None and self.recorder.divergence is None:
-            self.recorder.divergence = first.to_dict()
+            self.recorder.divergence = found = first.to_dict()
+            train, model = end.run.engine.sc.train, end.run.engine.sc.model
+            pretrained = model.pretrain is not None or bool(model.weights)
+            found["advice"] = advice(found, lr=train.lr, bn_mode=train.bn_mode, pretrained=pretrained)
         self.recorder.add_round(end.row)
         return False
 

@@ -64,23 +64,72 @@ def test_a_majority_of_rejected_updates_diverges():
     assert Detector().observe(1, trained=1, rejected=1) != ""
 
 
-def test_predictions_that_collapse_to_one_class_diverge():
-    d = Detector(collapse_share=0.95)
+def test_a_collapse_whose_test_loss_falls_is_not_divergence():
+    """The trust review's scenario B: every prediction class 3 in round 3, yet the test loss fell
+    every round (2.3047 -> 2.3017): barely trained, not broken."""
+    d = Detector(collapse_share=0.95, classes=10)
+    balanced = np.full(10, 36)
+    spread, collapsed = np.array([50, 30, 40, 60, 20, 30, 40, 30, 30, 30]), np.eye(10, dtype=int)[3] * 360
+    assert d.observe(0, test_loss=2.3047, predicted=spread, actual=balanced) == ""
+    assert d.observe(1, test_loss=2.3036, predicted=spread, actual=balanced) == ""
+    assert d.observe(3, test_loss=2.3017, predicted=collapsed, actual=balanced) == "" and d.first is None
+
+
+def test_a_collapse_with_the_test_loss_above_its_margin_diverges():
+    # reference max(2.0, ln 3 = 1.0986) = 2.0; bound (1 + 0.1) x 2.0 = 2.2
+    d = Detector(collapse_share=0.95, collapse_margin=0.1, classes=3)
     balanced = np.array([34, 33, 33])
-    assert d.observe(0, predicted=np.array([100, 0, 0]), actual=balanced) == ""  # collapsed from the start
-    assert d.observe(1, predicted=np.array([0, 100, 0]), actual=balanced) == ""  # still: never spread
-    assert d.observe(2, predicted=np.array([40, 30, 30]), actual=balanced) == ""
-    assert d.observe(3, predicted=np.array([94, 3, 3]), actual=balanced) == ""  # 94% < 95%
-    assert d.observe(4, predicted=np.array([2, 96, 2]), actual=balanced) == "96.0% of the test predictions are class 1"
+    assert d.observe(0, test_loss=2.0, predicted=np.array([100, 0, 0]), actual=balanced) == ""  # the reference
+    assert d.observe(1, test_loss=2.19, predicted=np.array([0, 100, 0]), actual=balanced) == ""  # 2.19 <= 2.2
+    assert d.observe(2, test_loss=5.0, predicted=np.array([94, 3, 3]), actual=balanced) == ""  # 94% < 95%
+    reason = d.observe(3, test_loss=2.21, predicted=np.array([2, 96, 2]), actual=balanced)
+    assert reason == (
+        "96.0% of the test predictions are class 1 and the test loss 2.21 is above 1.1 x its reference 2"
+    )
+    assert d.first.checks == ("collapse",)
+
+
+def test_a_collapse_from_the_start_counts_once_the_loss_goes_up():
+    """No earlier spread is needed: an untrained model that predicts one class from the start and
+    whose loss then climbs (lr too high) has diverged."""
+    d = Detector(classes=10)
+    balanced, collapsed = np.full(10, 36), np.eye(10, dtype=int)[0] * 360
+    d.observe(0, test_loss=2.30, predicted=collapsed, actual=balanced)
+    assert d.observe(1, test_loss=2.40, predicted=collapsed, actual=balanced) == ""  # 2.40 <= 1.1 x 2.30 = 2.53
+    assert "class 0" in d.observe(2, test_loss=4.0, predicted=collapsed, actual=balanced)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_test_loss_diverges(bad):
+    """The asynchronous fault run: a NaN test loss for four rounds, then back to 0.73. It diverged."""
+    d = Detector(classes=10)
+    d.observe(0, test_loss=2.3)
+    assert d.observe(3, test_loss=bad) == f"the test loss is {bad:g}" and d.first.checks == ("test_loss",)
+    assert Detector().observe(1) == "" and Detector().observe(1, test_loss=None) == ""  # not evaluated
+
+
+def test_advice_names_the_setting_most_likely_at_fault():
+    from fedelastic.divergence import advice
+
+    first_round_nan = {"round": 1, "reason": "the mean train loss is nan", "checks": ["loss"]}
+    assert "check the data for NaN/inf" in advice(first_round_nan, lr=0.05, bn_mode="train", pretrained=False)
+    rejected = {"round": 1, "reason": "3 of 4 clients that trained sent non-finite updates", "checks": ["rejected"]}
+    assert "data" in advice(rejected, lr=0.05, bn_mode="train", pretrained=False)
+    norm = {"round": 4, "reason": "the global weights' norm 900 is above 100 x the initial 8", "checks": ["norm"]}
+    assert advice(norm, lr=0.5, bn_mode="train", pretrained=False) == "lower train.lr (now 0.5)"
+    frozen = advice(norm, lr=0.5, bn_mode="frozen", pretrained=False)
+    assert frozen.startswith("lower train.lr (now 0.5) or set train.bn_mode") and "frozen" in frozen
+    assert "bn_mode" in advice(norm, lr=0.5, bn_mode="auto", pretrained=True)  # auto: frozen when pretrained
+    assert "bn_mode" not in advice(norm, lr=0.5, bn_mode="auto", pretrained=False)
 
 
 def test_collapse_needs_three_classes_and_a_test_set_that_is_not_one_class():
     two = Detector()
-    two.observe(0, predicted=np.array([50, 50]), actual=np.array([50, 50]))
-    assert two.observe(1, predicted=np.array([100, 0]), actual=np.array([50, 50])) == ""
+    two.observe(0, test_loss=1.0, predicted=np.array([50, 50]), actual=np.array([50, 50]))
+    assert two.observe(1, test_loss=9.0, predicted=np.array([100, 0]), actual=np.array([50, 50])) == ""
     skewed = Detector()
-    skewed.observe(0, predicted=np.array([50, 25, 25]), actual=np.array([96, 2, 2]))
-    assert skewed.observe(1, predicted=np.array([100, 0, 0]), actual=np.array([96, 2, 2])) == ""
+    skewed.observe(0, test_loss=1.0, predicted=np.array([50, 25, 25]), actual=np.array([96, 2, 2]))
+    assert skewed.observe(1, test_loss=9.0, predicted=np.array([100, 0, 0]), actual=np.array([96, 2, 2])) == ""
     assert collapse_share(np.array([3, 1])) == 0.75 and collapse_share(np.zeros(3)) == 0.0
 
 
@@ -107,6 +156,7 @@ def test_weight_norm_by_hand():
         ("divergence", "norm_factor", -1.0),
         ("divergence", "collapse_share", 0.4),
         ("divergence", "rejected_share", 1.0),
+        ("divergence", "collapse_margin", -0.1),
         ("simulation", "on_divergence", "pause"),
     ],
 )

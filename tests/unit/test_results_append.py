@@ -168,3 +168,63 @@ def test_rounds_handed_over_within_every_s_are_written_together(tmp_path, monkey
 
 def read_rounds(run_dir) -> list[int]:
     return pd.read_csv(run_dir / "rounds.csv")["round"].tolist()
+
+
+class _Killed(BaseException):
+    """Stands for kill -9: nothing after it runs (not an Exception, so no handler catches it)."""
+
+
+@pytest.mark.parametrize("kill_at", range(12))
+def test_a_reload_killed_at_any_step_loses_no_finished_round(kill_at, tmp_path, monkeypatch):
+    """Resume rewrites a table keeping rounds <= 3 of 5. Killed at each file-system step of that
+    rewrite (every rename, unlink, folder removal and part write), the next reload still finds
+    rounds 1 to 3 whole, and the CSV and Parquet agree: the rewrite goes through temporary names."""
+    import os
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    table = _Table(tmp_path, "clients", keep_rows=False)
+    for r in range(1, 6):
+        table.append(_rows(r))
+    steps = {"n": 0}
+
+    def step(real):
+        def wrapped(*args, **kwargs):
+            if steps["n"] == kill_at:
+                raise _Killed
+            steps["n"] += 1
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    for mod, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (pq, "write_table")):
+        monkeypatch.setattr(mod, name, step(getattr(mod, name)))
+    keep = lambda row: row["round"] <= 3  # noqa: E731
+    try:
+        _Table(tmp_path, "clients", keep_rows=False).load(keep)
+    except _Killed:
+        pass
+    monkeypatch.undo()
+    assert kill_at < 3 or steps["n"] == kill_at  # the step was reached (a kill after the last one: none)
+    again = _Table(tmp_path, "clients", keep_rows=False)
+    rows = again.load(keep)
+    expected = pd.DataFrame([row for r in range(1, 4) for row in _rows(r)])
+    assert len(rows) == len(expected)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "clients.parquet"), expected, check_dtype=False)
+    assert pd.read_csv(tmp_path / "clients.csv")["round"].tolist() == expected["round"].tolist()
+    again.append(_rows(4))  # the resumed run goes on
+    assert pd.read_parquet(tmp_path / "clients.parquet")["round"].tolist()[-1] == 4
+
+
+def test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows(tmp_path):
+    """A Parquet folder with no part (or only a temporary one) and a CSV without a header read as
+    an empty table; the resumed run's first rows then name the columns."""
+    (tmp_path / "rounds.parquet").mkdir()
+    (tmp_path / "rounds.parquet" / ".part-000001.parquet.tmp").write_bytes(b"half")
+    (tmp_path / "rounds.csv").write_text("")
+    table = _Table(tmp_path, "rounds", keep_rows=False)
+    assert table.load(lambda row: True) == []
+    table.append([{"round": 0, "test_accuracy": 0.1}])
+    assert pd.read_parquet(tmp_path / "rounds.parquet")["round"].tolist() == [0]
+    assert pd.read_csv(tmp_path / "rounds.csv").columns.tolist() == ["round", "test_accuracy"]
