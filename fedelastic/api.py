@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import read_toml, to_dict
 from .errors import ConfigError
-from .scenario import Scenario, parse_scenario
+from .scenario import Scenario, parse_scenario, without_recorded
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,8 +71,8 @@ def _scenario_dict(scenario: Scenario | str | Path | Mapping) -> tuple[dict, str
         src = raw.pop("source", "") or "<scenario>"
         return raw, src
     if isinstance(scenario, Mapping):
-        return dict(scenario), "<scenario>"
-    return read_toml(scenario, "scenario"), str(scenario)
+        return without_recorded(dict(scenario), "<scenario>"), "<scenario>"
+    return without_recorded(read_toml(scenario, "scenario"), str(scenario)), str(scenario)
 
 
 def load(
@@ -160,6 +160,8 @@ def run(
     from . import orchestrate
     from .sim.callbacks import CallbackList
 
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise ConfigError("<callbacks>", "callbacks", "a list of callbacks", callbacks)
     on_round = CallbackList([progress, *callbacks])  # every callback sees every round
     return RunResult(orchestrate.run(load(scenario, overrides, resolve=False, **kw), run_id=run_id, progress=on_round))
 

@@ -545,11 +545,41 @@ def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) 
     return validate(scenario) if resolve else scenario
 
 
+def without_recorded(raw: dict, src: str) -> dict:
+    """A scenario file's keys, its ``[recorded]`` table left out; a ``source`` key refused.
+
+    ``source`` (the file relative paths resolve against) is set by the loader, never by a file:
+    one pointing elsewhere would move where the scenario's files are read from. A run's
+    ``config.toml`` records the file it came from as ``[recorded] source``, which a re-run
+    ignores (the config.toml is the source then) and ``--resume`` reads (:func:`recorded_source`).
+    """
+    if "source" in raw:
+        raise ConfigError(
+            src, "source", "no 'source' key: the loader sets it to the file's own path (a run's config.toml "
+            "records it as [recorded] source)", raw["source"],
+        )  # fmt: skip
+    recorded = raw.get("recorded", {})
+    if not isinstance(recorded, dict) or set(recorded) - {"source"} or not isinstance(recorded.get("source", ""), str):
+        raise ConfigError(src, "recorded", "a table with the recorded scenario file: recorded.source (a string)", recorded)
+    return {k: v for k, v in raw.items() if k != "recorded"}
+
+
+def recorded(scenario: Scenario) -> dict:
+    """``scenario`` as a run's config.toml records it: ``source`` under ``[recorded]``."""
+    raw = to_dict(scenario)
+    source = raw.pop("source", "")
+    return {**raw, "recorded": {"source": source}} if source else raw
+
+
+def recorded_source(raw: dict) -> str:
+    """The scenario file a run's config.toml was recorded from ('' if none); a config.toml written
+    before ``[recorded]`` kept it as a top-level ``source``."""
+    table = raw.get("recorded", {})
+    source = table.get("source", "") if isinstance(table, dict) else ""
+    return source or (raw["source"] if isinstance(raw.get("source"), str) else "")
+
+
 def load_scenario(path: str | Path, *, resolve: bool = True) -> Scenario:
     """Load, type-check and (``resolve``) validate a scenario file."""
-    raw = read_toml(path, "scenario")
-    if "source" in raw:  # a run's config.toml records the file it came from: this file is the source now
-        if not isinstance(raw["source"], str):
-            raise ConfigError(path, "source", "the recorded scenario file (a string)", raw["source"])
-        raw = {k: v for k, v in raw.items() if k != "source"}
+    raw = without_recorded(read_toml(path, "scenario"), str(path))
     return parse_scenario(raw, str(path), resolve=resolve)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import ArrayDataset, FederatedData, train_test_split
-from .registry import is_plugin
+from .registry import check_finite, is_plugin
 
 CACHE_VERSION = 1
 INDEX, IMAGE, LABEL = "__fedelastic_index__", "__fedelastic_image__", "__fedelastic_label__"
@@ -271,6 +271,7 @@ def load_npz(path: Path, d, src: str) -> tuple[np.ndarray, np.ndarray]:
             if name not in keys:
                 raise ConfigError(src, key, f"an array of {path} ({', '.join(keys)})", name or "<none found>")
         x, y = _layout(f[img]), _labels(f[lab])
+    check_finite(x, src, f"{path} ('{img}')", str(path))
     if len(x) != len(y):
         raise ConfigError(src, "data.label_column", f"one label per image in {path} ({len(x)} images in '{img}')", f"{len(y)} labels in '{lab}'")
     return x, y

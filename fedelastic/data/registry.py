@@ -84,6 +84,20 @@ def build_dataset(name: str, *, context: str = "<scenario>", size: int = 0):
     return as_dataset(out, name, context)
 
 
+def check_finite(x: np.ndarray, context: str, what: str, got: str) -> None:
+    """A ConfigError on ``data.dataset`` if images ``x`` hold NaN or inf values (bad data, not a
+    training fault: refused before the run starts), naming how many values and images."""
+    if x.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(x)
+    values = int(np.count_nonzero(bad))
+    if values:
+        images = int(np.count_nonzero(bad.reshape(len(x), -1).any(axis=1)))
+        raise ConfigError(
+            context, "data.dataset", f"finite image values in {what} ({values} NaN/inf values in {images} of {len(x)} images)", got
+        )
+
+
 def as_dataset(out: Any, name: str, context: str = "<scenario>"):
     """``out`` (an ArrayDataset or ``(x, y)``) as an ArrayDataset, or a ConfigError naming what is wrong."""
     from . import ArrayDataset
@@ -105,6 +119,7 @@ def as_dataset(out: Any, name: str, context: str = "<scenario>"):
         raise refuse(f"one label per image (labels {y.shape}, images {x.shape[:1]})")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise refuse(f"integer labels from 0 (got {y.dtype}, smallest {y.min()})")
+    check_finite(x, context, "the factory's images", name)
     if isinstance(out, ArrayDataset) and x is out.x:
         return out  # as it came: no copy
     return ArrayDataset(np.ascontiguousarray(x, dtype=np.float32), y.astype(np.int64))

@@ -24,14 +24,14 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from ..config import read_toml, to_dict
+from ..config import read_toml
 from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated, with_traceback
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
 from ..runtime import orphans
 from ..runtime.dispatch import notify_pushed, replies_may_wait, wait_for_replies
-from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, validate
+from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, recorded, recorded_source, validate
 from .checkpoint import CHECKPOINT, load_checkpoint
 from .client import make_client_app
 from .cohort import CohortGrid, cohort_count
@@ -371,7 +371,7 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         check_inputs(scenario, environment(scenario))  # bad data, model, options: refused before the folder exists
         run_dir = new_run_dir(scenario, run_id)
         try:
-            recorder = Recorder(run_dir, to_dict(scenario), planned_rounds=scenario.server.rounds)
+            recorder = Recorder(run_dir, recorded(scenario), planned_rounds=scenario.server.rounds)
             (run_dir / PROFILES).write_text(json.dumps(profile_hashes(scenario), indent=2))
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
@@ -538,7 +538,8 @@ def resume_run(run_dir: str | Path, *, progress: Callable[[dict], None] | None =
     run_dir = Path(run_dir)
     checkpoint = _check_resumable(run_dir)  # all that can be checked before the config's model file runs
     raw = read_toml(run_dir / "config.toml", "run config")
-    src = raw.pop("source", "") or str(run_dir / "config.toml")
+    src = recorded_source(raw) or str(run_dir / "config.toml")  # relative paths resolve as in the first start
+    raw = {k: v for k, v in raw.items() if k not in ("source", "recorded")}
     scenario = parse_scenario(raw, src, resolve=False)
     if scenario.server.policy == "async":  # refused before the folder is touched: the run keeps its status
         raise FedelasticError(

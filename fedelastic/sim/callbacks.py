@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..divergence import advice
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..divergence import Detector
@@ -95,7 +96,9 @@ def as_callback(cb: Any) -> Any:
         return cb
     if callable(cb):
         return FunctionCallback(cb)
-    raise TypeError(f"a callback must be a function of the round's row or have on_round_end etc., got {cb!r}")
+    raise ConfigError(
+        "<callbacks>", "callbacks", "a function of the round's row, or an object with on_round_end etc.", cb
+    )
 
 
 class CallbackList(Callback):

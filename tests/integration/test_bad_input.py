@@ -334,3 +334,53 @@ def test_a_malformed_target_profile_is_named(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("name = [unclosed\n")
     line = _import_trace(tmp_path, capsys, tmp_path / "trace.json", "--profile", str(tmp_path / "bad.toml"))
     assert str(tmp_path / "bad.toml") in line, line
+
+
+def test_an_npz_whose_images_hold_nan_is_bad_data_refused_before_the_run(tmp_path, capsys):
+    """One image in three NaN: before, it ran and ended 'diverged' (exit 4); now exit 2, naming the
+    file and how many values."""
+    x = np.random.default_rng(0).random((60, 8, 8)).astype(np.float32)
+    x[::3, 2, 5] = np.nan
+    x[1, 0, 0] = np.inf
+    np.savez(tmp_path / "nan.npz", image=x, label=np.arange(60) % 3)
+    code, err = _run(tmp_path, capsys, dataset="nan.npz")
+    _assert_refused(tmp_path, code, err, "key 'data.dataset'", "nan.npz", "21 NaN/inf values in 21 of 60 images")
+
+
+def test_a_registered_dataset_with_nan_images_is_refused(tmp_path):
+    import fedelastic as fe
+
+    x = np.zeros((30, 1, 8, 8), dtype=np.float32)
+    x[4, 0, 1, 1] = np.nan
+    fe.register_dataset("nan_blobs", lambda: (x, np.arange(30) % 3))
+    path = tmp_path / "scn.toml"
+    path.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, data={"dataset": "nan_blobs", "partitioner": "iid"})))
+    with pytest.raises(ConfigError, match=r"key 'data.dataset'.*1 NaN/inf values in 1 of 30 images"):
+        fe.run(path)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("callbacks", [[42], 42, "stop"])
+def test_a_callback_that_is_not_one_is_a_config_error(tmp_path, callbacks):
+    import fedelastic as fe
+
+    path = tmp_path / "scn.toml"
+    path.write_text(tomli_w.dumps(small_scenario_dict(tmp_path)))
+    with pytest.raises(ConfigError, match="key 'callbacks'"):
+        fe.run(path, callbacks=callbacks)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_scenario_file_cannot_set_source(tmp_path, capsys):
+    """``source`` moves the base relative paths resolve against: the loader sets it, a file may not
+    (it was silently dropped, and the run went on)."""
+    raw = small_scenario_dict(tmp_path)
+    raw["source"] = "/etc/passwd"
+    path = tmp_path / "scn.toml"
+    path.write_text(tomli_w.dumps(raw))
+    code = main(["run", str(path)])
+    _assert_refused(tmp_path, code, capsys.readouterr().err, "scn.toml", "key 'source'", "[recorded] source")
+    import fedelastic as fe
+
+    with pytest.raises(ConfigError, match="key 'source'"):
+        fe.load({**small_scenario_dict(tmp_path), "source": "/etc/passwd"})

@@ -48,6 +48,8 @@ def test_a_group_without_its_command_shows_its_help_and_exits_2(argv, capsys):
 
 
 def test_a_runs_own_config_toml_runs_again_to_the_same_results(tmp_path, capsys):
+    import tomllib
+
     import pandas as pd
     import tomli_w
 
@@ -57,7 +59,8 @@ def test_a_runs_own_config_toml_runs_again_to_the_same_results(tmp_path, capsys)
     scenario.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 1})))
     assert main(["run", str(scenario), "--run-id", "first"]) == 0
     first = next((tmp_path / "runs").glob("*/first"))
-    assert "source" in (first / "config.toml").read_text()  # the recorded scenario file: a key a scenario file may hold
+    recorded = tomllib.loads((first / "config.toml").read_text())
+    assert recorded["recorded"] == {"source": str(scenario)} and "source" not in recorded  # never a top-level key
     assert main(["run", str(first / "config.toml"), "--run-id", "again"]) == 0, capsys.readouterr()
     again = next((tmp_path / "runs").glob("*/again"))
     cols = ["round", "sim_time_s", "test_accuracy", "test_loss", "total_energy_j", "mean_train_loss"]
