@@ -36,6 +36,7 @@ from .runstatus import FINAL_STATES as FINAL_STATES
 from .runstatus import read_status as read_status
 from .tables import _Table, _write_atomic, open_no_link
 from .tables import fresh as fresh
+from .tables import fresh_folder
 from .tables import warm_up as warm_up
 
 PACKAGES = ("fedelastic", "flwr", "ray", "torch", "numpy", "pandas", "seaborn", "scikit-learn")
@@ -127,7 +128,15 @@ class Recorder:
     of it, and a final :meth:`status`, :meth:`finish` and :meth:`close` do too.
     """
 
-    def __init__(self, folder: str | Path, config: dict, *, resume: bool = False, planned_rounds: int | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        config: dict,
+        *,
+        resume: bool = False,
+        planned_rounds: int | None = None,
+        files: dict[str, str] | None = None,
+    ):
         self.folder = Path(folder)
         if not resume:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -153,12 +162,30 @@ class Recorder:
         self._kept: list[_Kept] = []  # writes not handed over yet (write_behind)
         self._every_s = 0.0  # write_behind: the shortest time between two hand-overs
         self._next_hand_over = 0.0  # time.monotonic() from which a hand-over gives the writer its writes
-        if not resume:
-            (self.folder / "config.toml").write_text(tomli_w.dumps(config))
-            (self.folder / "versions.json").write_text(json.dumps(package_versions(), indent=2))
-        self.status("running")
+        if resume:
+            self.status("running")
+        else:
+            self._fill(config, files or {})
         self._beat = threading.Thread(target=self._heartbeat, name="fedelastic-heartbeat", daemon=True)
         self._beat.start()
+
+    def _fill(self, config: dict, files: dict[str, str]) -> None:
+        """Fill the new, empty run folder whole or not at all: ``config.toml``, ``versions.json``,
+        ``files`` (name -> text) and the first ``status.json`` are written into a hidden folder
+        beside it, which is then renamed onto the empty one (a rename may replace an empty folder,
+        atomically). A start killed before the rename leaves the folder empty, which a new start
+        with the same ``--run-id`` takes (:func:`fedelastic.fl.runner.new_run_dir`)."""
+        staging = fresh_folder(self.folder.with_name(f".{self.folder.name}.new"))
+        final, self.folder = self.folder, staging
+        try:
+            (staging / "config.toml").write_text(tomli_w.dumps(config))
+            (staging / "versions.json").write_text(json.dumps(package_versions(), indent=2))
+            for name, text in files.items():
+                (staging / name).write_text(text)
+            self.status("running")
+        finally:
+            self.folder = final
+        os.rename(staging, final)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

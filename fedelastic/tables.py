@@ -36,6 +36,13 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def fresh_folder(path: Path) -> Path:
+    """``path`` as a new empty folder: whatever was there (a killed writer's leftovers) is removed, a link not followed."""
+    _remove(path)
+    path.mkdir()
+    return path
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = fresh(path.with_name(path.name + ".tmp"))
     try:
@@ -296,7 +303,7 @@ def _settle_swap(final: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)

@@ -252,6 +252,8 @@ def new_run_dir(scenario: Scenario, run_id: str | None = None) -> Path:
         try:
             return _claim(folder, output_dir, src)
         except FileExistsError:
+            if folder.is_dir() and not any(folder.iterdir()):
+                return folder  # a start killed before its folder was filled: it holds no run (Recorder fills it whole)
             raise FedelasticError(
                 f"{folder}: a run with this id exists; continue it with `fedelastic run --resume {folder}` "
                 "or choose another --run-id"
@@ -371,8 +373,8 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         check_inputs(scenario, environment(scenario))  # bad data, model, options: refused before the folder exists
         run_dir = new_run_dir(scenario, run_id)
         try:
-            recorder = Recorder(run_dir, recorded(scenario), planned_rounds=scenario.server.rounds)
-            (run_dir / PROFILES).write_text(json.dumps(profile_hashes(scenario), indent=2))
+            profiles = {PROFILES: json.dumps(profile_hashes(scenario), indent=2)}
+            recorder = Recorder(run_dir, recorded(scenario), planned_rounds=scenario.server.rounds, files=profiles)
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
@@ -516,6 +518,11 @@ def _check_status(run_dir: Path) -> None:
     if not (run_dir / "config.toml").is_file():
         raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
     status = read_status(run_dir)
+    if status["status"] == "missing" and not any(run_dir.iterdir()):
+        raise FedelasticError(
+            f"{run_dir}: the run was stopped before it started (the folder is empty); nothing to resume: "
+            f"start it again, e.g. `fedelastic run SCENARIO --run-id {run_dir.name}`"
+        )
     if status["status"] == "running":
         raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
     if status["status"] in ("completed", "completed_with_errors", "diverged"):
