@@ -34,9 +34,8 @@ from .plots import plot_timeline as plot_timeline
 from .runstatus import _ANSI, HEARTBEAT_S, one_line
 from .runstatus import FINAL_STATES as FINAL_STATES
 from .runstatus import read_status as read_status
-from .tables import _Table, _write_atomic, open_no_link
+from .tables import _Table, _write_atomic, fresh_folder, open_no_link
 from .tables import fresh as fresh
-from .tables import fresh_folder
 from .tables import warm_up as warm_up
 
 PACKAGES = ("fedelastic", "flwr", "ray", "torch", "numpy", "pandas", "seaborn", "scikit-learn")
