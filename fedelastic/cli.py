@@ -63,6 +63,7 @@ def exit_code(run_dir: Path) -> int:
             f"{d.get('advice') or 'train.lr'} (docs/reference/status.md, Divergence)",
             markup=False,
             highlight=False,
+            soft_wrap=True,
         )
         return 4
     return 1

@@ -59,14 +59,15 @@ class Divergence:
 def advice(divergence: dict, *, lr: float, bn_mode: str, pretrained: bool) -> str:
     """The setting most likely at fault for a divergence (``Divergence.to_dict()``), in one sentence.
 
-    Non-finite client updates or train loss from the first round, before any large step could
-    have been taken, point at the data or the model's forward; otherwise the step size does,
-    with frozen BatchNorm statistics (which let activations grow unchecked) named beside it.
+    Non-finite values (NaN/inf client updates, train or test loss) in the first round, with no
+    finite figure that blew up beside them, point at the data or the model's forward: no step was
+    large yet. Otherwise the step size is at fault, with frozen BatchNorm statistics (which let
+    activations grow unchecked) named beside it.
     """
-    checks = set(divergence.get("checks") or ())
-    rnd = int(divergence.get("round", 0))
-    non_finite = "rejected" in checks or "nan" in divergence.get("reason", "") or "inf" in divergence.get("reason", "")
-    if non_finite and rnd <= 1:
+    reason = str(divergence.get("reason", ""))
+    exploded = "is above" in reason  # a finite loss or norm beyond its bound: steps too large
+    non_finite = "rejected" in (divergence.get("checks") or ()) or " is nan" in reason or " is inf" in reason
+    if non_finite and not exploded and int(divergence.get("round", 0)) <= 1:
         return (
             "non-finite values from the first round: check the data for NaN/inf values and the model's "
             f"forward; if both are sound, lower train.lr (now {lr:g})"

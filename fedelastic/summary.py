@@ -91,7 +91,9 @@ def report(run_dir: Path) -> None:
         )
     if status.get("divergence"):
         d = status["divergence"]
-        console.print(f"  diverged in round {d.get('round')}: {d.get('reason')}", markup=False, highlight=False)
+        console.print(
+            f"  diverged in round {d.get('round')}: {d.get('reason')}", markup=False, highlight=False, soft_wrap=True
+        )
     console.print(
         f"results: {run_dir}/{{clients,rounds}}.{{csv,parquet}}, figure: {run_dir}/accuracy_vs_time.png",
         markup=False,

@@ -85,3 +85,42 @@ def test_a_rejected_client_is_charged_and_the_round_waits_for_it(tmp_path, capsy
         assert r.round_energy_j == pytest.approx((g.emulated_energy_j + g.emulated_idle_energy_j).sum(), rel=1e-12)
         assert r.wasted_energy_j == pytest.approx(stm.emulated_energy_j, rel=1e-12)
         assert r.mean_train_loss == pytest.approx(g[g.status == "counted"].train_loss.mean(), rel=1e-12)
+
+
+# the trust review's scenario B: barely trained after 3 rounds of 2 steps, predictions all one
+# class in round 3, test loss falling every round (2.3047 -> 2.3017): sound, not diverged
+SCENARIO_B = {
+    "fleet": {"raspberry_pi_4": 2, "jetson_nano": 1},
+    "seed": 0,
+    "data": {"dataset": "digits", "partitioner": "iid"},
+    "model": {"name": "small_cnn", "options": {}},
+    "train": {"strategy": "full", "local_epochs": 1, "max_steps": 2},
+    "server": {"rounds": 3},
+}
+
+
+def test_a_barely_trained_run_whose_predictions_collapse_is_not_diverged(tmp_path, capsys, monkeypatch):
+    """Before, round 3 ended 'diverged: 100.0% of the test predictions are class 3' (exit 4) and
+    ``compare`` dropped such slow learners; a collapse now counts only with a test loss that went up."""
+    from fedelastic import divergence
+
+    seen = []
+    real = divergence.Detector.observe
+    monkeypatch.setattr(divergence.Detector, "observe", lambda self, rnd, **kw: seen.append((rnd, kw)) or real(self, rnd, **kw))
+    code, out = run_cli(["run", scenario_file(tmp_path, **SCENARIO_B)], capsys)
+    run_dir = only_run_dir(tmp_path)
+    assert code == 0 and read_status(run_dir)["status"] == "completed", out
+    rounds = pd.read_csv(run_dir / "rounds.csv")
+    assert rounds["test_loss"].is_monotonic_decreasing  # sound: the loss falls every round
+    # the detector saw the test loss of every evaluated round (before: only the initial model's)
+    assert [r for r, kw in seen if kw.get("test_loss") is not None] == [0, 1, 2, 3]
+    assert [kw["test_loss"] for _, kw in seen] == pytest.approx(rounds["test_loss"].tolist())
+
+
+def test_a_diverged_run_names_the_setting_most_likely_at_fault(tmp_path, capsys):
+    path = scenario_file(tmp_path, server={"rounds": 3}, **EXPLODES)
+    code, out = run_cli(["run", path], capsys)
+    status = read_status(only_run_dir(tmp_path))
+    assert code == 4 and {"norm", "loss"} <= set(status["divergence"]["checks"])
+    advice = 'lower train.lr (now 50) or set train.bn_mode = "train"'
+    assert status["divergence"]["advice"].startswith(advice) and f"most likely at fault: {advice}" in out
