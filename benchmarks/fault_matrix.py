@@ -38,15 +38,26 @@ KINDS = {  # test function -> kind of case
     "test_a_signal_after_round_2_writes_the_rounds_marks_the_run_and_exits_with_its_code": "SIGINT / SIGTERM of the driver",
     "test_sigterm_writes_the_rounds_kept_for_a_later_write": "SIGINT / SIGTERM of the driver",
     "test_sigterm_on_ray_writes_the_rounds_and_exits_143": "SIGINT / SIGTERM of the driver",
+    # tests/integration/test_chaos.py, tests/unit/test_results_append.py (issue 36)
+    "test_killed_at_random_instants_and_resumed_the_tables_equal_an_uninterrupted_run": "chaos: kill -9 at random instants, resumed",
+    "test_a_reload_killed_at_any_step_loses_no_finished_round": "kill -9 of a resume while it rewrites a table",
+    "test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows": "kill -9 before the first rows, then resume",
+    # tests/integration/test_diverged_runs.py
+    "test_a_barely_trained_run_whose_predictions_collapse_is_not_diverged": "divergence: sound run not called diverged",
 }
 FILES = (
     "tests/integration/test_faults.py",
     "tests/integration/test_signals.py",
     "tests/integration/test_untrusted.py",
     "tests/integration/test_bad_input.py",
+    "tests/integration/test_chaos.py::test_killed_at_random_instants_and_resumed_the_tables_equal_an_uninterrupted_run",
+    "tests/unit/test_results_append.py::test_a_reload_killed_at_any_step_loses_no_finished_round",
+    "tests/unit/test_results_append.py::test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows",
+    "tests/integration/test_diverged_runs.py",
 )
 KIND_OF_FILE = {  # every case of these files is one kind
     "test_untrusted": "untrusted run folder or model file (refused before its code runs)",
+    "test_diverged_runs": "divergence: status, exit 4, advice",
     "test_bad_input": "bad input (exit 2, one line)",
 }
 
@@ -65,7 +76,7 @@ def main() -> None:
         for case in cases:
             func = case.get("name", "").split("[")[0]
             module = case.get("classname", "").rsplit(".", 1)[-1]
-            kind = KIND_OF_FILE.get(module) or KINDS.get(func, func)
+            kind = KINDS.get(func) or KIND_OF_FILE.get(module) or func
             ok = not any(child.tag in ("failure", "error", "skipped") for child in case)
             row = rows.setdefault(kind, {"cases": 0, "as_documented": 0, "lost_nothing": 0, "times_s": []})
             row["cases"] += 1
