@@ -75,6 +75,7 @@ class _Table:
         self._typed: dict[tuple, object] = {}  # value types of an append's columns -> its Arrow schema (_write_part)
         self._column_set: frozenset[str] = frozenset()
         self.direct_parts = 0  # parts built without pandas (see _write_part)
+        _settle_swap(self.parquet)  # a swap a kill cut short: finished or undone
         # never overwrite a part already there (a resumed run's table that was not reloaded)
         self._parts = len(list(self.parquet.glob("part-*.parquet"))) if self.parquet.is_dir() else 0
 
@@ -113,8 +114,8 @@ class _Table:
         _swap_in(new_parquet if rows else None, final_parquet)
         return rows
 
-    def _write_part(self, rows: list[dict], merge: bool = False) -> tuple[Path, Path]:
-        """Write ``rows`` as a hidden temporary part; returns (temporary, final).
+    def _write_part(self, rows: list[dict], merge: bool = False, folder: Path | None = None) -> tuple[Path, Path]:
+        """Write ``rows`` as a hidden temporary part (in ``folder``: as its first part); returns (temporary, final).
 
         The part is exactly what ``pd.DataFrame(rows, columns=...).to_parquet(index=False,
         schema=...)`` writes, with the earlier parts' schema (``merge``: none, types as pandas
@@ -128,11 +129,12 @@ class _Table:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        self.parquet.mkdir(exist_ok=True)
-        if self.parquet.is_symlink():  # a link put in place of the folder: its parts would go elsewhere
-            raise OSError(errno.ELOOP, "a symbolic link in place of a result folder; not written through", str(self.parquet))
-        final = self.parquet / f"part-{self._parts + 1:06d}.parquet"
-        tmp = fresh(self.parquet / f".{final.name}.tmp")
+        if folder is None:
+            self.parquet.mkdir(exist_ok=True)
+            if self.parquet.is_symlink():  # a link put in place of the folder: its parts would go elsewhere
+                raise OSError(errno.ELOOP, "a symbolic link in place of a result folder; not written through", str(self.parquet))
+        final = folder / "part-000001.parquet" if folder is not None else self.parquet / f"part-{self._parts + 1:06d}.parquet"
+        tmp = fresh(final.with_name(f".{final.name}.tmp"))
         assert self.columns is not None
         values = [[row.get(c, _MISSING) for row in rows] for c in self.columns]  # DataFrame(rows, columns=...)
         signature = tuple(frozenset(map(type, column)) for column in values)
@@ -171,16 +173,17 @@ class _Table:
                 raise ValueError("dict contains fields not in fieldnames: " + ", ".join(wrong))
         new = not self.csv.exists()
         size = 0 if new else self.csv.stat().st_size
-        tmp, merged = None, False
+        tmp, merged = None, None
         try:
             try:  # the earlier parts' types (e.g. an all-empty column takes their string type)
                 tmp, final = self._write_part(rows)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 # the types changed (a column that was all empty gets values, ints get a NaN): one
-                # part holding every row, typed as one frame of all rows would be
+                # part holding every row, typed as one frame of all rows would be, in a new folder
+                # swapped in for the old one once whole (a kill leaves the old or the new, never both)
                 every = pd.read_parquet(self.parquet).to_dict("records") + rows
-                tmp, final = self._write_part(every, merge=True)
-                merged = True
+                merged = fresh_folder(self.parquet.with_name(f".{self.parquet.name}.merged"))
+                tmp, final = self._write_part(every, merge=True, folder=merged)
             with open_no_link(self.csv, "a", newline="") as fh:
                 writer = csv.writer(fh)
                 if new:
@@ -192,19 +195,18 @@ class _Table:
         except BaseException:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
+            if merged is not None:
+                _remove(merged)
             if self.csv.exists():
                 with open_no_link(self.csv, "r+b") as fh:
                     fh.truncate(size)
             raise
-        if merged:  # the merged part replaces the old ones: it is complete before they go
-            for part in self.parquet.glob("part-*.parquet"):
-                if part != final:
-                    part.unlink()
-            final.rename(self.parquet / "part-000001.parquet")
+        if merged is not None:  # the merged folder replaces the old one: it is complete before the old goes
+            _swap_in(merged, self.parquet)
             self._parts = 1
         else:
             self._parts += 1
-        if self._schema is None or merged:
+        if self._schema is None or merged is not None:
             import pyarrow.parquet as pq
 
             self._set_schema(pq.read_schema(self.parquet / f"part-{self._parts:06d}.parquet"))

@@ -228,3 +228,39 @@ def test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_row
     table.append([{"round": 0, "test_accuracy": 0.1}])
     assert pd.read_parquet(tmp_path / "rounds.parquet")["round"].tolist() == [0]
     assert pd.read_csv(tmp_path / "rounds.csv").columns.tolist() == ["round", "test_accuracy"]
+
+
+@pytest.mark.parametrize("kill_at", range(8))
+def test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never_both(kill_at, tmp_path, monkeypatch):
+    """Round 3 brings the first error string: the parts are merged into one. Killed at each step of
+    that merge, the folder reads back as rounds 1-2 or rounds 1-3, each row once (before, a kill
+    between the merged part's rename and the old parts' removal doubled rounds 1-2)."""
+    import os
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    table = _Table(tmp_path, "clients", keep_rows=False)
+    table.append(_rows(1))
+    table.append(_rows(2))
+    steps = {"n": 0}
+
+    def step(real):
+        def wrapped(*args, **kwargs):
+            if steps["n"] == kill_at:
+                raise _Killed
+            steps["n"] += 1
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    for mod, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (pq, "write_table")):
+        monkeypatch.setattr(mod, name, step(getattr(mod, name)))
+    try:
+        table.append(_rows(3))
+    except _Killed:
+        pass
+    monkeypatch.undo()
+    rounds = _Table(tmp_path, "clients", keep_rows=False).load(lambda row: True)
+    got = [row["round"] for row in rounds]
+    assert got in ([1] * 3 + [2] * 3, [1] * 3 + [2] * 3 + [3] * 3), got
