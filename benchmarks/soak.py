@@ -1,7 +1,7 @@
 """Soak: a 2,000-round run of a small scenario, in-process and on Ray. Does anything grow?
 
     python benchmarks/soak.py                       # 2,000 rounds, both backends (fresh process each)
-    python benchmarks/soak.py --rounds 300 --backends inprocess
+    python benchmarks/soak.py --rounds 150 --early 50 --backends inprocess   # the test's size
 
 The scenario: the trust review's scenario B (two Raspberry Pi 4s and a Jetson Nano, digits IID,
 ``small_cnn``, ``full``, one step a round), every round written on its own
@@ -106,6 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--backends", nargs="+", default=["inprocess", "ray"])
+    ap.add_argument("--early", type=int, default=100, help="the round compared with the last (default %(default)s)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     args = ap.parse_args()
@@ -119,7 +120,7 @@ def main() -> None:
         if proc.returncode:
             raise SystemExit(f"{backend}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
         docs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    summaries = [summary(d) for d in docs]
+    summaries = [summary(d, args.early) for d in docs]
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "load_average_1m_at_end": os.getloadavg()[0],
                                           "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
                                           "summary": summaries, "runs": docs}, indent=1))
