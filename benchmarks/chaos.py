@@ -1,17 +1,17 @@
 """Chaos: kill the driver with SIGKILL at random instants, resume, kill again, and check that the
 final tables equal those of an uninterrupted run of the same seed (but the host-time columns).
 
-Each *episode* starts a run (``fedelastic run SCENARIO --run-id chaos``) and kills it after a
-random time, then resumes it (``fedelastic run --resume``) and kills that too, ``--kills`` times
-in all, and then lets the last resume finish. A kill may land anywhere: while Python imports,
+Each *episode* starts a run (``fedelastic run SCENARIO --run-id chaos-N``) and kills it after a
+random time, then resumes it (``fedelastic run --resume``) and kills that too, up to 8 times,
+and then lets the last resume finish. A kill may land anywhere: while Python imports,
 before the run folder is filled, between a round's rows and its checkpoint, while a resume
-reloads the tables, on Ray while the cluster starts. Instants are drawn as ``span x u**2``
-(``u`` uniform, ``span`` the uninterrupted run's wall time), so start-ups and reloads, where the
-windows are narrow, are hit more often than the rounds. A start killed before its folder is
-filled is started again with the same id. The seed fixes every instant: a failure replays with
-the same ``--seed``.
+reloads the tables, on Ray while the cluster starts. Instants are drawn uniformly over ``span``,
+the uninterrupted run's wall time; an attempt that finishes first ends its episode, and episodes
+follow each other until the case has its ``--kills`` (``--ray-kills``). A start killed before its folder is filled
+is started again with the same id. The seed fixes every instant: a failure replays with the same
+``--seed``.
 
-    python benchmarks/chaos.py                         # 112 kills over the four cases, quiet
+    python benchmarks/chaos.py                         # 110 kills over the four cases
     python benchmarks/chaos.py --load 2                # the same with a second copy running at once
     python benchmarks/chaos.py --cases inprocess-sync --kills 5 --seed 7   # replay one
 
@@ -98,9 +98,15 @@ def _status(run_dir: Path) -> str:
     return json.loads(path.read_text()).get("status", "?") if path.exists() else "missing"
 
 
+def _rounds_done(run_dir: Path) -> int:
+    path = run_dir / "status.json"
+    return int(json.loads(path.read_text()).get("rounds_done") or 0) if path.exists() else 0
+
+
 def episode(path: Path, run_dir: Path, reference: Path, kills: int, span_s: float, rng: random.Random, log: Path) -> dict:
     """One run killed ``kills`` times at drawn instants, resumed after each, then finished."""
-    done = {"kills": 0, "kills_in_resume": 0, "kills_before_folder": 0, "resumes": 0, "restarts": 0}
+    done = {"kills": 0, "kills_in_resume": 0, "kills_before_folder": 0, "kills_with_rounds": 0, "resumes": 0,
+            "restarts": 0}
     start = time.perf_counter()
     code = 0
     while True:
@@ -114,7 +120,7 @@ def episode(path: Path, run_dir: Path, reference: Path, kills: int, span_s: floa
             done["restarts"] += run_dir.exists()
         proc = _start(cmd, log)
         if done["kills"] < kills:
-            instant = span_s * rng.random() ** 2
+            instant = span_s * rng.random()
             try:
                 code = proc.wait(timeout=instant)
             except subprocess.TimeoutExpired:
@@ -123,6 +129,7 @@ def episode(path: Path, run_dir: Path, reference: Path, kills: int, span_s: floa
                 done["kills"] += 1
                 done["kills_in_resume"] += resuming
                 done["kills_before_folder"] += not (run_dir / "config.toml").exists()
+                done["kills_with_rounds"] += _rounds_done(run_dir) > 0
                 continue
         else:
             code = proc.wait(timeout=900)
@@ -134,7 +141,8 @@ def episode(path: Path, run_dir: Path, reference: Path, kills: int, span_s: floa
             "wall_s": time.perf_counter() - start}
 
 
-def run_case(name: str, episodes: int, kills: int, seed: int, work: Path) -> dict:
+def run_case(name: str, kills: int, seed: int, work: Path, per_episode: int = 8) -> dict:
+    """Episodes of case ``name`` until ``kills`` kills landed (at most ``per_episode`` in one)."""
     backend, strategy = CASES[name]
     tmp = work / name
     tmp.mkdir(parents=True, exist_ok=True)
@@ -147,11 +155,13 @@ def run_case(name: str, episodes: int, kills: int, seed: int, work: Path) -> dic
     reference = tmp / "runs" / "chaos" / "reference"
     if code != 0:
         raise SystemExit(f"{name}: the uninterrupted run failed (exit {code}); see {log}")
-    out = []
-    for e in range(episodes):
+    out: list[dict] = []
+    while sum(e["kills"] for e in out) < kills:
+        e = len(out)
         rng = random.Random(f"{seed}/{name}/{e}")  # a replay with the same --seed draws the same instants
         run_dir = tmp / "runs" / "chaos" / f"chaos-{e}"
-        out.append(episode(path, run_dir, reference, kills, span, rng, log))
+        left = kills - sum(x["kills"] for x in out)
+        out.append(episode(path, run_dir, reference, min(per_episode, left), span, rng, log))
         r = out[-1]
         print(f"{name} episode {e}: {r['kills']} kills ({r['kills_in_resume']} in a resume, "
               f"{r['kills_before_folder']} before the folder), tables equal {r['tables_equal']} {r['problem']} "
@@ -165,6 +175,7 @@ def summarise(cases: list[dict]) -> dict:
         "kills": sum(e["kills"] for e in eps),
         "kills_in_resume": sum(e["kills_in_resume"] for e in eps),
         "kills_before_folder": sum(e["kills_before_folder"] for e in eps),
+        "kills_with_rounds": sum(e["kills_with_rounds"] for e in eps),
         "resumes": sum(e["resumes"] for e in eps),
         "episodes": len(eps),
         "tables_equal": sum(e["tables_equal"] for e in eps),
@@ -176,9 +187,8 @@ def summarise(cases: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--episodes", type=int, default=5, help="episodes per in-process case (default %(default)s)")
-    ap.add_argument("--ray-episodes", type=int, default=2, help="episodes per Ray case (default %(default)s)")
-    ap.add_argument("--kills", type=int, default=8, help="kills per episode (default %(default)s)")
+    ap.add_argument("--kills", type=int, default=40, help="kills per in-process case (default %(default)s)")
+    ap.add_argument("--ray-kills", type=int, default=15, help="kills per Ray case (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load", type=int, default=1, help="copies of this harness at once (default %(default)s)")
     ap.add_argument("--out", default="", help="result file (default benchmarks/results/chaos[_load].json)")
@@ -186,14 +196,13 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / ("chaos_load.json" if args.load > 1 else "chaos.json")
     others = []
     for k in range(1, args.load):  # the background copies: same cases, other seeds, their own folders
-        cmd = [sys.executable, __file__, "--cases", *args.cases, "--episodes", str(args.episodes),
-               "--ray-episodes", str(args.ray_episodes), "--kills",
+        cmd = [sys.executable, __file__, "--cases", *args.cases, "--ray-kills", str(args.ray_kills), "--kills",
                str(args.kills), "--seed", str(args.seed + 1000 * k), "--out", str(out.with_suffix(f".copy{k}.json"))]
         others.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         cases = [
-            run_case(name, args.ray_episodes if name.startswith("ray") else args.episodes, args.kills, args.seed, Path(tmp))
+            run_case(name, args.ray_kills if name.startswith("ray") else args.kills, args.seed, Path(tmp))
             for name in args.cases
         ]
     copies = []
@@ -216,7 +225,7 @@ def main() -> None:
     out.write_text(json.dumps(doc, indent=1))
     t = doc["total"]
     print(f"{t['kills']} kills ({t['kills_in_resume']} in a resume, {t['kills_before_folder']} before the folder was "
-          f"filled), {t['resumes']} resumes, {t['tables_equal']}/{t['episodes']} episodes with equal tables, "
+          f"filled, {t['kills_with_rounds']} with rounds on disk), {t['resumes']} resumes, {t['tables_equal']}/{t['episodes']} episodes with equal tables, "
           f"{doc['wall_s']:.0f} s; copies: {[c['tables_equal'] for c in doc['copies']]}")
 
 
