@@ -371,11 +371,12 @@ class DivergenceConfig:
     collapse_share: float = field(
         0.95,
         help="diverged when this share of test predictions falls in one class (3+ classes) while the test loss "
-        "is above (1 + collapse_margin) x its initial value (at least ln(classes)); 0: off",
+        "is above (1 + collapse_margin) x the lowest before, in collapse_rounds evaluations in a row; 0: off",
     )
     collapse_margin: float = field(
-        0.1, help="a collapse counts only with a test loss above (1 + this) x its reference (see collapse_share)"
+        0.05, help="a collapse counts only with a test loss above (1 + this) x the lowest before (see collapse_share)"
     )
+    collapse_rounds: int = field(2, help="consecutive evaluations a collapse must last (see collapse_share)")
     rejected_share: float = field(
         0.5, help="diverged when more than this share of a round's trained clients send non-finite updates"
     )
@@ -390,6 +391,7 @@ class DivergenceConfig:
         )
         check(0 <= self.rejected_share < 1, "rejected_share", "a share in [0, 1)")
         check(self.collapse_margin >= 0, "collapse_margin", "a margin >= 0")
+        check(self.collapse_rounds >= 1, "collapse_rounds", "a number of evaluations >= 1")
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,12 @@ class PartialFedAvg(FedAvg):
         self._sampled: list[int] = []
         d = self.sc.divergence
         self.detector = Detector(
-            d.loss_factor, d.norm_factor, d.collapse_share, d.rejected_share, collapse_margin=d.collapse_margin
+            d.loss_factor,
+            d.norm_factor,
+            d.collapse_share,
+            d.rejected_share,
+            collapse_margin=d.collapse_margin,
+            collapse_rounds=d.collapse_rounds,
         )
         self._norm: float | None = None  # the global weights' norm after the round (None: not aggregated)
         self._params = frozenset(env.info.tensor_names)  # the norm's tensors: the trainable ones
