@@ -6,7 +6,8 @@ random time, then resumes it (``fedelastic run --resume``) and kills that too, u
 and then lets the last resume finish. A kill may land anywhere: while Python imports,
 before the run folder is filled, between a round's rows and its checkpoint, while a resume
 reloads the tables, on Ray while the cluster starts. Instants are drawn uniformly over ``span``,
-the uninterrupted run's wall time; an attempt that finishes first ends its episode, and episodes
+the uninterrupted run's wall time (a resume's over its first half, where its start-up and the
+reload of the tables are); an attempt that finishes first ends its episode, and episodes
 follow each other until the case has its ``--kills`` (``--ray-kills``). A start killed before its folder is filled
 is started again with the same id. The seed fixes every instant: a failure replays with the same
 ``--seed``.
@@ -120,7 +121,8 @@ def episode(path: Path, run_dir: Path, reference: Path, kills: int, span_s: floa
             done["restarts"] += run_dir.exists()
         proc = _start(cmd, log)
         if done["kills"] < kills:
-            instant = span_s * rng.random()
+            # a resume is killed in its first half (its start-up and the reload, where its windows are)
+            instant = span_s * rng.random() * (0.5 if resuming else 1.0)
             try:
                 code = proc.wait(timeout=instant)
             except subprocess.TimeoutExpired:
