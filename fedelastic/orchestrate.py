@@ -77,7 +77,7 @@ def check_run_folder(sc: Scenario, run_id: str | None = None) -> None:
     base = output_dir / sc.name
     if run_id is not None and (base / run_id).exists() and not (base / run_id).is_dir():
         raise ConfigError(src, "output_dir", "a folder (a file is in the way)", str(base / run_id))
-    if run_id is not None and (base / run_id).exists():
+    if run_id is not None and (base / run_id).exists() and any((base / run_id).iterdir()):  # empty: a start killed early
         raise FedelasticError(
             f"{base / run_id}: a run with this id exists; continue it with `fedelastic run --resume {base / run_id}` "
             "or choose another --run-id"

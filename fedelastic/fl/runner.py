@@ -515,14 +515,14 @@ def _check_profiles(run_dir: Path, scenario: Scenario) -> None:
 
 def _check_status(run_dir: Path) -> None:
     """A run folder whose run can be resumed: config.toml, a stopped run's status, a checkpoint file."""
-    if not (run_dir / "config.toml").is_file():
-        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
-    status = read_status(run_dir)
-    if status["status"] == "missing" and not any(run_dir.iterdir()):
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
         raise FedelasticError(
             f"{run_dir}: the run was stopped before it started (the folder is empty); nothing to resume: "
             f"start it again, e.g. `fedelastic run SCENARIO --run-id {run_dir.name}`"
         )
+    if not (run_dir / "config.toml").is_file():
+        raise FedelasticError(f"{run_dir}: not a run folder (no config.toml)")
+    status = read_status(run_dir)
     if status["status"] == "running":
         raise FedelasticError(f"{run_dir}: the run is still going (pid {status.get('pid')}); nothing to resume")
     if status["status"] in ("completed", "completed_with_errors", "diverged"):

@@ -49,3 +49,20 @@ def test_tables_equal_ignores_only_host_time_columns(tmp_path):
     assert chaos.tables_equal(tmp_path / "a", tmp_path / "b") == ""  # host time differs: equal
     assert chaos.tables_equal(tmp_path / "a", tmp_path / "c").startswith("rounds")
     assert "missing" in chaos.tables_equal(tmp_path / "a", tmp_path / "nothing")
+
+
+def test_a_start_killed_before_its_folder_was_filled_starts_again_with_its_id(tmp_path, capsys):
+    """The run folder is filled whole (staged, then renamed onto the empty reservation): a start
+    killed in between leaves it empty, which --resume explains and the same --run-id takes."""
+    from fedelastic.cli import main
+    from tests.support import scenario_file
+
+    path = scenario_file(tmp_path, server={"rounds": 1})
+    empty = tmp_path / "runs" / "tiny" / "again"
+    empty.mkdir(parents=True)
+    (tmp_path / "runs" / "tiny" / ".again.new").mkdir()  # the killed start's half-filled staging folder
+    assert main(["run", "--resume", str(empty)]) == 2
+    assert "stopped before it started" in capsys.readouterr().err
+    assert main(["run", str(path), "--run-id", "again"]) == 0
+    assert (empty / "config.toml").is_file() and (empty / "rounds.csv").is_file()
+    assert not (tmp_path / "runs" / "tiny" / ".again.new").exists()
