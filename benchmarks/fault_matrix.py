@@ -26,6 +26,7 @@ KINDS = {  # test function -> kind of case
     "test_fault_is_recorded_with_honest_status": "fault during a run (in-process)",
     "test_probe_over_memory_is_split_to_fit_the_device": "fault during a run (in-process)",
     "test_kill_9_after_round_2_then_resume_gives_identical_tables": "kill -9 of the driver, then resume",
+    "test_kill_9_with_rounds_kept_for_a_later_write_then_resume_gives_identical_tables": "kill -9 of the driver, then resume",
     "test_checkpoint_is_loaded_with_weights_only": "malicious checkpoint refused",
     "test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recovers": "Ray: dead + hung client",
     "test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree": "full disk during a run",
@@ -42,6 +43,8 @@ KINDS = {  # test function -> kind of case
     "test_killed_at_random_instants_and_resumed_the_tables_equal_an_uninterrupted_run": "chaos: kill -9 at random instants, resumed",
     "test_a_reload_killed_at_any_step_loses_no_finished_round": "kill -9 of a resume while it rewrites a table",
     "test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows": "kill -9 before the first rows, then resume",
+    "test_a_start_killed_before_its_folder_was_filled_starts_again_with_its_id": "kill -9 before the first rows, then resume",
+    "test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never_both": "kill -9 while a table merges its parts",
     # tests/integration/test_diverged_runs.py
     "test_a_barely_trained_run_whose_predictions_collapse_is_not_diverged": "divergence: sound run not called diverged",
 }
@@ -50,14 +53,16 @@ FILES = (
     "tests/integration/test_signals.py",
     "tests/integration/test_untrusted.py",
     "tests/integration/test_bad_input.py",
-    "tests/integration/test_chaos.py::test_killed_at_random_instants_and_resumed_the_tables_equal_an_uninterrupted_run",
+    "tests/integration/test_chaos.py",
     "tests/unit/test_results_append.py::test_a_reload_killed_at_any_step_loses_no_finished_round",
     "tests/unit/test_results_append.py::test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows",
+    "tests/unit/test_results_append.py::test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never_both",
     "tests/integration/test_diverged_runs.py",
 )
 KIND_OF_FILE = {  # every case of these files is one kind
     "test_untrusted": "untrusted run folder or model file (refused before its code runs)",
     "test_diverged_runs": "divergence: status, exit 4, advice",
+    "test_chaos": "chaos: kill -9 at random instants, resumed",
     "test_bad_input": "bad input (exit 2, one line)",
 }
 
