@@ -1,5 +1,6 @@
-"""Statistics of a comparison's runs over seeds: one run's headline figures, and per (fleet,
-strategy) the mean and 95% interval of each over the seeds that completed.
+"""Statistics of a comparison's runs over seeds: one run's headline figures, per (fleet,
+strategy) the mean and 95% interval of each over the seeds that completed, and per pair of
+strategies their difference paired by seed, tested and Holm-corrected (:func:`differences`).
 
 Only seeds whose run ``completed`` (:data:`USED`) enter a mean or an interval; interval bounds are
 clipped at the metric's physical bounds (:func:`bounds`); time and energy to target are censored
