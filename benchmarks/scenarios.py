@@ -33,7 +33,8 @@ Writes ``--out`` (default ``benchmarks/results/scenarios.json``, with ``_reduced
 ``--reduced``) and prints a markdown table; ``--only`` replaces the rows of the scenarios it runs
 and keeps the others (each row has its own date). A full-size run to the default ``--out`` also
 writes the page ``benchmarks/studies/shipped-scenarios.md`` (``--page-only``: only that, from the
-JSON, with the header columns read again from the scenario files). Runs go under a temporary folder (``--keep DIR``: under DIR, kept).
+JSON, with the header columns read again from the scenario files). Runs go under a temporary
+folder (``--keep DIR``: under DIR, kept).
 
 ``--check`` writes nothing: it runs and exits 1 when a row's status differs from, or its final
 accuracy is more than ``--tolerance`` (default 0.02, 7 of digits' 359 test images) away from, the
@@ -405,15 +406,18 @@ def page(doc: dict) -> str:
     out += [
         "## Drift check",
         "",
-        "`python benchmarks/scenarios.py --check` reruns every scenario and exits 1 when a row's status differs",
-        f"from this page's or its final accuracy moved more than ±{TOLERANCE:g} (7 of the 359 test images most",
-        "scenarios have) from it; it writes nothing. At reduced size (a few steps, in-process) CI runs the same check against",
-        "`benchmarks/results/scenarios_reduced.json` (`python benchmarks/scenarios.py --reduced` rewrites it) in",
-        "`tests/integration/test_scenarios_sound.py`. When a change moves a figure on purpose, rerun and commit",
-        "both. On this machine, with one torch thread, deadline_elastic gave the same figure in each of ten reruns",
-        "(either backend, 1 to 4 cohorts, runtime patches on or off); on another machine a single-seed scenario can move by more than the tolerance with no change in the",
-        "code: deadline_elastic ends anywhere from 0.763 to 0.889 when only the floating-point summation order changes",
-        "([why deadline_elastic moved](deadline-elastic-move.md)). There a flag means rerun and look, not a regression.",
+        "`python benchmarks/scenarios.py --check` reruns every scenario (about 45 minutes here; `--only NAME,...`",
+        "for some) and exits 1 when a row's status differs from this page's or its final accuracy moved more than",
+        f"±{TOLERANCE:g} (7 of the 359 test images most scenarios have) from it; it writes nothing. At reduced size (a",
+        "few steps, in-process) CI runs the same check against `benchmarks/results/scenarios_reduced.json`",
+        "(`python benchmarks/scenarios.py --reduced` rewrites it) in `tests/integration/test_scenarios_sound.py`.",
+        "When a change moves a figure on purpose, rerun and commit both.",
+        "",
+        "On this machine, with one torch thread, deadline_elastic gave the same figure in each of ten reruns (either",
+        "backend, 1 to 4 cohorts, runtime patches on or off). On another machine a single-seed scenario can move by",
+        "more than the tolerance with no change in the code: deadline_elastic ends anywhere from 0.763 to 0.889 when",
+        "only the floating-point summation order changes ([why deadline_elastic moved](deadline-elastic-move.md)).",
+        "There a flag means rerun and look, not a regression.",
         "",
     ]
     return "\n".join(out)
