@@ -26,8 +26,21 @@ and strategy, over its seeds), it records:
   when it lies outside [1/``--factor``, ``--factor``] (default 2; full size only, a ``--reduced``
   run is not comparable): then correct the header, or find what made the scenario slower.
 
+A comparison's rows also carry each seed's accuracy, the chosen lr (and whether it is at its
+grid's edge) and the paired differences between its strategies (``differences.csv``).
+
 Writes ``--out`` (default ``benchmarks/results/scenarios.json``, with ``_reduced`` for
-``--reduced``) and prints a markdown table. Runs go under a temporary folder.
+``--reduced``) and prints a markdown table; ``--only`` replaces the rows of the scenarios it runs
+and keeps the others (each row has its own date). A full-size run to the default ``--out`` also
+writes the page ``benchmarks/studies/shipped-scenarios.md`` (``--page-only``: only that, from the
+JSON, with the header columns read again from the scenario files). Runs go under a temporary
+folder (``--keep DIR``: under DIR, kept).
+
+``--check`` writes nothing: it runs and exits 1 when a row's status differs from, or its final
+accuracy is more than ``--tolerance`` (default 0.02, 7 of digits' 359 test images) away from, the
+row of the same scenario, fleet and strategy in ``--out`` (the page's figures). CI runs the same
+check at reduced size against ``benchmarks/results/scenarios_reduced.json``
+(``tests/integration/test_scenarios_sound.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +76,8 @@ from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import LocalTraining, evaluate_model, torch_threads, train_local  # noqa: E402
 
 SIMULATIONS = ROOT / "simulations"
+PAGE = ROOT / "benchmarks" / "studies" / "shipped-scenarios.md"
+TOLERANCE = 0.02  # --check: the most a final accuracy may move from its recorded figure
 HEADER_TIME = re.compile(r"About (\d+(?:\.\d+)?) (s|seconds?|minutes?)\b")
 
 
@@ -87,7 +102,8 @@ COST_DEVICE = "jetson_tx2"  # central training's steps are priced on it (full tr
 
 
 def reduced(raw: dict) -> dict:
-    """A scenario's dict shrunk to a few steps: 1-4 rounds, 3 local steps, 1 pretraining epoch, in-process."""
+    """A scenario's dict shrunk to a few steps: 1-4 rounds, 3 local steps, 1 pretraining epoch, in-process;
+    a comparison: one seed, its lr grid not widened."""
     raw = json.loads(json.dumps(raw))  # a deep copy
     stream = raw.get("stream")
     rounds = 2
@@ -109,6 +125,8 @@ def reduced(raw: dict) -> dict:
     raw.setdefault("simulation", {})["backend"] = "inprocess"
     if "compare" in raw:
         raw["compare"]["seeds"] = [0]
+        if "tune" in raw["compare"]:
+            raw["compare"]["tune"]["widen"] = 0  # the grid as listed (widening is tested on its own)
     return raw
 
 
@@ -211,16 +229,23 @@ def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
     file.write_text(tomli_w.dumps(raw))
     folder = run_comparison(file, output=out / "compare")
     summary = pd.read_csv(folder / "summary.csv")
+    tuning = pd.read_csv(folder / "tuning.csv") if (folder / "tuning.csv").exists() else None
+    pairs = pd.read_csv(folder / "differences.csv") if (folder / "differences.csv").exists() else pd.DataFrame()
     rows = []
     for (fleet, strategy), cell in summary.groupby(["fleet", "strategy"], sort=False):
         runs = [run_figures(Path(d)) for d in cell.run_dir]
         used = [r for r in runs if r["status"] == "completed"]
+        chosen = tuning[tuning.chosen & (tuning.fleet == fleet) & (tuning.strategy == strategy)] if tuning is not None else []
         rows.append(
             {
                 "scenario": path.stem, "fleet": fleet, "strategy": strategy, "seeds": len(runs),
                 "final_accuracy": float(np.mean([r["final_accuracy"] for r in used])) if used else float("nan"),
                 "status": "completed" if len(used) == len(runs) else f"{len(used)} of {len(runs)} completed",
                 "statuses": [r["status"] for r in runs],
+                "per_seed": [r["final_accuracy"] for r in runs],
+                "lr": float(cell.lr.iloc[0]),
+                "lr_edge": str(chosen.edge.iloc[0]) if len(chosen) and isinstance(chosen.edge.iloc[0], str) else "",
+                "pairs": pairs[(pairs.fleet == fleet) & (pairs.a == strategy)].to_dict("records") if len(pairs) else [],
                 **{k: sum(r[k] for r in runs) for k in ("rejected", "failed", "not_fitting", "nonfinite_loss", "client_rows")},
             }
         )  # fmt: skip
@@ -277,6 +302,127 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def drift(rows: list[dict], reference: list[dict], tolerance: float) -> list[str]:
+    """One line per row whose status differs from, or whose final accuracy is more than ``tolerance``
+    from, the reference row of the same scenario, fleet and strategy (or that has no reference row)."""
+    recorded = {(r["scenario"], r["fleet"], r["strategy"]): r for r in reference}
+    lines = []
+    for r in rows:
+        key = (r["scenario"], r["fleet"], r["strategy"])
+        name = " / ".join(k for k in key if k)
+        old = recorded.get(key)
+        if old is None:
+            lines.append(f"{name}: no recorded row")
+            continue
+        if r["status"] != old["status"]:
+            lines.append(f"{name}: status {r['status']} (recorded: {old['status']})")
+        now, then = float(r["final_accuracy"]), float(old["final_accuracy"])
+        if not abs(now - then) <= tolerance and not (math.isnan(now) and math.isnan(then)):
+            lines.append(f"{name}: final accuracy {now:.3f} (recorded: {then:.3f}, tolerance ±{tolerance:g})")
+    return lines
+
+
+def _pairs_table(rows: list[dict]) -> str:
+    """A comparison's paired differences (its rows' ``pairs``) as markdown."""
+    pairs = [p for r in rows for p in r.get("pairs", [])]
+    tests = sum(1 for p in pairs if p["p"] == p["p"])
+    lines = [
+        f"Paired over seeds: a − b in final accuracy, two-sided paired t-test, Holm-Bonferroni over the {tests} "
+        f"pairs; significant: Holm-adjusted p < 0.05; detectable: the smallest true difference this design detects "
+        f"with power 0.8 at level 0.05/{tests}.",
+        "",
+        "| fleet | a − b | seeds | difference | p | p Holm | significant | detectable |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        lines.append(
+            f"| {p['fleet']} | {p['a']} − {p['b']} | {p['seeds']} | {p['mean_diff']:+.3f} | {p['p']:.3g} | "
+            f"{p['p_holm']:.3g} | {'**yes**' if p['significant'] else 'no'} | {p['detectable']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def page(doc: dict) -> str:
+    """The page benchmarks/studies/shipped-scenarios.md, from the JSON a full-size run wrote."""
+    rows = doc["rows"]
+    when = sorted({r.get("date", "an earlier, undated run") for r in rows})
+    runs = f"on {when[0]}" if len(when) == 1 else f"between {when[0]} and {when[-1]} (each row's date: the JSON)"
+    out = [
+        "<!-- generated by `python benchmarks/scenarios.py` from benchmarks/results/scenarios.json: do not edit "
+        "(`--page-only` rewrites it from the JSON) -->",
+        "",
+        "# Shipped scenarios: every scenario as shipped, against central training",
+        "",
+        "**Question.** Does every shipped scenario train (finite, above chance, no rejected or failed client),",
+        "and how close does its `full` reference come to the same model trained centrally?",
+        "",
+        f"**Command:** `python benchmarks/scenarios.py` (or `--only NAME,...`, which replaces those rows), run {runs}",
+        f"on {doc.get('host', '?')} ({doc.get('cpus', '?')} CPUs, shared with other jobs: wall times are this "
+        "machine's under that load). Raw rows: [`benchmarks/results/scenarios.json`](../results/scenarios.json).",
+        "",
+        "`final acc`: the global model's accuracy after the last round (a comparison: mean over its seeds that",
+        "completed). `central acc`: the same starting weights trained centrally by `train_local` (strategy `full`,",
+        "the scenario's batch, lr and BatchNorm mode) on the clients' pooled training data for rounds x local",
+        "epochs (at most 3,000 steps), evaluated as the run is. `full gap`: central minus the `full` run's accuracy.",
+        "A comparison's wall time is the whole comparison's.",
+        "",
+        table(rows),
+        "",
+    ]
+    notes = []
+    bad = [r for r in rows if r["status"] != "completed"]
+    if bad:
+        notes.append("Not `completed`: " + "; ".join(f"{r['scenario']} {r['fleet']} {r['strategy']} ({r['status']})".replace("  ", " ") for r in bad) + ".")
+    low = [r for r in rows if r["final_accuracy"] < r["chance"] + 0.05]
+    if low:
+        notes.append("Within 0.05 of chance: " + ", ".join(f"{r['scenario']} {r['strategy']}" for r in low) + ".")
+    far = [r for r in rows if r["full_gap"] == r["full_gap"] and r["full_gap"] > 0.05]
+    notes.append(
+        "`full` more than 0.05 below central training: "
+        + (", ".join(f"{r['scenario']} {r['fleet']} ({r['full_gap']:+.3f})".replace("  ", " ") for r in far) or "none")
+        + "."
+        + (
+            " continual_classes' central training sees every sample at once, its devices a stream through 128-sample"
+            " reservoirs, and they forget: that gap is what the scenario shows."
+            if any(r["scenario"] == "continual_classes" for r in far)
+            else ""
+        )
+    )
+    out += [f"- {n}" for n in notes] + [""]
+    for name in dict.fromkeys(r["scenario"] for r in rows if "per_seed" in r):
+        cells = [r for r in rows if r["scenario"] == name]
+        seeds = max(len(r["per_seed"]) for r in cells)
+        out += [
+            f"## {name}: every seed, the tuned lr and the differences",
+            "",
+            "| fleet | strategy | lr | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |",
+            "|---|---|---|" + "---|" * seeds,
+        ]
+        for r in cells:
+            edge = f" ({r['lr_edge']} of grid)" if r.get("lr_edge") else ""
+            vals = [f"{v:.3f}" if st == "completed" else st for v, st in zip(r["per_seed"], r["statuses"])]
+            out.append(f"| {r['fleet']} | {r['strategy']} | {r['lr']:g}{edge} | " + " | ".join(vals) + " |")
+        out += ["", _pairs_table(cells), ""]
+    out += [
+        "## Drift check",
+        "",
+        "`python benchmarks/scenarios.py --check` reruns every scenario (about 45 minutes here; `--only NAME,...`",
+        "for some) and exits 1 when a row's status differs from this page's or its final accuracy moved more than",
+        f"±{TOLERANCE:g} (7 of the 359 test images most scenarios have) from it; it writes nothing. At reduced size (a",
+        "few steps, in-process) CI runs the same check against `benchmarks/results/scenarios_reduced.json`",
+        "(`python benchmarks/scenarios.py --reduced` rewrites it) in `tests/integration/test_scenarios_sound.py`.",
+        "When a change moves a figure on purpose, rerun and commit both.",
+        "",
+        "On this machine, with one torch thread, deadline_elastic gave the same figure in each of ten reruns (either",
+        "backend, 1 to 4 cohorts, runtime patches on or off). On another machine a single-seed scenario can move by",
+        "more than the tolerance with no change in the code: deadline_elastic ends anywhere from 0.763 to 0.889 when",
+        "only the floating-point summation order changes ([why deadline_elastic moved](deadline-elastic-move.md)).",
+        "There a flag means rerun and look, not a regression.",
+        "",
+    ]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reduced", action="store_true", help="a few steps of each scenario, in-process")
@@ -284,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--central-steps", type=int, default=0, help="most central-training steps (default 3000; reduced 30)"
     )
-    ap.add_argument("--out", default="", help="the JSON to write")
+    ap.add_argument("--out", default="", help="the JSON to write (and, with --check, to check against)")
     ap.add_argument("--central-only", action="store_true", help="recompute the central columns of --out's table")
     ap.add_argument(
         "--with-full", action="store_true", help="also run each single scenario with strategy full, as its reference"
@@ -292,6 +438,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--factor", type=float, default=2.0, help="flag a wall time off its header's figure by more than this factor"
     )
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a row drifted from --out's")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="--check: most a final accuracy may move")
+    ap.add_argument(
+        "--page-only", action="store_true", help="rewrite the page (and header columns) from --out's JSON, run nothing"
+    )
+    ap.add_argument("--keep", default="", help="write the runs under this folder and keep them (default: a temporary one)")
     args = ap.parse_args(argv)
     central_steps = args.central_steps or (30 if args.reduced else 3000)
     paths = sorted(SIMULATIONS.glob("*.toml"))
@@ -299,6 +451,19 @@ def main(argv: list[str] | None = None) -> None:
         wanted = args.only.split(",")
         paths = [p for p in paths if p.stem in wanted]
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"scenarios{'_reduced' if args.reduced else ''}.json")
+    writes_page = not args.reduced and not args.out and not args.check
+    if args.page_only and args.reduced:
+        ap.error("--page-only writes the full-size page: not with --reduced")
+    if args.page_only:  # the header columns from the scenario files as they are now, then the page
+        doc = json.loads(out.read_text())
+        for row in doc["rows"]:
+            row["header_s"] = header_seconds(SIMULATIONS / f"{row['scenario']}.toml")
+            row["vs_header"], row["header_mismatch"] = vs_header(row["wall_s"], row["header_s"], args.factor)
+        doc["table"] = table(doc["rows"])
+        out.write_text(json.dumps(doc, indent=1, default=float))
+        PAGE.write_text(page(doc))
+        print(f"wrote {out} and {PAGE}")
+        return
     if args.central_only:  # recompute the central columns of an existing table, runs kept
         doc = json.loads(out.read_text())
         for path in paths:
@@ -315,33 +480,54 @@ def main(argv: list[str] | None = None) -> None:
                     row["full_gap"] = gap if row["strategy"].startswith("full") else float("nan")
         doc["table"] = table(doc["rows"])
         out.write_text(json.dumps(doc, indent=1, default=float))
+        if writes_page:
+            PAGE.write_text(page(doc))
         print(doc["table"])
         return
+    recorded = json.loads(out.read_text())["rows"] if out.exists() else []
+    order = [p.stem for p in sorted(SIMULATIONS.glob("*.toml"))]
+    command = "python benchmarks/scenarios.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows: list[dict] = []
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as work:
+    with tempfile.TemporaryDirectory(prefix="fedelastic-scenarios-") as temporary:
+        work = args.keep or temporary
         for path in paths:
             print(f"== {path.stem}", flush=True)
             got = run_one(path, args.reduced, central_steps, Path(work), args.with_full, args.factor)
-            rows.extend(got)
+            stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            rows.extend({**r, "date": stamp, "command": command.strip()} for r in got)
             print("\n".join(table(got).splitlines()[2:]), flush=True)
+            if args.check:
+                continue
+            # the other scenarios' rows as the file has them now (another --only run may have written since)
+            now = json.loads(out.read_text())["rows"] if out.exists() else []
+            kept = [r for r in now if r["scenario"] in order and r["scenario"] not in {p.stem for p in paths}]
+            merged = sorted(kept + rows, key=lambda r: order.index(r["scenario"]))  # stable: rows keep their order
             doc = {
-                "command": "python benchmarks/scenarios.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "command": command.strip(),
+                "date": stamp,
                 "host": platform.node(),
                 "cpus": os.cpu_count(),
                 "wall_s": time.perf_counter() - start,
-                "table": table(rows),
-                "rows": rows,
+                "table": table(merged),
+                "rows": merged,
             }
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1, default=float))  # after each scenario
+            if writes_page:
+                PAGE.write_text(page(doc))
     print(table(rows))
+    if args.check:
+        lines = drift(rows, recorded, args.tolerance)
+        for line in lines:
+            print(f"DRIFT: {line}")
+        print(f"{len(lines)} row(s) drifted from {out}" if lines else f"every row within ±{args.tolerance:g} of {out}")
+        sys.exit(1 if lines else 0)
     for r in rows:
         if r.get("header_mismatch"):
             print(f"MISMATCH: {r['scenario']} took {r['wall_s']:.0f} s, its header says about {r['header_s']:.0f} s "
                   f"(beyond x{args.factor:g}): correct the header or find the slowdown")  # fmt: skip
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" and {PAGE}" if writes_page else ""))
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ def cmd_compare(args) -> int:
         console.print(line, markup=False)
     tuning = f", {out}/tuning.csv" if (out / "tuning.csv").exists() else ""
     console.print(f"tables: {out}/summary*.csv, {out}/runs.csv{tuning}; figure: {out}/comparison.png", markup=False)
+    _print_statistics(out)
     lines = not_used(out)
     for line in lines:
         console.print(f"  {line}", markup=False, highlight=False)
@@ -187,6 +188,26 @@ def cmd_compare(args) -> int:
             highlight=False,
         )
     return code
+
+
+def _print_statistics(out) -> None:
+    """A comparison's final accuracy per seed, its paired differences and its lr-grid warnings."""
+    from .comparison import differences_table, edge_warnings, seed_table
+
+    frames = [(f"final accuracy per seed: {out}/summary.csv", seed_table(out), [])]
+    if (out / "differences.csv").exists():
+        frames.append((f"paired differences: {out}/differences.csv", *differences_table(out)))
+    for title, frame, legend in frames:
+        table = Table(title=title)
+        for col in frame.columns:
+            table.add_column(col, justify="right", no_wrap=True)
+        for row in frame.itertuples(index=False):
+            table.add_row(*map(str, row))
+        console.print(table)
+        for line in legend:
+            console.print(line, markup=False)
+    for line in edge_warnings(out):
+        console.print(f"warning: {line}", markup=False, highlight=False)
 
 
 def cmd_devices(args) -> None:

@@ -46,7 +46,7 @@ from .plots import plot_comparison as plot
 from .scenario import Scenario, parse_scenario
 
 # the statistics over seeds, re-exported here: this module's API
-from .seedstats import USED, aggregate, summarise
+from .seedstats import ALPHA, USED, aggregate, differences, summarise
 from .seedstats import bounds as bounds
 from .seedstats import ci95 as ci95
 from .seedstats import curves as curves
@@ -74,6 +74,11 @@ class TuneConfig:
     validation: float = field(
         0.1, help="share of each client's training data held out to score the tuning runs (data.validation)"
     )
+    widen: int = field(
+        0,
+        help="most learning rates added per fleet and strategy while the chosen one is at the grid's edge, each "
+        "one geometric step beyond it (the ratio of the two rates at that edge); 0: only warn",
+    )
 
     def __post_init__(self):
         check(bool(self.lr or self.bn_mode), "lr", "a list of learning rates (or bn_mode: a list of modes) to try")
@@ -81,6 +86,7 @@ class TuneConfig:
         check(len(set(self.bn_mode)) == len(self.bn_mode), "bn_mode", "distinct modes")
         check(self.rounds >= 0, "rounds", "an integer >= 0")
         check(0 < self.validation < 1, "validation", "a fraction in (0, 1)")
+        check(self.widen >= 0, "widen", "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,8 @@ def run_comparison(
                 cells.run(v, chosen)
     summary = pd.DataFrame(cells.summary)
     aggregate(summary).to_csv(out / "summary_by_strategy.csv", index=False)
+    if "final_accuracy" in summary:
+        differences(summary).to_csv(out / "differences.csv", index=False)
     plot(
         pd.concat(cells.rounds_tables) if cells.rounds_tables else pd.DataFrame(),
         out / "comparison.png",
@@ -314,35 +322,63 @@ class _Cells:
         self.tuning: list[dict] = []
 
     def tune(self, grid: list[TuneCell]) -> TuneCell | None:
-        """Run one (fleet, strategy)'s tuning grid; returns the chosen grid point (None: none completed)."""
-        first = len(self.tuning)
+        """Run one (fleet, strategy)'s tuning grid; returns the chosen grid point (None: none completed).
+
+        While the chosen learning rate is the highest or lowest of the grid (for its bn_mode) and
+        fewer than ``tune.widen`` rates were added, one more rate one geometric step beyond that
+        edge runs and the choice is made again. A choice left at an edge is warned about and marked
+        in ``tuning.csv`` (``edge``: top or bottom; ``added``: the rates widening added).
+        """
+        first, grid = len(self.tuning), list(grid)
         for cell in grid:
-            sc = self._prepare(cell.scenario, "tuning", tuning=True)
-            label = f"{cell.fleet} / {cell.strategy} / tune lr {cell.lr:g}, bn {cell.bn_mode}"
-            run_dir, status, error = self._execute(sc, label)
-            r = _read(run_dir, "rounds")
-            scored = r is not None and RoundCol.VAL_ACCURACY in r  # a run with a validation share
-            evaluated = r[r[RoundCol.VAL_ACCURACY].notna()] if scored else pd.DataFrame()
-            self.tuning.append(
-                {
-                    "fleet": cell.fleet, "strategy": cell.strategy, "lr": cell.lr, "bn_mode": cell.bn_mode,
-                    "status": status, "error": error,
-                    "val_accuracy": float(evaluated[RoundCol.VAL_ACCURACY].iloc[-1]) if len(evaluated) else float("nan"),
-                    "val_loss": float(evaluated[RoundCol.VAL_LOSS].iloc[-1]) if len(evaluated) else float("nan"),
-                    "chosen": False, "run_dir": str(run_dir),
-                }
-            )  # fmt: skip
-            pd.DataFrame(self.tuning).to_csv(self.out / "tuning.csv", index=False)
+            self._tune_one(cell)
         best = pick(pd.DataFrame(self.tuning[first:], index=range(first, len(self.tuning))))
+        widen = self.cfg.tune.widen if self.cfg.tune else 0
+        added = 0
+        while best is not None:
+            chosen = grid[best - first]
+            lrs = sorted(c.lr for c in grid if c.bn_mode == chosen.bn_mode)
+            edge = _edge(lrs, chosen.lr)
+            if not edge or added >= widen:
+                break
+            step = lrs[-1] / lrs[-2] if edge == "top" else lrs[0] / lrs[1]
+            cell = _with_lr(chosen, float(f"{chosen.lr * step:.6g}"))
+            grid.append(cell)
+            self.total += 1
+            self._tune_one(cell, added=True)
+            added += 1
+            best = pick(pd.DataFrame(self.tuning[first:], index=range(first, len(self.tuning))))
         if best is None:
             print(f"    no tuning run of {grid[0].fleet} / {grid[0].strategy} completed: its seeds run with the "
                   "scenario's own lr and bn_mode", flush=True)  # fmt: skip
             return None
         self.tuning[best]["chosen"] = True
+        self.tuning[best]["edge"] = edge
         pd.DataFrame(self.tuning).to_csv(self.out / "tuning.csv", index=False)
         chosen = grid[best - first]
         print(f"    chosen: lr {chosen.lr:g}, bn_mode {chosen.bn_mode}", flush=True)
+        if edge:
+            print(f"    warning: {edge_warning(self.tuning[best], lrs, added)}", flush=True)
         return chosen
+
+    def _tune_one(self, cell: TuneCell, added: bool = False) -> None:
+        """Run (or read back) one tuning run and append its scores to ``tuning.csv``."""
+        sc = self._prepare(cell.scenario, "tuning", tuning=True)
+        label = f"{cell.fleet} / {cell.strategy} / tune lr {cell.lr:g}, bn {cell.bn_mode}"
+        run_dir, status, error = self._execute(sc, label)
+        r = _read(run_dir, "rounds")
+        scored = r is not None and RoundCol.VAL_ACCURACY in r  # a run with a validation share
+        evaluated = r[r[RoundCol.VAL_ACCURACY].notna()] if scored else pd.DataFrame()
+        self.tuning.append(
+            {
+                "fleet": cell.fleet, "strategy": cell.strategy, "lr": cell.lr, "bn_mode": cell.bn_mode,
+                "status": status, "error": error,
+                "val_accuracy": float(evaluated[RoundCol.VAL_ACCURACY].iloc[-1]) if len(evaluated) else float("nan"),
+                "val_loss": float(evaluated[RoundCol.VAL_LOSS].iloc[-1]) if len(evaluated) else float("nan"),
+                "chosen": False, "edge": "", "added": added, "run_dir": str(run_dir),
+            }
+        )  # fmt: skip
+        pd.DataFrame(self.tuning).to_csv(self.out / "tuning.csv", index=False)
 
     def run(self, v: Variant, chosen: TuneCell | None) -> None:
         """Run one seed of a cell (with the tuned lr and bn_mode, if any) and write the tables so far."""
@@ -405,6 +441,45 @@ class _Cells:
             print(f"    {state}: {run_dir}", flush=True)
         self.advance()
         return run_dir, state, raised or _why(status)
+
+
+def _edge(lrs: list[float], lr: float) -> str:
+    """``"top"`` or ``"bottom"`` when ``lr`` is the highest or lowest of ``lrs`` (sorted, at least two); else ''."""
+    if len(lrs) < 2:
+        return ""
+    return "top" if lr == lrs[-1] else "bottom" if lr == lrs[0] else ""
+
+
+def _with_lr(cell: TuneCell, lr: float) -> TuneCell:
+    """``cell``'s tuning run at another learning rate, in a folder named after it."""
+    sc = cell.scenario
+    name = f"{sc.name.rsplit('-tune-lr', 1)[0]}-tune-lr{lr:g}-{cell.bn_mode}"
+    return replace(cell, lr=lr, scenario=replace(sc, name=name, train=replace(sc.train, lr=lr)))
+
+
+def edge_warning(row: dict, lrs: list[float], added: int) -> str:
+    """One line on a tuned lr left at its grid's edge (``row``: its tuning.csv row; ``added``: the rates
+    ``tune.widen`` added, all it allowed, since a choice at an edge widens while it may)."""
+    grid = ", ".join(f"{lr:g}" for lr in lrs)
+    where = f"{row['fleet']} / {row['strategy']}: lr {row['lr']:g} is at the {row['edge']} of the grid [{grid}]"
+    if added:
+        return f"{where} after {added} rate(s) added, the limit of compare.tune.widen: the best lr may lie beyond"
+    return f"{where}: the best lr may lie beyond (compare.tune.widen = N extends the grid by up to N rates)"
+
+
+def edge_warnings(out: Path) -> list[str]:
+    """The warnings of a finished comparison's tuned learning rates left at their grid's edge (tuning.csv)."""
+    if not (out / "tuning.csv").exists():
+        return []
+    t = pd.read_csv(out / "tuning.csv")
+    if "edge" not in t:
+        return []
+    lines = []
+    for row in t[t.chosen.astype(bool) & t.edge.notna() & (t.edge.astype(str) != "")].to_dict("records"):
+        cell = t[(t.fleet == row["fleet"]) & (t.strategy == row["strategy"])]
+        lrs = sorted(cell[cell.bn_mode == row["bn_mode"]].lr)
+        lines.append(edge_warning(row, lrs, int(cell.added.astype(bool).sum())))
+    return lines
 
 
 FINISHED = ("completed", "completed_with_errors", "diverged")  # final states a resumed comparison keeps
@@ -508,3 +583,33 @@ def not_used(out: Path) -> list[str]:
         f"{r.status}: {r.fleet} / {r.strategy} / seed {r.seed}" + (f" ({r.error})" if isinstance(r.error, str) else "")
         for r in bad.itertuples()
     ]
+
+
+def seed_table(out: Path, metric: str = "final_accuracy") -> pd.DataFrame:
+    """Per fleet and strategy, ``metric`` of every seed; a seed in no mean shows its status instead."""
+    s = pd.read_csv(out / "summary.csv")
+    status = s.status.fillna("failed") if "status" in s else pd.Series(USED, index=s.index)
+    value = s[metric] if metric in s else pd.Series(float("nan"), index=s.index)
+    s["shown"] = [f"{v:.3f}" if st == USED else str(st) for v, st in zip(value, status)]
+    wide = s.pivot_table(index=["fleet", "strategy"], columns="seed", values="shown", aggfunc="first", sort=False)
+    wide.columns = [f"seed {c}" for c in wide.columns]
+    return wide.fillna("").reset_index()
+
+
+def differences_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
+    """A finished comparison's paired differences in final accuracy (differences.csv) for a terminal, and its legend."""
+    d = pd.read_csv(out / "differences.csv")
+    tests = int(d.p.notna().sum())
+    frame = pd.DataFrame({"fleet": d.fleet, "a − b": d.a + " − " + d.b, "seeds": d.seeds})
+    frame["difference"] = d.mean_diff.map("{:+.3f}".format)
+    frame["p"] = d.p.map("{:.3g}".format)
+    frame["p Holm"] = d.p_holm.map("{:.3g}".format)
+    frame["significant"] = d.significant.map({True: "yes", False: "no"})
+    frame["detectable"] = d.detectable.map("{:.3f}".format)
+    legend = [
+        f"difference: mean over the seeds both completed of a − b in final accuracy; p: two-sided paired t-test; "
+        f"p Holm: Holm-Bonferroni over the {tests} pairs; significant: p Holm < {ALPHA:g}",
+        f"detectable: the smallest true difference this design (its seeds, the pair's spread over them) "
+        f"detects with power 0.8 at level {ALPHA:g}/{tests}; a smaller one is no evidence of equality",
+    ]
+    return frame, legend

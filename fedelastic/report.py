@@ -428,12 +428,32 @@ def _tuning(folder: Path) -> str:
     shown["val_accuracy"] = shown.val_accuracy.map("{:.3f}".format)
     shown["val_loss"] = shown.val_loss.map("{:.3g}".format)
     shown["chosen"] = t.chosen.map({True: "✓", False: ""}).fillna("")
+    if "added" in t:
+        shown["added by widening"] = t.added.map({True: "✓", False: ""}).fillna("")
+    from .comparison import edge_warnings
+
+    warnings = "".join(f'<p class="bad">{html.escape(line)}</p>' for line in edge_warnings(folder))
     return (
         "<h2>Tuning</h2><p>Each strategy's learning rate (and BatchNorm mode) was chosen per fleet by its final "
         "accuracy on a validation split held out from the clients' training data (never the test set); ties go "
         "to the lower validation loss, then the smaller learning rate. Only completed tuning runs with a finite validation loss count.</p>"
+        + warnings
         + shown.to_html(index=False, border=0)
     )
+
+
+def _statistics(folder: Path) -> str:
+    """Final accuracy per seed, and the paired differences between strategies ('' without them)."""
+    from .comparison import differences_table, seed_table
+
+    if not (folder / "summary.csv").exists():
+        return ""
+    out = "<h2>Final accuracy per seed</h2>" + seed_table(folder).to_html(index=False, border=0)
+    if (folder / "differences.csv").exists():
+        frame, legend = differences_table(folder)
+        notes = "".join(f"<p>{html.escape(line)}</p>" for line in legend)
+        out += "<h2>Differences between strategies</h2>" + notes + frame.to_html(index=False, border=0)
+    return out
 
 
 def comparison_sections(folder: Path) -> tuple[str, list[str]]:
@@ -468,7 +488,7 @@ def comparison_sections(folder: Path) -> tuple[str, list[str]]:
             )
         )
     sections.append("<h2>Summary</h2>" + comparison_table(table))
-    sections += [s for s in (_not_completed(folder), _tuning(folder)) if s]
+    sections += [s for s in (_statistics(folder), _not_completed(folder), _tuning(folder)) if s]
     return head, sections
 
 

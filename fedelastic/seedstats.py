@@ -1,5 +1,6 @@
-"""Statistics of a comparison's runs over seeds: one run's headline figures, and per (fleet,
-strategy) the mean and 95% interval of each over the seeds that completed.
+"""Statistics of a comparison's runs over seeds: one run's headline figures, per (fleet,
+strategy) the mean and 95% interval of each over the seeds that completed, and per pair of
+strategies their difference paired by seed, tested and Holm-corrected (:func:`differences`).
 
 Only seeds whose run ``completed`` (:data:`USED`) enter a mean or an interval; interval bounds are
 clipped at the metric's physical bounds (:func:`bounds`); time and energy to target are censored
@@ -59,6 +60,7 @@ def ci95(values: np.ndarray) -> float:
 
 _TO_TARGET = ("time_to_target_s", "energy_to_target_j")
 USED = "completed"  # the only run status whose seeds enter means and intervals
+ALPHA = 0.05  # the level of the paired tests between strategies (Holm-corrected: :func:`differences`)
 _NOT_METRICS = ("fleet", "strategy", "seed", "run_dir", "reached_target", "status", "error", "lr", "bn_mode")
 
 
@@ -164,4 +166,90 @@ def curves(runs: pd.DataFrame) -> pd.DataFrame:
     g = runs.groupby(["fleet", "strategy", R.ROUND], sort=False)
     out = g.agg(sim_time_s=(R.SIM_TIME_S, "mean"), accuracy=(R.TEST_ACCURACY, "mean")).reset_index()
     out["accuracy_ci95"] = g[R.TEST_ACCURACY].apply(lambda v: ci95(v.to_numpy())).to_numpy()
+    return out
+
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm-Bonferroni adjusted p-values (NaN p-values stay NaN and do not count as comparisons).
+
+    The i-th smallest of m p-values becomes ``max over j <= i of min(1, (m - j + 1) * p_(j))``; a
+    comparison is significant at level alpha when its adjusted p-value is below alpha.
+    """
+    p = np.asarray(p, float)
+    out = np.full(len(p), np.nan)
+    idx = np.flatnonzero(~np.isnan(p))
+    order = idx[np.argsort(p[idx], kind="stable")]
+    m = len(order)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def detectable_difference(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided paired t-test on ``n`` pairs, whose differences
+    have standard deviation ``sd``, detects with probability ``power`` at level ``alpha``.
+
+    Exact for the t-test: the noncentral t with ``n - 1`` degrees of freedom and noncentrality
+    ``delta * sqrt(n) / sd`` falls beyond the critical value with probability ``power``. NaN for
+    fewer than 2 pairs; 0 when ``sd`` is 0.
+    """
+    from scipy import optimize, stats
+
+    if n < 2 or not math.isfinite(sd):
+        return float("nan")
+    if sd == 0:
+        return 0.0
+    df = n - 1
+    crit = stats.t.ppf(1 - alpha / 2, df)
+
+    def missing(nc: float) -> float:
+        below = np.nan_to_num(stats.nct.sf(crit, df, -nc))  # P(T < -crit), by symmetry (cdf can give NaN)
+        return float(stats.nct.sf(crit, df, nc) + below) - power
+
+    high = 1.0
+    while missing(high) < 0:  # the power rises with the noncentrality: bracket the root
+        high *= 2
+    nc = optimize.brentq(missing, 0.0, high, xtol=1e-10)
+    return float(nc * sd / math.sqrt(n))
+
+
+def differences(summary: pd.DataFrame, metric: str = "final_accuracy", alpha: float = ALPHA, power: float = 0.8):
+    """Every pair of strategies within a fleet, compared on ``metric`` paired by seed.
+
+    Only seeds that both runs of a pair completed are paired. Per pair: ``mean_diff`` (a - b) and
+    ``sd_diff`` over the paired seeds, the two-sided paired t-test's ``p``, its Holm-Bonferroni
+    adjusted ``p_holm`` over every pair of the comparison (all fleets: one family),
+    ``significant`` (``p_holm < alpha``), and ``detectable``: the smallest difference the design
+    detects with probability ``power`` at level ``alpha / m`` (m: the number of pairs tested,
+    Holm's strictest step), from the pair's own ``sd_diff`` and seed count.
+    """
+    from scipy import stats
+
+    if "status" in summary:
+        summary = summary[summary.status == USED]
+    rows = []
+    for fleet, g in summary.groupby("fleet", sort=False):
+        wide = g.pivot_table(index="seed", columns="strategy", values=metric, aggfunc="first")
+        labels = list(dict.fromkeys(g.strategy))
+        for i, a in enumerate(labels):
+            for b in labels[i + 1 :]:
+                pair = wide[[a, b]].dropna() if a in wide and b in wide else pd.DataFrame()
+                d = (pair[a] - pair[b]).to_numpy(float) if len(pair) else np.array([])
+                sd = float(d.std(ddof=1)) if len(d) > 1 else float("nan")
+                if len(d) < 2:
+                    p = float("nan")
+                elif sd == 0:  # every seed differs by the same amount: no spread to test against
+                    p = 0.0 if d[0] != 0 else 1.0
+                else:
+                    p = float(stats.ttest_rel(pair[a], pair[b]).pvalue)
+                rows.append({"fleet": fleet, "a": a, "b": b, "seeds": len(d),
+                             "mean_diff": float(d.mean()) if len(d) else float("nan"), "sd_diff": sd, "p": p})  # fmt: skip
+    out = pd.DataFrame(rows, columns=["fleet", "a", "b", "seeds", "mean_diff", "sd_diff", "p"])
+    out["p_holm"] = holm(out.p.to_numpy(float)) if len(out) else []
+    out["significant"] = out.p_holm < alpha
+    m = max(int(out.p.notna().sum()), 1)
+    out["detectable"] = [detectable_difference(sd, n, alpha / m, power) for sd, n in zip(out.sd_diff, out.seeds)]
+    out.attrs.update(metric=metric, alpha=alpha, power=power, tests=m)
     return out

@@ -14,12 +14,8 @@ import sys
 
 import pandas as pd
 import pytest
-import tomli_w
 
-from fedelastic.comparison import run_comparison
 from fedelastic.config import read_toml
-from fedelastic.fl.runner import run_scenario
-from fedelastic.scenario import parse_scenario
 from tests.support import ROOT
 
 SHIPPED = sorted((ROOT / "simulations").glob("*.toml"))
@@ -70,16 +66,32 @@ def test_reduced_size_shrinks_rounds_steps_and_data(bench):
     assert raw["server"]["rounds"] == 15  # the shipped dict is left as it was
 
 
+def test_drift_flags_a_moved_status_or_accuracy_beyond_the_tolerance(bench):
+    ref = [{"scenario": "a", "fleet": "", "strategy": "full", "status": "completed", "final_accuracy": 0.875},
+           {"scenario": "c", "fleet": "gpu", "strategy": "full", "status": "completed", "final_accuracy": 0.9}]  # fmt: skip
+    rows = [
+        {**ref[0], "final_accuracy": 0.816},  # deadline_elastic's reported move: 0.059
+        {**ref[1], "final_accuracy": 0.885, "status": "2 of 3 completed"},  # within 0.02; the status moved
+        {**ref[1], "scenario": "new"},
+    ]
+    assert bench.drift(rows, ref, 0.02) == [
+        "a / full: final accuracy 0.816 (recorded: 0.875, tolerance ±0.02)",
+        "c / gpu / full: status 2 of 3 completed (recorded: completed)",
+        "new / gpu / full: no recorded row",
+    ]
+    assert bench.drift(ref, ref, 0.0) == []
+    nan = {**ref[0], "final_accuracy": float("nan")}
+    assert bench.drift([nan], [nan], 0.02) == [] and len(bench.drift([nan], ref, 0.02)) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_scenario_trains_soundly_at_reduced_size(bench, path, tmp_path):
-    raw = {**bench.reduced(read_toml(path, "scenario")), "output_dir": str(tmp_path / "runs")}
-    if "compare" in raw:
-        file = tmp_path / path.name
-        file.write_text(tomli_w.dumps(raw))
-        run_comparison(file, output=tmp_path / "compare")
-    else:
-        run_scenario(parse_scenario(raw, str(path)), run_id="reduced")
+    """...and has not drifted: its status and final accuracy (a comparison: per fleet and strategy) are
+    those recorded in benchmarks/results/scenarios_reduced.json, within ``bench.TOLERANCE``."""
+    raw = bench.reduced(read_toml(path, "scenario"))
+    raw.pop("source", None)
+    rows = (bench.run_compare if "compare" in raw else bench.run_single)(path, raw, tmp_path)
     runs = [f.parent for f in tmp_path.rglob("status.json")]
     assert runs, "no run folder was written"
     for run in runs:
@@ -91,3 +103,6 @@ def test_shipped_scenario_trains_soundly_at_reduced_size(bench, path, tmp_path):
         trained = clients[clients.steps > 0]
         losses = trained.train_loss.astype(float).tolist()
         assert losses and all(math.isfinite(v) for v in losses), f"{run}: non-finite train losses"
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "scenarios_reduced.json").read_text())["rows"]
+    drifted = bench.drift(rows, recorded, bench.TOLERANCE)
+    assert not drifted, f"{drifted}: if on purpose, rerun `python benchmarks/scenarios.py --reduced` and commit it"
