@@ -65,16 +65,24 @@ _OPS_PER_EVALUATION_PER_TENSOR = 8.0
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak training memory in bytes, by what holds it."""
+    """Peak training memory in bytes, by what holds it.
+
+    Every field but ``flash_bytes`` is in the memory ``memory.train`` budgets (RAM; an MCU's SRAM),
+    and :attr:`total_bytes` sums them. ``weights_bytes`` is the weights held there: all of them on
+    a device without ``memory.flash``; on one with flash only the trained elements (their working
+    copy, updated in place), while the frozen elements stay in flash (``flash_bytes``).
+    """
 
     weights_bytes: float
     activations_bytes: float
     gradients_bytes: float
     optimizer_bytes: float
     workspace_bytes: float
+    flash_bytes: float = 0.0  # frozen weights read in place from flash (0 on a device without flash)
 
     @property
     def total_bytes(self) -> float:
+        """Bytes in RAM (SRAM on an MCU): what ``memory.train`` must hold."""
         return (
             self.weights_bytes
             + self.activations_bytes
@@ -82,6 +90,11 @@ class MemoryBreakdown:
             + self.optimizer_bytes
             + self.workspace_bytes
         )
+
+    @property
+    def ram_bytes(self) -> float:
+        """Alias of :attr:`total_bytes`."""
+        return self.total_bytes
 
 
 @dataclass(frozen=True)
@@ -324,7 +337,10 @@ class CostModel:
     ) -> MemoryBreakdown:
         """Peak training memory (the README's "Cost model" section; the rules follow).
 
-        Weights are all resident. A weight gradient saves its layer's input: all of it for a dense
+        Where the weights live: on a device without ``memory.flash`` all of them are in RAM; on
+        one with flash (an MCU) the frozen elements stay in flash (``flash_bytes``, read in place)
+        and only the trained elements are in SRAM, one copy updated in place (a tensor trained on
+        a share of its channels: that share). A weight gradient saves its layer's input: all of it for a dense
         layer trained on some output channels, and the trained share for a grouped (depthwise)
         conv or for a weight trained on a share of its **input** channels (``input_sparse[k]``,
         Sparse Update), whose gradient reads only the kept channels. A norm scale saves its
@@ -354,9 +370,16 @@ class CostModel:
             if self._norm_train_bytes.any():
                 on = np.bincount(self.info.tensor_layer[selected], minlength=len(self.info.layers)) > 0
                 acts += float(on @ self._norm_train_bytes)
+        ram_weights, flash = self._weights_split(trained * e)
         return MemoryBreakdown(
-            self._weight_bytes, acts * scale, trained * e, trained * e * self.optimizer_state, self._workspace * scale
+            ram_weights, acts * scale, trained * e, trained * e * self.optimizer_state, self._workspace * scale, flash
         )
+
+    def _weights_split(self, trained_bytes: float) -> tuple[float, float]:
+        """(weight bytes in RAM, frozen weight bytes in flash) when ``trained_bytes`` of them train."""
+        if self.device.memory_flash_bytes is None:
+            return self._weight_bytes, 0.0
+        return trained_bytes, max(self._weight_bytes - trained_bytes, 0.0)
 
     def _prepare_memory(self) -> None:
         """Per-tensor saved-activation bytes and per-layer op bytes, so memory() is vectorised."""
@@ -395,8 +418,21 @@ class CostModel:
     ) -> float:
         return self.memory(ratios, input_sparse, batch_size).total_bytes
 
+    def flash_fits(self, ratios: np.ndarray) -> bool:
+        """Whether the frozen weights of ``ratios`` fit the device's flash (always, without flash)."""
+        flash = self.device.memory_flash_bytes
+        if flash is None:
+            return True
+        trained = float(np.asarray(ratios, float) @ self.info.tensor_numel) * self.device.bytes_per_element
+        return self._weights_split(trained)[1] <= flash.value
+
     def fits(self, ratios: np.ndarray, input_sparse: np.ndarray | None = None) -> bool:
-        return self.peak_memory_bytes(ratios, input_sparse) <= self.device.memory_train_bytes.value
+        """RAM-resident bytes within ``memory.train`` and frozen weights within ``memory.flash``."""
+        m = self.memory(ratios, input_sparse)
+        flash = self.device.memory_flash_bytes
+        return m.total_bytes <= self.device.memory_train_bytes.value and (
+            flash is None or m.flash_bytes <= flash.value
+        )
 
     # ---- probes -----------------------------------------------------------------------------
     def probe_memory(
@@ -410,7 +446,8 @@ class CostModel:
         deepest to the highest scope tensor (kept until its gradient arrives: ``a * g``), what the
         weightless ops and per-sample norms (and train-mode BatchNorms) there need for the error
         gradient, a float32 accumulator per output channel, and the workspace; no weight
-        gradient is formed.
+        gradient is formed. On a device with flash the weights the probe does not train stay
+        there (``flash_bytes``); the importance probe's restore copies are held in RAM.
         """
         if probe not in PROBES:
             raise ValueError(f"probe: expected one of {PROBES}, got {probe!r}")
@@ -418,8 +455,9 @@ class CostModel:
         b = float(self.batch_size if batch_size is None else batch_size)
         scale = b / self.batch_size
         s = self._scope(scope)
+        frozen_ram, frozen_flash = self._weights_split(0.0)
         if not s.any():
-            return MemoryBreakdown(self._weight_bytes, 0.0, 0.0, 0.0, 0.0)
+            return MemoryBreakdown(frozen_ram, 0.0, 0.0, 0.0, 0.0, frozen_flash)
         if probe == "importance":
             m = self.memory(s, batch_size=batch_size)
             copies = float(s @ info.tensor_numel) * e + m.optimizer_bytes  # restored after the probe
@@ -429,6 +467,7 @@ class CostModel:
                 m.gradients_bytes,
                 2 * m.optimizer_bytes,
                 m.workspace_bytes,
+                m.flash_bytes,
             )
         picked = np.flatnonzero(s)
         deepest, highest = int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])
@@ -438,7 +477,9 @@ class CostModel:
             self._op_bytes_above[deepest] + self._sample_norm_from[deepest] + self._norm_train_bytes[deepest:].sum()
         )
         accumulators = 4.0 * sum(layer.out_channels for layer in scored)
-        return MemoryBreakdown(self._weight_bytes, outputs + passed * scale, accumulators, 0.0, self._workspace * scale)
+        return MemoryBreakdown(
+            frozen_ram, outputs + passed * scale, accumulators, 0.0, self._workspace * scale, frozen_flash
+        )
 
     def probe_plan(self, probe: str, budget_bytes: float, scope: np.ndarray | None = None) -> tuple[int, float]:
         """``(micro_batch, peak_bytes)``: the largest micro-batch whose probe fits ``budget_bytes``.

@@ -117,7 +117,7 @@ class DeviceProfile:
     display_name: str
     device_class: str
     train_dtype: str
-    memory_train_bytes: Quantity
+    memory_train_bytes: Quantity  # RAM for training (an MCU's SRAM budget)
     peak_flops: Quantity  # of train_dtype, in FLOP/s (or OP/s for int8)
     mem_bandwidth_bytes_per_s: Quantity
     efficiency: Quantity
@@ -131,6 +131,9 @@ class DeviceProfile:
     latency_s: Quantity
     energy_per_mac_j: Quantity | None = None
     energy_per_byte_j: Quantity | None = None
+    #: flash (non-volatile, read in place) that holds the frozen weights; None: every weight sits in
+    #: ``memory_train_bytes`` (boards and phones that load the model into RAM)
+    memory_flash_bytes: Quantity | None = None
     availability: Quantity | None = None
     measured: dict[str, MeasuredTable] = field(default_factory=dict)
     notes: str = ""
@@ -149,7 +152,7 @@ class DeviceProfile:
 
 # (section, key) -> (dimension, required)
 _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
-    "memory": {"train": ("bytes", True)},
+    "memory": {"train": ("bytes", True), "flash": ("bytes", False)},
     "compute": {
         "peak_fp32": ("flops", False),
         "peak_fp16": ("flops", False),
@@ -200,7 +203,10 @@ KEY_HELP: dict[str, str] = {
     "measured": "measured per-layer tables, one per model (written by `fedelastic profile` tools, never by hand)",
     "kernels": "fitted roofline of each kernel class (v2; see the cost model)",
     "layout_transposes": "price the framework's layout copies around convs (v2; default false)",
-    "memory.train": "memory available to training (for MCUs, the SRAM budget)",
+    "memory.train": "memory available to training (for MCUs, the SRAM budget: trained weights, gradients, "
+    "optimizer state, saved activations, workspace; every weight too when there is no memory.flash)",
+    "memory.flash": "flash that holds the frozen weights, read in place (MCUs); absent: all weights count "
+    "against memory.train",
     "compute.peak_fp32": "peak FP32 throughput (required when train_dtype = fp32)",
     "compute.peak_fp16": "peak FP16 throughput (required when train_dtype = fp16)",
     "compute.peak_int8": "peak int8 throughput (required when train_dtype = int8)",
@@ -401,7 +407,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         raise ConfigError(src, "availability.probability.value", "a probability in [0, 1]", avail.value)
     if "notes" in raw and not isinstance(raw["notes"], str):
         raise ConfigError(src, "notes", "a string", raw["notes"])
-    for key in ("memory.train", "compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key):
+    positive = ["memory.train", "compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key]
+    for key in positive + (["memory.flash"] if q.get("memory.flash") is not None else []):
         if q[key].value <= 0:  # type: ignore[union-attr]
             raise ConfigError(src, f"{key}.value", "a positive number", q[key].value)  # type: ignore[union-attr]
     return DeviceProfile(
@@ -410,6 +417,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         device_class=raw["device_class"],
         train_dtype=raw["train_dtype"],
         memory_train_bytes=q["memory.train"],  # type: ignore[arg-type]
+        memory_flash_bytes=q.get("memory.flash"),
         peak_flops=q[peak_key],  # type: ignore[arg-type]
         mem_bandwidth_bytes_per_s=q["compute.mem_bandwidth"],  # type: ignore[arg-type]
         efficiency=eff,

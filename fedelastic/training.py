@@ -17,7 +17,8 @@
   (:meth:`CostModel.probe_segments`). A probe that does not fit at all never runs: the client
   reports ``fits=False``. Probe and selector work (:meth:`CostModel.selector_time_s`) are
   charged to the emulated time.
-* A selection that does not fit the device's training memory is never trained: the result says
+* A selection that does not fit the device's training memory (or whose frozen weights do not
+  fit its flash, on a device with ``memory.flash``) is never trained: the result says
   ``fits=False``; the emulated time already spent in the round is kept, the weights roll back.
 * A strategy that :meth:`~SelectionStrategy.carries_selection` (a re-selection interval) starts
   from the selection its last local training left, with the steps run since it: no probe and no
@@ -372,6 +373,18 @@ def select_and_charge(strategy, ctx, cost, result, prepared: Prepared | None = N
     return selection, peak
 
 
+def flash_shortfall(cost, selection: Selection) -> str:
+    """Why the selection's frozen weights do not fit the device's flash, or "" when they do (or
+    the device has no ``memory.flash``)."""
+    if cost.flash_fits(selection.ratios):
+        return ""
+    need = cost.memory(selection.ratios, selection.input_sparse).flash_bytes
+    return (
+        f"the frozen weights need {need:.0f} bytes of flash; "
+        f"the device has {cost.device.memory_flash_bytes.value:.0f}"
+    )
+
+
 def carried_selection(strategy: SelectionStrategy, info: ModelInfo) -> tuple[Selection | None, int]:
     """(the selection an earlier local training left, the steps run since it was made), or (None, 0).
 
@@ -541,6 +554,9 @@ def train_local(
             if peak > ctx.memory_budget_bytes:
                 why = f" ({note})" if note else ""
                 return fail(f"the selection needs {peak:.0f} bytes; the device has {memory:.0f}{why}")
+            short = flash_shortfall(cost, selection)
+            if short:
+                return fail(short)
             result.selections += 1
             since = 0
         else:

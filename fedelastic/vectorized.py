@@ -55,6 +55,7 @@ from .training import (
     batches,
     carried_selection,
     carry_selection,
+    flash_shortfall,
     no_step_reason,
     select_and_charge,
     step_cap,
@@ -168,6 +169,10 @@ class _Client:
         if peak > ctx.memory_budget_bytes:
             why = f" ({self.note})" if self.note else ""
             self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}{why}"
+            return
+        short = flash_shortfall(cost, selection)
+        if short:
+            self.failed = short
             return
         result.selections += 1
         self._apply(selection, peak)

@@ -60,6 +60,83 @@ def test_memory_matches_hand_computation():
     assert CostModel(info, int8, batch_size=2).memory(np.ones(4)).weights_bytes == 23
 
 
+def _mcu(train_bytes: float, flash_bytes: float | None):
+    """stm32h743 (int8: 1 byte per element) with its SRAM and flash set by the test."""
+    dev = get_profile("stm32h743")
+    flash = None if flash_bytes is None else Quantity(flash_bytes, "test")
+    return dataclasses.replace(dev, memory_train_bytes=Quantity(train_bytes, "test"), memory_flash_bytes=flash)
+
+
+def test_mcu_keeps_frozen_weights_in_flash_and_trained_weights_in_sram():
+    # Linear(4,3) ReLU Linear(3,2): tensors 12, 3, 6, 2 elements (23); int8, batch 2, momentum
+    info = _mlp_info()
+    cost = CostModel(info, _mcu(40, 17), batch_size=2)
+    workspace = 2 * (4 + 3)  # layer 0's input + output, 1 byte each
+    # the last weight alone: its 6 elements in SRAM (updated in place), the other 17 in flash;
+    # its input (3 per sample) saved; a gradient and a momentum element per trained element
+    m = cost.memory(np.array([0, 0, 1, 0]))
+    assert (m.weights_bytes, m.activations_bytes, m.gradients_bytes, m.optimizer_bytes, m.workspace_bytes) == (
+        6,
+        3 * 2,
+        6,
+        6,
+        workspace,
+    )
+    assert m.flash_bytes == 17 and m.total_bytes == m.ram_bytes == 6 + 6 + 6 + 6 + 14 == 38
+    # half the output channels of the first weight: 6 of its 12 elements in SRAM, the rest in flash;
+    # a dense weight's gradient needs all of its input (4 x 2) and the ReLU above keeps a 1-bit mask
+    m = cost.memory(np.array([0.5, 0, 0, 0]))
+    assert (m.weights_bytes, m.flash_bytes, m.activations_bytes) == (6, 23 - 6, 4 * 2 + 3 * 2 / 8)
+    # inference only: nothing in SRAM but the workspace; full training: nothing in flash
+    assert (cost.memory(np.zeros(4)).total_bytes, cost.memory(np.zeros(4)).flash_bytes) == (14, 23)
+    full = cost.memory(np.ones(4))
+    assert (full.weights_bytes, full.flash_bytes) == (23, 0)
+    assert full.total_bytes == 23 + (4 * 2 + 3 * 2 + 0.75) + 23 + 23 + 14
+    # the probes: the Fisher probe trains nothing (all 23 in flash); importance over everything
+    # trains all of it (nothing in flash) and keeps its restore copies (weights, momentum) in SRAM
+    fisher = cost.probe_memory("fisher")
+    assert (fisher.weights_bytes, fisher.flash_bytes) == (0, 23)
+    importance = cost.probe_memory("importance")
+    assert (importance.weights_bytes, importance.optimizer_bytes, importance.flash_bytes) == (23 + 23, 2 * 23, 0)
+
+
+def test_mcu_fits_uses_sram_and_flash():
+    info = _mlp_info()
+    last = np.array([0, 0, 1, 0])  # 38 bytes of SRAM, 17 of flash (previous test)
+    assert CostModel(info, _mcu(40, 17), 2).fits(last)
+    assert not CostModel(info, _mcu(37, 17), 2).fits(last)  # SRAM short by one byte
+    assert not CostModel(info, _mcu(40, 16), 2).fits(last)  # flash short by one byte
+    assert not CostModel(info, _mcu(40, 16), 2).flash_fits(last)
+    # without flash every weight is in SRAM, as before: 23 + 6 + 6 + 6 + 14 = 55 bytes
+    no_flash = CostModel(info, _mcu(40, None), 2)
+    assert no_flash.memory(last).weights_bytes == 23 and no_flash.memory(last).flash_bytes == 0
+    assert no_flash.peak_memory_bytes(last) == 55 and not no_flash.fits(last) and no_flash.flash_fits(last)
+    assert CostModel(info, _mcu(55, None), 2).fits(last)
+    # a model whose frozen weights do not fit flash does not fit, however much SRAM there is;
+    # training more of it in SRAM leaves less in flash
+    big_sram = CostModel(info, _mcu(1e6, 16), 2)
+    assert not big_sram.fits(np.zeros(4)) and big_sram.fits(np.ones(4)) and big_sram.fits(np.array([1, 0, 0, 0]))
+
+
+def test_flash_is_an_optional_profile_key():
+    from fedelastic.devices import parse_profile, read_toml
+
+    path = Path(get_profile("stm32h743").path)
+    raw = read_toml(path, "device profile")
+    assert parse_profile(raw, str(path)).memory_flash_bytes.value == 2 * 2**20  # 2 MiB, the datasheet's 2 MB
+    raw["memory"].pop("flash")
+    assert parse_profile(raw, str(path)).memory_flash_bytes is None
+    raw["memory"]["flash"] = {"value": 0, "unit": "KiB", "source": "test"}
+    with pytest.raises(ConfigError, match="memory.flash"):
+        parse_profile(raw, str(path))
+    # boards that load the model into RAM have no flash key: all weights count against memory.train
+    assert all(get_profile(n).memory_flash_bytes is None for n in ("jetson_nano", "raspberry_pi_4", "phone_midrange"))
+    assert {n: get_profile(n).memory_flash_bytes.value for n in ("stm32f746", "nrf52840")} == {
+        "stm32f746": 2**20,
+        "nrf52840": 2**20,
+    }
+
+
 def test_depthwise_channel_subset_saves_only_its_inputs():
     model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), nn.Conv2d(4, 4, 1, bias=False))
     info = describe(model, torch.zeros(1, 4, 5, 5))

@@ -156,6 +156,24 @@ def test_a_selection_that_does_not_fit_fails_like_the_loop():
     assert_same(ref, got)
 
 
+def test_frozen_weights_beyond_flash_fail_like_the_loop():
+    # tiny_cnn: 40 + 1040 + 170 parameters; last_layer trains the 170 of the head, so on an MCU the
+    # other 1080 (int8: 1080 bytes) stay in flash; one byte less of flash and the client does not fit
+    model, info, costs, strategies, data = setup(tiny_cnn, 16, (20, 20, 20), strategy="last_layer")
+    mcu = costs[2].device
+    assert mcu.name == "stm32h743" and info.num_params == 1250
+    costs = [costs[0]] + [
+        CostModel(info, dataclasses.replace(mcu, memory_flash_bytes=Quantity(f, "test")), 16, "momentum")
+        for f in (1080.0, 1079.0)
+    ]
+    common = dict(epochs=1, batch_size=16, lr=0.05, bn_mode="frozen")
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=[0, 1, 2], max_steps=0, **common)
+    ref = loop(model, info, strategies, costs, data, [0, 1, 2], [0, 0, 0], **common)
+    assert ref[0].fits and ref[1].fits and not ref[2].fits
+    assert ref[2].reason == "the frozen weights need 1080 bytes of flash; the device has 1079"
+    assert_same(ref, got)
+
+
 class FirstChannel(SelectionStrategy):
     """Trains output channel 0 of the first tensor only."""
 
