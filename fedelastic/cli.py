@@ -156,6 +156,7 @@ def cmd_compare(args) -> int:
     import pandas as pd
 
     from .comparison import exit_code, mean_table, not_used, run_comparison
+    from .idle import verdicts as idle_verdicts
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
@@ -172,6 +173,8 @@ def cmd_compare(args) -> int:
     console.print(table)
     for line in legend:
         console.print(line, markup=False)
+    for line in idle_verdicts(pd.read_csv(out / "summary_by_strategy.csv")):
+        console.print(f"! {line}", markup=False, highlight=False)
     tuning = f", {out}/tuning.csv" if (out / "tuning.csv").exists() else ""
     console.print(f"tables: {out}/summary*.csv, {out}/runs.csv{tuning}; figure: {out}/comparison.png", markup=False)
     lines = not_used(out)

@@ -40,6 +40,7 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import idle
 from .config import check, field, from_dict, read_toml
 from .errors import ConfigError, FedelasticError
 from .plots import plot_comparison as plot
@@ -277,7 +278,10 @@ def run_comparison(
             for v in group:
                 cells.run(v, chosen)
     summary = pd.DataFrame(cells.summary)
-    aggregate(summary).to_csv(out / "summary_by_strategy.csv", index=False)
+    by_strategy = aggregate(summary)
+    if cells.idle:  # per device, the share of client-rounds that trained nothing, and why
+        by_strategy = by_strategy.merge(idle.per_cell(pd.DataFrame(cells.idle)), on=["fleet", "strategy"], how="left")
+    by_strategy.to_csv(out / "summary_by_strategy.csv", index=False)
     plot(
         pd.concat(cells.rounds_tables) if cells.rounds_tables else pd.DataFrame(),
         out / "comparison.png",
@@ -312,6 +316,7 @@ class _Cells:
         self.rounds_tables: list[pd.DataFrame] = []
         self.summary: list[dict] = []
         self.tuning: list[dict] = []
+        self.idle: list[dict] = []  # per run and device: client-rounds that trained nothing (fedelastic.idle)
 
     def tune(self, grid: list[TuneCell]) -> TuneCell | None:
         """Run one (fleet, strategy)'s tuning grid; returns the chosen grid point (None: none completed)."""
@@ -358,6 +363,8 @@ class _Cells:
             self.rounds_tables.append(r.assign(**keys, status=status))
             if c is not None:
                 row.update(summarise(r, c, self.cfg.target_accuracy))
+                for device, d in idle.by_device(c).iterrows():
+                    self.idle.append({"fleet": v.fleet, "strategy": v.strategy, "device": device, **d.to_dict()})
         self.summary.append({**row, "run_dir": str(run_dir)})
         if self.rounds_tables:
             pd.concat(self.rounds_tables).to_csv(self.out / "runs.csv", index=False)
@@ -481,9 +488,27 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
                 "t→target: (seeds that reached it); ≥: a lower bound, unreached seeds enter at their end time"
             )
         frame[header] = cells
+    if "trained_nothing" in t:
+        frame["trained nothing"] = [_idle_cell(row) for row in t.itertuples()]
+        legend.append(
+            "trained nothing: per device, the share of client-rounds (all seeds) with no training step, "
+            "where above 0; !: more than half"
+        )
     if (out / "tuning.csv").exists():
         legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
     return frame, legend
+
+
+def _idle_cell(row) -> str:
+    """The devices of a cell that trained nothing in some client-round (``jetson_tx2 100%!``), or ``0%``."""
+    text = row.trained_nothing if isinstance(row.trained_nothing, str) else ""
+    flagged = set(row.idle_devices.split(", ")) if isinstance(row.idle_devices, str) else set()
+    shown = [
+        item + ("!" if item.rsplit(" ", 1)[0] in flagged else "")
+        for item in text.split(", ")
+        if item and item.rsplit(" ", 1)[-1] != "0%"
+    ]
+    return ", ".join(shown) or "0%"
 
 
 def _used(row) -> str:

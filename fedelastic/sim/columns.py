@@ -48,4 +48,5 @@ class ClientCol:
     EMULATED_PEAK_MEMORY_BYTES: Final = "emulated_peak_memory_bytes"
     DEVICE_MEMORY_BYTES: Final = "device_memory_bytes"
     STATUS: Final = "status"
+    FITS_REASON: Final = "fits_reason"
     ERROR: Final = "error"
