@@ -480,9 +480,24 @@ def validate(scenario: Scenario) -> Scenario:
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
     scenario = _resolve_traces(replace(scenario, device_dirs=dirs), base)
+    _check_local_copy(scenario.data.dataset, base, src)
     scenario = _resolve_dataset(scenario, src)  # user code: after the other checks
     resolve_factory(scenario.model.name, context=src)  # last: a model file's code runs only once all else passed
     return scenario
+
+
+_LOCAL = (("./", "../", "/", "~", ".\\", "..\\"), (".npz", ".parquet"))  # how a path to a local copy reads
+
+
+def _check_local_copy(name: str, base: Path, src: str) -> None:
+    """A ``data.dataset`` that reads as a path (``./x.npz``, ``/data/set``, ``x.parquet``) must exist:
+    it is not then looked up on the Hugging Face Hub, which would wait for the network and then
+    ask for a local copy. A relative path is taken from the scenario file's folder."""
+    if is_plugin(name) or not (name.startswith(_LOCAL[0]) or name.endswith(_LOCAL[1])):
+        return
+    path = base / Path(name).expanduser()
+    if not path.exists():
+        raise ConfigError(src, "data.dataset", f"an existing file or folder ({path} does not exist)", name)
 
 
 def _resolve_dataset(scenario: Scenario, src: str) -> Scenario:

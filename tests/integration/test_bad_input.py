@@ -334,3 +334,15 @@ def test_a_malformed_target_profile_is_named(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("name = [unclosed\n")
     line = _import_trace(tmp_path, capsys, tmp_path / "trace.json", "--profile", str(tmp_path / "bad.toml"))
     assert str(tmp_path / "bad.toml") in line, line
+
+
+@pytest.mark.parametrize("name", ["./my_data.npz", "my_data.npz", "../data/set", "/no/such/folder"])
+def test_a_missing_local_copy_is_refused_at_once_not_looked_up_on_the_hub(tmp_path, capsys, monkeypatch, name):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the Hugging Face Hub was asked for a local path")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    code, err = _run(tmp_path, capsys, dataset=name)
+    _assert_refused(tmp_path, code, err, "data.dataset", "an existing file or folder", "does not exist")
