@@ -47,11 +47,16 @@ def exit_code(run_dir: Path) -> int:
         return 0
     if status["status"] == "completed_with_errors":
         n, total = status.get("clients_failed", 0), status.get("client_results", 0)
+        empty = status.get("empty_rounds", [])
+        where = [f"{run_dir}/errors.log"] if (run_dir / "errors.log").exists() else []  # only client errors write it
+        if empty:
+            where.append("the summary's 'trained nothing' reasons (simulation.allow_empty_rounds = true accepts such rounds)")
         console.print(
             f"completed with errors: {n} of {total} client results failed, {status.get('clients_rejected', 0)} "
-            f"rejected (non-finite), {len(status.get('empty_rounds', []))} "
-            f"round(s) with no client trained (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g}); "
-            f"details in {run_dir}/errors.log",
+            f"rejected (non-finite), {len(empty)} round(s) with no client trained"
+            + (f" ({_rounds_text(empty)})" if empty else "")
+            + f" (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g})"
+            + (f"; details in {' and '.join(where)}" if where else ""),
             markup=False,
             highlight=False,
         )
@@ -65,6 +70,18 @@ def exit_code(run_dir: Path) -> int:
         )
         return 4
     return 1
+
+
+def _rounds_text(rounds: list[int]) -> str:
+    """``rounds 7-11, 19``: runs of consecutive rounds joined."""
+    spans: list[list[int]] = []
+    for r in sorted(rounds):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+    return ("rounds " if len(rounds) > 1 else "round ") + text
 
 
 def skip_final_gc() -> None:

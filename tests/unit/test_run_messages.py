@@ -1,0 +1,29 @@
+"""What `fedelastic run` says at its end and on bad input: only files that exist, and the command that fits."""
+
+from __future__ import annotations
+
+import json
+
+from fedelastic.cli import exit_code
+
+
+def _status(run_dir, **doc) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"status": "completed_with_errors", **doc}))
+
+
+def test_empty_rounds_are_listed_and_no_missing_errors_log_is_named(tmp_path, capsys):
+    _status(tmp_path, empty_rounds=[7, 8, 9, 10, 11, 19], over_threshold=True, client_results=20)
+    assert exit_code(tmp_path) == 3
+    out = " ".join(capsys.readouterr().out.split())
+    assert "6 round(s) with no client trained (rounds 7-11, 19)" in out
+    assert "errors.log" not in out  # no client failed: the run wrote none
+    assert "allow_empty_rounds" in out
+
+
+def test_errors_log_is_named_when_it_was_written(tmp_path, capsys):
+    _status(tmp_path, clients_failed=1, client_results=4, over_threshold=True)
+    (tmp_path / "errors.log").write_text("--- boom\n")
+    assert exit_code(tmp_path) == 3
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"details in {tmp_path}/errors.log" in out and "allow_empty_rounds" not in out
