@@ -550,6 +550,10 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
 def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) -> Scenario:
     """A type-checked scenario; ``resolve``: also :func:`validate` the names it refers to (which
     imports a model file's code: without it, no file it names is read and no user code runs)."""
+    if "compare" in raw:  # a comparison file: fedelastic.comparison reads its [compare] table
+        raise ConfigError(
+            src, "compare", f"no [compare] table (a comparison: run it with `fedelastic compare {src}` or fe.compare)"
+        )
     scenario = from_dict(Scenario, {**raw, "source": src}, src)
     return validate(scenario) if resolve else scenario
 

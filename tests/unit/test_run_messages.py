@@ -27,3 +27,18 @@ def test_errors_log_is_named_when_it_was_written(tmp_path, capsys):
     assert exit_code(tmp_path) == 3
     out = " ".join(capsys.readouterr().out.split())
     assert f"details in {tmp_path}/errors.log" in out and "allow_empty_rounds" not in out
+
+
+def test_run_on_a_comparison_file_points_at_compare(tmp_path, capsys):
+    import tomli_w
+
+    from fedelastic.cli import main
+    from tests.support import small_scenario_dict
+
+    raw = {**small_scenario_dict(tmp_path), "compare": {"strategies": ["full", "last_layer"]}}
+    path = tmp_path / "cmp.toml"
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["run", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "key 'compare'" in line and f"run it with `fedelastic compare {path}`" in line
+    assert not (tmp_path / "runs").exists()
