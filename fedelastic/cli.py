@@ -177,8 +177,16 @@ def cmd_compare(args) -> int:
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
+    raw = None
+    if args.overrides:  # KEY=VALUE, as `run` takes them (compare.seeds=[0, 1] too); resuming, give the same
+        from .api import apply_overrides, parse_overrides
+        from .config import read_toml
+
+        raw = apply_overrides(
+            read_toml(args.scenario, "scenario"), parse_overrides(args.overrides, "<command line>"), "<command line>"
+        )
     out = run_comparison(
-        args.scenario, output=args.output, backend=args.backend, rounds=args.rounds, resume=args.resume
+        args.scenario, output=args.output, backend=args.backend, rounds=args.rounds, resume=args.resume, overrides=raw
     )
     frame, legend = mean_table(out)
     table = Table(title=f"comparison: {out}")
@@ -469,6 +477,13 @@ def run_command(
 @app.command("compare")
 def compare_command(
     scenario: Annotated[str, typer.Argument(help="comparison scenario file")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="scenario keys to override, values in TOML: train.local_epochs=1 'compare.seeds=[0, 1]'",
+        ),
+    ] = None,
     rounds: Annotated[int | None, typer.Option(help="override server.rounds")] = None,
     backend: Annotated[str | None, typer.Option(click_type=_Backend, help="override simulation.backend")] = None,
     output: Annotated[
@@ -478,8 +493,11 @@ def compare_command(
         Path | None, typer.Option(metavar="COMPARE_DIR", help="continue an interrupted comparison")
     ] = None,
 ) -> int:
-    """run a comparison scenario (strategies x fleets x seeds), with a progress bar over its cells"""
-    return _call("compare", cmd_compare, scenario=scenario, rounds=rounds, backend=backend, output=output, resume=resume)
+    """run a comparison scenario (strategies x fleets x seeds), with KEY=VALUE overrides typed as TOML"""
+    return _call(
+        "compare", cmd_compare, scenario=scenario, overrides=overrides or [], rounds=rounds, backend=backend,
+        output=output, resume=resume,
+    )  # fmt: skip
 
 
 @app.command("report")

@@ -77,7 +77,6 @@ class TuneConfig:
     )
 
     def __post_init__(self):
-        check(bool(self.lr or self.bn_mode), "lr", "a list of learning rates (or bn_mode: a list of modes) to try")
         check(all(lr > 0 for lr in self.lr) and len(set(self.lr)) == len(self.lr), "lr", "distinct positive numbers")
         check(len(set(self.bn_mode)) == len(self.bn_mode), "bn_mode", "distinct modes")
         check(self.rounds >= 0, "rounds", "an integer >= 0")
@@ -263,6 +262,12 @@ def run_comparison(
             out.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
             raise FedelasticError(f"{out}: exists; continue it with `fedelastic compare --resume {out}`") from None
+    if cfg.tune is not None and cfg.tune.lr:  # train.lr is not what the seeds run with: say so
+        print(
+            f"lr: tuned per fleet and strategy over {list(cfg.tune.lr)} on the validation split; train.lr "
+            f"({variants[0].scenario.train.lr:g}) is used only where no tuning run completes",
+            flush=True,
+        )
     cells = _Cells(out, backend, rounds, cfg, total=len(variants) + len(tuning))
     console = Console()
     bar = Progress(
@@ -472,6 +477,11 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     for key, header in (("lr", "lr"), ("bn_mode", "bn")):
         if key in t:
             frame[header] = t[key].fillna("").astype(str)
+    untuned = untuned_cells(out)
+    if untuned and "lr" in frame:
+        frame["lr"] = [
+            f"{lr} (untuned)" if (f, s) in untuned else lr for f, s, lr in zip(frame.fleet, frame.strategy, frame.lr)
+        ]
     for stem, header, fmt in _SHOWN:
         if f"{stem}_mean" not in t:
             continue
@@ -496,7 +506,19 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
         )
     if (out / "tuning.csv").exists():
         legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
+    if untuned:
+        legend.append("(untuned): no tuning run of that cell completed; its seeds ran with the scenario's lr and bn_mode")
     return frame, legend
+
+
+def untuned_cells(out: Path) -> set[tuple[str, str]]:
+    """The (fleet, strategy) cells of a tuned comparison with no chosen grid point (none completed):
+    their seeds ran with the scenario's own lr and bn_mode, which no validation score chose."""
+    if not (out / "tuning.csv").exists():
+        return set()
+    t = pd.read_csv(out / "tuning.csv")
+    chosen = t.chosen.fillna(False).astype(bool).groupby([t.fleet, t.strategy]).any()
+    return {key for key, any_chosen in chosen.items() if not any_chosen}
 
 
 def _idle_cell(row) -> str:

@@ -111,13 +111,18 @@ def per_cell(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=["fleet", "strategy", "trained_nothing", "trained_nothing_why", "idle_devices"])
 
 
+def text(column: pd.Series) -> pd.Series:
+    """A text column read back from CSV, "" where empty (an all-empty one reads back as float NaN)."""
+    return column.astype(object).where(column.notna(), "")
+
+
 def verdicts(table: pd.DataFrame) -> list[str]:
     """One line per cell of a comparison's ``summary_by_strategy`` table that has idle devices:
     which devices trained nothing in most client-rounds, and that its figures are the other devices'."""
     if "idle_devices" not in table:
         return []
     out = []
-    for row in table[table.idle_devices.fillna("") != ""].itertuples():
+    for row in table[text(table.idle_devices) != ""].itertuples():
         out.append(
             f"{row.fleet} / {row.strategy}: {row.idle_devices} trained nothing in more than half of its "
             f"client-rounds ({row.trained_nothing}); the cell's figures are the rest of the fleet's "

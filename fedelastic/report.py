@@ -437,8 +437,10 @@ def comparison_table(table: pd.DataFrame) -> str:
                 for m, c, lo, hi, b in zip(mean, ci, low, high, bound.astype(bool))
             ]
     if "trained_nothing" in table:  # per device, over every seed; flagged above half (fedelastic.idle)
-        out["trained nothing"] = table.trained_nothing.fillna("")
-        out["idle devices"] = table.idle_devices.fillna("")
+        from .idle import text
+
+        out["trained nothing"] = text(table.trained_nothing)
+        out["idle devices"] = text(table.idle_devices)
     return out.to_html(index=False, border=0)
 
 
@@ -462,10 +464,18 @@ def _tuning(folder: Path) -> str:
     shown["val_accuracy"] = shown.val_accuracy.map("{:.3f}".format)
     shown["val_loss"] = shown.val_loss.map("{:.3g}".format)
     shown["chosen"] = t.chosen.map({True: "✓", False: ""}).fillna("")
+    from .comparison import untuned_cells
+
+    untuned = "".join(
+        f'<p class="bad">No tuning run of {html.escape(f)} / {html.escape(s)} completed: its seeds ran with the '
+        "scenario's own lr and bn_mode, which no validation score chose.</p>"
+        for f, s in sorted(untuned_cells(folder))
+    )
     return (
         "<h2>Tuning</h2><p>Each strategy's learning rate (and BatchNorm mode) was chosen per fleet by its final "
         "accuracy on a validation split held out from the clients' training data (never the test set); ties go "
         "to the lower validation loss, then the smaller learning rate. Only completed tuning runs with a finite validation loss count.</p>"
+        + untuned
         + shown.to_html(index=False, border=0)
     )
 

@@ -1,5 +1,6 @@
 """Every shipped scenario and comparison, shrunk to a few steps, trains soundly: no client update is
-rejected as non-finite or fails, no client reports a non-finite loss, and no run diverges or fails.
+rejected as non-finite or fails, no client reports a non-finite loss, no device type trains nothing
+in every round, and no run diverges or fails.
 
 The shrinking is ``benchmarks/scenarios.py --reduced``'s (1-4 rounds of 3 local steps, one
 pretraining epoch, 3,000 generated images, in-process); the full-size figures are in benchmarks/studies/shipped-scenarios.md.
@@ -16,6 +17,7 @@ import pandas as pd
 import pytest
 import tomli_w
 
+from fedelastic import idle
 from fedelastic.comparison import run_comparison
 from fedelastic.config import read_toml
 from fedelastic.fl.runner import run_scenario
@@ -88,6 +90,8 @@ def test_shipped_scenario_trains_soundly_at_reduced_size(bench, path, tmp_path):
         clients = pd.read_parquet(run / "clients.parquet")
         bad = clients[clients.status.isin(["rejected", "failed"])]
         assert bad.empty, f"{run}: {len(bad)} client results {sorted(set(bad.status))}: {bad.iloc[0].to_dict()}"
+        nothing = idle.by_device(clients)  # a shipped setting does not idle a device type throughout
+        assert (nothing.share < 1).all(), f"{run}: trained nothing throughout: {idle.lines(nothing)}"
         trained = clients[clients.steps > 0]
         losses = trained.train_loss.astype(float).tolist()
         assert losses and all(math.isfinite(v) for v in losses), f"{run}: non-finite train losses"
