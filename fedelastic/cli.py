@@ -434,14 +434,10 @@ def _call(command: str, fn, **args) -> int:
     except RunFailed as exc:
         _error(f"run failed: {exc}")
         return 1
-    except Terminated as exc:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         calls_returned()
-        _error(f"{exc}; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
-        return 143
-    except KeyboardInterrupt:
-        calls_returned()
-        _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
-        return 130
+        _error(f"{exc if isinstance(exc, Terminated) else 'interrupted'}{_resume_hint(exc, args)}")
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)
         from .results import one_line
 
@@ -624,6 +620,19 @@ def main(argv: list[str] | None = None) -> int:
         _error("interrupted")
         return 130
     return code if isinstance(code, int) else 0
+
+
+def _resume_hint(exc: KeyboardInterrupt, args: dict) -> str:
+    """How to continue what an interrupt stopped, naming its folder ('' when none was made yet)."""
+    compare_dir, run_dir = getattr(exc, "compare_dir", None), getattr(exc, "run_dir", None)
+    if compare_dir is not None:
+        return (
+            f"; the finished runs are on disk (continue with `fedelastic compare {args.get('scenario')} "
+            f"--resume {compare_dir}`)"
+        )
+    if run_dir is not None:
+        return f"; the finished rounds are on disk (continue with `fedelastic run --resume {run_dir}`)"
+    return ""
 
 
 def _error(text: str) -> None:

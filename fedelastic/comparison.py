@@ -277,11 +277,15 @@ def run_comparison(
     with bar:
         task = bar.add_task("cells", total=cells.total)
         cells.advance = lambda: bar.advance(task)
-        for (fleet, strategy), group in itertools.groupby(variants, key=lambda v: (v.fleet, v.strategy)):
-            grid = [t for t in tuning if (t.fleet, t.strategy) == (fleet, strategy)]
-            chosen = cells.tune(grid) if grid else None
-            for v in group:
-                cells.run(v, chosen)
+        try:
+            for (fleet, strategy), group in itertools.groupby(variants, key=lambda v: (v.fleet, v.strategy)):
+                grid = [t for t in tuning if (t.fleet, t.strategy) == (fleet, strategy)]
+                chosen = cells.tune(grid) if grid else None
+                for v in group:
+                    cells.run(v, chosen)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the command's resume hint names this folder
+            exc.compare_dir = out  # type: ignore[attr-defined]
+            raise
     summary = pd.DataFrame(cells.summary)
     by_strategy = aggregate(summary)
     if cells.idle:  # per device, the share of client-rounds that trained nothing, and why

@@ -471,6 +471,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         recorder.close()
         if cause is not exc and not isinstance(exc, KeyboardInterrupt):
             raise cause from None
+        if isinstance(exc, KeyboardInterrupt):
+            exc.run_dir = run_dir  # type: ignore[attr-defined]  # the command's resume hint names the folder
         raise
     recorder.finish(scenario.simulation.max_failure_rate)
     recorder.close()
