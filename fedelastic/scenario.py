@@ -48,7 +48,8 @@ class DataConfig:
         "digits",
         help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a registered dataset, "
         "'package.module:callable' or 'file.py:callable', a Hugging Face name, "
-        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
+        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz (a relative path "
+        "is taken from the scenario file's folder)",
     )
     partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
         "dirichlet", help="how client data is split (pathological and natural_id: Hugging Face sources)"
@@ -392,7 +393,9 @@ class Scenario:
     fleet: dict[str, int] = field(help="device profile name (or .toml path) -> number of clients")
     seed: int = field(0, help="seed of partitioning, fleet assignment, sampling and training")
     output_dir: str = field("runs", help="where runs are written")
-    device_dirs: tuple[str, ...] = field((), help="extra folders of device profiles")
+    device_dirs: tuple[str, ...] = field(
+        (), help="extra folders of device profiles (a relative path is taken from the scenario file's folder)"
+    )
     data: DataConfig = field(default_factory=DataConfig, help="dataset and partitioning")
     model: ModelConfig = field(default_factory=ModelConfig, help="the model")
     train: TrainConfig = field(default_factory=TrainConfig, help="local training")

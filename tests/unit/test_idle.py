@@ -156,3 +156,19 @@ def test_compare_flags_a_cell_whose_device_idled_in_its_tables_page_and_verdict(
 def test_a_table_without_steps_or_device_reads_as_nothing_idle(steps):
     assert not idle.trained_nothing(pd.DataFrame({"device": ["a", "a"]})).any()
     assert idle.by_device(pd.DataFrame({"steps": steps})).empty
+
+
+def test_rounds_in_which_nobody_trained_are_marked_for_the_accuracy_figure(tmp_path):
+    from fedelastic.plots import empty_rounds, plot_accuracy
+
+    rounds = pd.DataFrame(
+        {"round": [0, 1, 2, 3], "clients": [0, 2, 2, 2], "clients_failed": [0, 0, 0, 1],
+         "clients_not_fitting": [0, 0, 1, 0], "clients_no_steps": [0, 1, 1, 0], "clients_rejected": [0, 0, 0, 1],
+         "sim_time_s": [0.0, 1.0, 1.0, 1.0], "test_accuracy": [0.1, 0.4, 0.4, np.nan]}
+    )  # fmt: skip
+    # by hand: round 1 trained one client of two; in round 2 one did not fit and one took no step;
+    # in round 3 one failed and one was rejected; round 0 is the initial model
+    assert empty_rounds(rounds).tolist() == [False, False, True, True]
+    assert not empty_rounds(rounds.drop(columns="clients")).any()  # a table without the counts: none known
+    plot_accuracy(rounds, pd.DataFrame(), tmp_path / "a.png")  # draws them, an unevaluated one at 0
+    assert (tmp_path / "a.png").stat().st_size > 0
