@@ -3,7 +3,7 @@
 A comparison is a scenario file with a ``[compare]`` table::
 
     [compare]
-    strategies = ["full", "last_layer", { label = "elastic 0.4", strategy = "elastic_tensor", options = { rho = 0.4 } }]
+    strategies = ["full", "last_layer", { label = "elastic 0.5", strategy = "elastic_tensor", options = { rho = 0.5 } }]
     fleets = { gpu = { jetson_tx2 = 8 }, mcu = { stm32h743 = 8 } }
     seeds = [0, 1, 2]
     target_accuracy = 0.8
