@@ -42,3 +42,29 @@ def test_run_on_a_comparison_file_points_at_compare(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "key 'compare'" in line and f"run it with `fedelastic compare {path}`" in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_flower_errors_about_calls_cut_off_at_the_run_end_are_not_shown():
+    """Ctrl-C on Ray: Flower logged each client call the stopping run cut off as an ERROR, with its
+    traceback (vce_api's worker); those two lines go, every other error stays."""
+    import logging
+
+    from fedelastic.fl.runner import _flwr_quiet
+    from fedelastic.runtime.backend import ClientTimeout
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(str(record.msg))  # type: ignore[method-assign]
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    cut = ClientTimeout("the run ended before this client replied")
+    traceback_text = f"Traceback (most recent call last):\n  ...\nfedelastic.runtime.backend.ClientTimeout: {cut}\n"
+    try:
+        with _flwr_quiet():
+            logger.error(cut)
+            logger.error(traceback_text)
+            logger.error("ClientAppException: boom")
+        logger.error(cut)  # outside a run, the filter is gone
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["ClientAppException: boom", str(cut)]
