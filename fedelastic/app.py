@@ -113,15 +113,21 @@ def _server_main(grid: Grid, context: Context) -> None:
         log(INFO, "[fedelastic] the local SuperLink keeps running as process %d: stop it with `kill %d`", pid, pid)
 
 
-def superlink_pid() -> int | None:
-    """The PID of the ``flower-superlink`` this ServerApp runs under (its parent process), or None
-    (another parent, or no ``/proc`` to tell)."""
-    ppid = os.getppid()
-    try:
-        argv = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return ppid if any(Path(os.fsdecode(a)).name == "flower-superlink" for a in argv[:2]) else None
+def superlink_pid(levels: int = 4) -> int | None:
+    """The PID of the ``flower-superlink`` this ServerApp runs under (an ancestor process, within
+    ``levels``), or None (none there, or no ``/proc`` to tell)."""
+    pid = os.getpid()
+    for _ in range(levels):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            return None
+        if any(Path(os.fsdecode(a)).name == "flower-superlink" for a in argv[:2]):
+            return pid
+        if pid <= 1:
+            return None
+    return None
 
 
 _CLIENTS: dict[str, ClientApp] = {}
