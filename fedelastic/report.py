@@ -161,7 +161,7 @@ def device_table(clients: pd.DataFrame) -> str:
         {
             "clients": g[ClientCol.PARTITION_ID].nunique(),
             "fits": g[ClientCol.FITS].mean().map("{:.0%}".format),
-            "trained nothing": [idle.percent(nothing.share[d]) for d, _ in g.groups],
+            "trained nothing": g[ClientCol.DEVICE].first().map(lambda d: idle.percent(nothing.share[d])),
             "failed": g[ClientCol.ERROR].apply(lambda e: int((e.fillna("") != "").sum())),
             "train s/round": g[ClientCol.EMULATED_TRAIN_TIME_S].mean().map("{:.3g}".format),
             "comm s/round": g[ClientCol.EMULATED_COMM_TIME_S].mean().map("{:.3g}".format),

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import idle as idle_
+from . import idle
 from .errors import FedelasticError
 from .sim.columns import ClientCol as C
 from .sim.columns import RoundCol as R
@@ -54,13 +54,13 @@ def report(run_dir: Path) -> None:
         "trained params",
     ):
         table.add_column(col, justify="right", overflow="fold", no_wrap=col == "device")  # names whole
-    idle = idle_.by_device(clients)
+    nothing = idle.by_device(clients)
     for device, g in clients.groupby(C.DEVICE) if len(clients) else ():
         table.add_row(
             escape(str(device)),
             str(len(g)),
             f"{g[C.FITS].mean():.0%}",
-            f"{idle_.percent(idle.share[device])} ({idle.trained_nothing[device]})",
+            f"{idle.percent(nothing.share[device])} ({nothing.trained_nothing[device]})",
             str(int(_failed(g))),
             f"{g[C.EMULATED_TRAIN_TIME_S].mean():.3g} s"
             + (
@@ -74,7 +74,7 @@ def report(run_dir: Path) -> None:
             f"{g[C.FRACTION_PARAMS_TRAINED].mean():.0%}",
         )
     console.print(table)
-    for line in idle_.lines(idle).values():  # a device that idled is named with why, under its table
+    for line in idle.lines(nothing).values():  # a device that idled is named with why, under its table
         console.print(f"  {line}", markup=False, highlight=False)
     for message, count in status.get("errors", {}).items():
         console.print(f"  {count} x {message}", markup=False, highlight=False)
