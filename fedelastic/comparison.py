@@ -66,7 +66,9 @@ class StrategyVariant:
 
 @dataclass(frozen=True)
 class TuneConfig:
-    lr: tuple[float, ...] = field((), help="learning rates to try (empty: the scenario's train.lr)")
+    lr: tuple[float, ...] = field(
+        (), help="learning rates to try (empty: the scenario's train.lr; with bn_mode also empty, no tuning runs)"
+    )
     bn_mode: tuple[Literal["auto", "frozen", "train"], ...] = field(
         (), help="BatchNorm modes to try (empty: the scenario's train.bn_mode)"
     )
@@ -205,7 +207,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
     """
     cfg, combos = _combinations(raw, src)
     tune = cfg.tune
-    if tune is None:
+    if tune is None or not (tune.lr or tune.bn_mode):  # nothing to choose: the seeds run at the scenario's values
         return []
     raw = _share_pretrain(raw, cfg, src)
     out = []
