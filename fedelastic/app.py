@@ -16,9 +16,10 @@ The ServerApp runs the scenario on its grid along the path ``fedelastic run`` ta
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,34 @@ def _server_main(grid: Grid, context: Context) -> None:
     run_dir = orchestrate.run(
         scenario, progress=_log_round, grid=grid, on_start=lambda valid: check_federation_size(grid, valid)
     )
+    try:  # the figure `fedelastic run` writes; a failure here must not hide the finished run
+        from .summary import write_figures
+
+        write_figures(run_dir)
+    except Exception as exc:  # noqa: BLE001
+        log(WARNING, "[fedelastic] the figure failed (%s: %s)", type(exc).__name__, exc)
     log(INFO, "[fedelastic] results in %s", run_dir.resolve())
+    pid = superlink_pid()
+    if pid is not None:  # Flower's local SuperLink outlives `flwr run`: say which process it is
+        (run_dir / "superlink.pid").write_text(f"{pid}\n")
+        log(INFO, "[fedelastic] the local SuperLink keeps running as process %d: stop it with `kill %d`", pid, pid)
+
+
+def superlink_pid(levels: int = 4) -> int | None:
+    """The PID of the ``flower-superlink`` this ServerApp runs under (an ancestor process, within
+    ``levels``), or None (none there, or no ``/proc`` to tell)."""
+    pid = os.getpid()
+    for _ in range(levels):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            return None
+        if any(Path(os.fsdecode(a)).name == "flower-superlink" for a in argv[:2]):
+            return pid
+        if pid <= 1:
+            return None
+    return None
 
 
 _CLIENTS: dict[str, ClientApp] = {}

@@ -47,11 +47,16 @@ def exit_code(run_dir: Path) -> int:
         return 0
     if status["status"] == "completed_with_errors":
         n, total = status.get("clients_failed", 0), status.get("client_results", 0)
+        empty = status.get("empty_rounds", [])
+        where = [f"{run_dir}/errors.log"] if (run_dir / "errors.log").exists() else []  # only client errors write it
+        if empty:
+            where.append("the summary's 'trained nothing' reasons (simulation.allow_empty_rounds = true accepts such rounds)")
         console.print(
             f"completed with errors: {n} of {total} client results failed, {status.get('clients_rejected', 0)} "
-            f"rejected (non-finite), {len(status.get('empty_rounds', []))} "
-            f"round(s) with no client trained (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g}); "
-            f"details in {run_dir}/errors.log",
+            f"rejected (non-finite), {len(empty)} round(s) with no client trained"
+            + (f" ({_rounds_text(empty)})" if empty else "")
+            + f" (simulation.max_failure_rate = {status.get('max_failure_rate', 0):g})"
+            + (f"; details in {' and '.join(where)}" if where else ""),
             markup=False,
             highlight=False,
         )
@@ -67,6 +72,18 @@ def exit_code(run_dir: Path) -> int:
         )
         return 4
     return 1
+
+
+def _rounds_text(rounds: list[int]) -> str:
+    """``rounds 7-11, 19``: runs of consecutive rounds joined."""
+    spans: list[list[int]] = []
+    for r in sorted(rounds):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+    return ("rounds " if len(rounds) > 1 else "round ") + text
 
 
 def skip_final_gc() -> None:
@@ -158,11 +175,20 @@ def cmd_compare(args) -> int:
     import pandas as pd
 
     from .comparison import exit_code, mean_table, not_used, run_comparison
+    from .idle import verdicts as idle_verdicts
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
+    raw = None
+    if args.overrides:  # KEY=VALUE, as `run` takes them (compare.seeds=[0, 1] too); resuming, give the same
+        from .api import apply_overrides, parse_overrides
+        from .config import read_toml
+
+        raw = apply_overrides(
+            read_toml(args.scenario, "scenario"), parse_overrides(args.overrides, "<command line>"), "<command line>"
+        )
     out = run_comparison(
-        args.scenario, output=args.output, backend=args.backend, rounds=args.rounds, resume=args.resume
+        args.scenario, output=args.output, backend=args.backend, rounds=args.rounds, resume=args.resume, overrides=raw
     )
     frame, legend = mean_table(out)
     table = Table(title=f"comparison: {out}")
@@ -174,6 +200,8 @@ def cmd_compare(args) -> int:
     console.print(table)
     for line in legend:
         console.print(line, markup=False)
+    for line in idle_verdicts(pd.read_csv(out / "summary_by_strategy.csv")):
+        console.print(f"! {line}", markup=False, highlight=False)
     tuning = f", {out}/tuning.csv" if (out / "tuning.csv").exists() else ""
     console.print(f"tables: {out}/summary*.csv, {out}/runs.csv{tuning}; figure: {out}/comparison.png", markup=False)
     _print_statistics(out)
@@ -429,14 +457,10 @@ def _call(command: str, fn, **args) -> int:
     except RunFailed as exc:
         _error(f"run failed: {exc}")
         return 1
-    except Terminated as exc:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         calls_returned()
-        _error(f"{exc}; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
-        return 143
-    except KeyboardInterrupt:
-        calls_returned()
-        _error("interrupted; a run's finished rounds are on disk (continue it with `fedelastic run --resume RUN_DIR`)")
-        return 130
+        _error(f"{exc if isinstance(exc, Terminated) else 'interrupted'}{_resume_hint(exc, args)}")
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)
         from .results import one_line
 
@@ -472,6 +496,13 @@ def run_command(
 @app.command("compare")
 def compare_command(
     scenario: Annotated[str, typer.Argument(help="comparison scenario file")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="scenario keys to override, values in TOML: train.local_epochs=1 'compare.seeds=[0, 1]'",
+        ),
+    ] = None,
     rounds: Annotated[int | None, typer.Option(help="override server.rounds")] = None,
     backend: Annotated[str | None, typer.Option(click_type=_Backend, help="override simulation.backend")] = None,
     output: Annotated[
@@ -481,8 +512,11 @@ def compare_command(
         Path | None, typer.Option(metavar="COMPARE_DIR", help="continue an interrupted comparison")
     ] = None,
 ) -> int:
-    """run a comparison scenario (strategies x fleets x seeds), with a progress bar over its cells"""
-    return _call("compare", cmd_compare, scenario=scenario, rounds=rounds, backend=backend, output=output, resume=resume)
+    """run a comparison scenario (strategies x fleets x seeds), with KEY=VALUE overrides typed as TOML"""
+    return _call(
+        "compare", cmd_compare, scenario=scenario, overrides=overrides or [], rounds=rounds, backend=backend,
+        output=output, resume=resume,
+    )  # fmt: skip
 
 
 @app.command("report")
@@ -609,6 +643,19 @@ def main(argv: list[str] | None = None) -> int:
         _error("interrupted")
         return 130
     return code if isinstance(code, int) else 0
+
+
+def _resume_hint(exc: KeyboardInterrupt, args: dict) -> str:
+    """How to continue what an interrupt stopped, naming its folder ('' when none was made yet)."""
+    compare_dir, run_dir = getattr(exc, "compare_dir", None), getattr(exc, "run_dir", None)
+    if compare_dir is not None:
+        return (
+            f"; the finished runs are on disk (continue with `fedelastic compare {args.get('scenario')} "
+            f"--resume {compare_dir}`)"
+        )
+    if run_dir is not None:
+        return f"; the finished rounds are on disk (continue with `fedelastic run --resume {run_dir}`)"
+    return ""
 
 
 def _error(text: str) -> None:

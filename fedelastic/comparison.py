@@ -3,7 +3,7 @@
 A comparison is a scenario file with a ``[compare]`` table::
 
     [compare]
-    strategies = ["full", "last_layer", { label = "elastic 0.4", strategy = "elastic_tensor", options = { rho = 0.4 } }]
+    strategies = ["full", "last_layer", { label = "elastic 0.5", strategy = "elastic_tensor", options = { rho = 0.5 } }]
     fleets = { gpu = { jetson_tx2 = 8 }, mcu = { stm32h743 = 8 } }
     seeds = [0, 1, 2]
     target_accuracy = 0.8
@@ -40,6 +40,7 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import idle
 from .config import check, field, from_dict, read_toml
 from .errors import ConfigError, FedelasticError
 from .plots import plot_comparison as plot
@@ -65,7 +66,9 @@ class StrategyVariant:
 
 @dataclass(frozen=True)
 class TuneConfig:
-    lr: tuple[float, ...] = field((), help="learning rates to try (empty: the scenario's train.lr)")
+    lr: tuple[float, ...] = field(
+        (), help="learning rates to try (empty: the scenario's train.lr; with bn_mode also empty, no tuning runs)"
+    )
     bn_mode: tuple[Literal["auto", "frozen", "train"], ...] = field(
         (), help="BatchNorm modes to try (empty: the scenario's train.bn_mode)"
     )
@@ -81,7 +84,6 @@ class TuneConfig:
     )
 
     def __post_init__(self):
-        check(bool(self.lr or self.bn_mode), "lr", "a list of learning rates (or bn_mode: a list of modes) to try")
         check(all(lr > 0 for lr in self.lr) and len(set(self.lr)) == len(self.lr), "lr", "distinct positive numbers")
         check(len(set(self.bn_mode)) == len(self.bn_mode), "bn_mode", "distinct modes")
         check(self.rounds >= 0, "rounds", "an integer >= 0")
@@ -211,7 +213,7 @@ def expand_tuning(raw: dict, src: str) -> list[TuneCell]:
     """
     cfg, combos = _combinations(raw, src)
     tune = cfg.tune
-    if tune is None:
+    if tune is None or not (tune.lr or tune.bn_mode):  # nothing to choose: the seeds run at the scenario's values
         return []
     raw = _share_pretrain(raw, cfg, src)
     out = []
@@ -268,6 +270,12 @@ def run_comparison(
             out.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
             raise FedelasticError(f"{out}: exists; continue it with `fedelastic compare --resume {out}`") from None
+    if cfg.tune is not None and cfg.tune.lr:  # train.lr is not what the seeds run with: say so
+        print(
+            f"lr: tuned per fleet and strategy over {list(cfg.tune.lr)} on the validation split; train.lr "
+            f"({variants[0].scenario.train.lr:g}) is used only where no tuning run completes",
+            flush=True,
+        )
     cells = _Cells(out, backend, rounds, cfg, total=len(variants) + len(tuning))
     console = Console()
     bar = Progress(
@@ -277,13 +285,20 @@ def run_comparison(
     with bar:
         task = bar.add_task("cells", total=cells.total)
         cells.advance = lambda: bar.advance(task)
-        for (fleet, strategy), group in itertools.groupby(variants, key=lambda v: (v.fleet, v.strategy)):
-            grid = [t for t in tuning if (t.fleet, t.strategy) == (fleet, strategy)]
-            chosen = cells.tune(grid) if grid else None
-            for v in group:
-                cells.run(v, chosen)
+        try:
+            for (fleet, strategy), group in itertools.groupby(variants, key=lambda v: (v.fleet, v.strategy)):
+                grid = [t for t in tuning if (t.fleet, t.strategy) == (fleet, strategy)]
+                chosen = cells.tune(grid) if grid else None
+                for v in group:
+                    cells.run(v, chosen)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the command's resume hint names this folder
+            exc.compare_dir = out  # type: ignore[attr-defined]
+            raise
     summary = pd.DataFrame(cells.summary)
-    aggregate(summary).to_csv(out / "summary_by_strategy.csv", index=False)
+    by_strategy = aggregate(summary)
+    if cells.idle:  # per device, the share of client-rounds that trained nothing, and why
+        by_strategy = by_strategy.merge(idle.per_cell(pd.DataFrame(cells.idle)), on=["fleet", "strategy"], how="left")
+    by_strategy.to_csv(out / "summary_by_strategy.csv", index=False)
     if "final_accuracy" in summary:
         differences(summary).to_csv(out / "differences.csv", index=False)
     plot(
@@ -320,6 +335,7 @@ class _Cells:
         self.rounds_tables: list[pd.DataFrame] = []
         self.summary: list[dict] = []
         self.tuning: list[dict] = []
+        self.idle: list[dict] = []  # per run and device: client-rounds that trained nothing (fedelastic.idle)
 
     def tune(self, grid: list[TuneCell]) -> TuneCell | None:
         """Run one (fleet, strategy)'s tuning grid; returns the chosen grid point (None: none completed).
@@ -394,6 +410,8 @@ class _Cells:
             self.rounds_tables.append(r.assign(**keys, status=status))
             if c is not None:
                 row.update(summarise(r, c, self.cfg.target_accuracy))
+                for device, d in idle.by_device(c).iterrows():
+                    self.idle.append({"fleet": v.fleet, "strategy": v.strategy, "device": device, **d.to_dict()})
         self.summary.append({**row, "run_dir": str(run_dir)})
         if self.rounds_tables:
             pd.concat(self.rounds_tables).to_csv(self.out / "runs.csv", index=False)
@@ -540,6 +558,11 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     for key, header in (("lr", "lr"), ("bn_mode", "bn")):
         if key in t:
             frame[header] = t[key].fillna("").astype(str)
+    untuned = untuned_cells(out)
+    if untuned and "lr" in frame:
+        frame["lr"] = [
+            f"{lr} (untuned)" if (f, s) in untuned else lr for f, s, lr in zip(frame.fleet, frame.strategy, frame.lr)
+        ]
     for stem, header, fmt in _SHOWN:
         if f"{stem}_mean" not in t:
             continue
@@ -556,9 +579,39 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
                 "t→target: (seeds that reached it); ≥: a lower bound, unreached seeds enter at their end time"
             )
         frame[header] = cells
+    if "trained_nothing" in t:
+        frame["trained nothing"] = [_idle_cell(row) for row in t.itertuples()]
+        legend.append(
+            "trained nothing: per device, the share of client-rounds (all seeds) with no training step, "
+            "where above 0; !: more than half"
+        )
     if (out / "tuning.csv").exists():
         legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
+    if untuned:
+        legend.append("(untuned): no tuning run of that cell completed; its seeds ran with the scenario's lr and bn_mode")
     return frame, legend
+
+
+def untuned_cells(out: Path) -> set[tuple[str, str]]:
+    """The (fleet, strategy) cells of a tuned comparison with no chosen grid point (none completed):
+    their seeds ran with the scenario's own lr and bn_mode, which no validation score chose."""
+    if not (out / "tuning.csv").exists():
+        return set()
+    t = pd.read_csv(out / "tuning.csv")
+    chosen = t.chosen.fillna(False).astype(bool).groupby([t.fleet, t.strategy]).any()
+    return {key for key, any_chosen in chosen.items() if not any_chosen}
+
+
+def _idle_cell(row) -> str:
+    """The devices of a cell that trained nothing in some client-round (``jetson_tx2 100%!``), or ``0%``."""
+    text = row.trained_nothing if isinstance(row.trained_nothing, str) else ""
+    flagged = set(row.idle_devices.split(", ")) if isinstance(row.idle_devices, str) else set()
+    shown = [
+        item + ("!" if item.rsplit(" ", 1)[0] in flagged else "")
+        for item in text.split(", ")
+        if item and item.rsplit(" ", 1)[-1] != "0%"
+    ]
+    return ", ".join(shown) or "0%"
 
 
 def _used(row) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from .seedstats import curves
+from .sim.columns import RoundCol as R
 
 
 def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> None:
@@ -35,6 +36,12 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
     acc = curve["test_accuracy"].astype(float) if len(curve) else pd.Series(dtype=float)
     acc = acc[np.isfinite(acc)]
     span = f" (range {acc.min():.4f} to {acc.max():.4f})" if len(acc) else ""
+    empty = rounds[empty_rounds(rounds)] if len(rounds) else rounds
+    if len(empty):  # no time passes in them: their points would hide under the round before
+        y = empty["test_accuracy"].astype(float).where(lambda a: np.isfinite(a), 0.0)
+        axes[0].scatter(empty["sim_time_s"], y, marker="x", s=60, color="red", zorder=3,
+                        label=f"no client trained ({len(empty)} round{'s' if len(empty) > 1 else ''})")  # fmt: skip
+        axes[0].legend(loc="lower right")
     axes[0].set(xlabel="simulated time (s)", ylabel="global test accuracy", title=f"accuracy vs simulated time{span}")
     axes[0].set_ylim(0.0, 1.02)  # from 0: a flat line near chance must not look like a collapse
     times = clients.get("emulated_train_time_s", pd.Series(dtype=float)).astype(float) if len(clients) else None
@@ -52,6 +59,14 @@ def plot_accuracy(rounds: pd.DataFrame, clients: pd.DataFrame, path: Path) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def empty_rounds(rounds: pd.DataFrame) -> pd.Series:
+    """Per row of a rounds table: a round (not round 0) in which no client trained, as the run's
+    status counts them (``empty_rounds``: every client failed, did not fit, trained nothing or was rejected)."""
+    n = lambda col: rounds.get(col, pd.Series(0, index=rounds.index)).fillna(0)  # noqa: E731
+    trained = n(R.CLIENTS) - n(R.CLIENTS_FAILED) - n(R.CLIENTS_NOT_FITTING) - n(R.CLIENTS_NO_STEPS) - n(R.CLIENTS_REJECTED)
+    return (rounds[R.ROUND] > 0) & (trained <= 0) & (R.CLIENTS in rounds)
 
 
 def plot_timeline(rounds: pd.DataFrame, clients: pd.DataFrame, ax, first_rounds: int = 3) -> None:

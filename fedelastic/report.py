@@ -152,11 +152,16 @@ def selection_heatmap(clients: pd.DataFrame) -> str:
 
 
 def device_table(clients: pd.DataFrame) -> str:
+    """Per device: its figures, the share of its client-rounds that trained nothing, and below, why."""
+    from . import idle
+
     g = clients.groupby([ClientCol.DEVICE, ClientCol.DEVICE_CLASS])
+    nothing = idle.by_device(clients)
     t = pd.DataFrame(
         {
             "clients": g[ClientCol.PARTITION_ID].nunique(),
             "fits": g[ClientCol.FITS].mean().map("{:.0%}".format),
+            "trained nothing": g[ClientCol.DEVICE].first().map(lambda d: idle.percent(nothing.share[d])),
             "failed": g[ClientCol.ERROR].apply(lambda e: int((e.fillna("") != "").sum())),
             "train s/round": g[ClientCol.EMULATED_TRAIN_TIME_S].mean().map("{:.3g}".format),
             "comm s/round": g[ClientCol.EMULATED_COMM_TIME_S].mean().map("{:.3g}".format),
@@ -166,7 +171,15 @@ def device_table(clients: pd.DataFrame) -> str:
             "params trained": g[ClientCol.FRACTION_PARAMS_TRAINED].mean().map("{:.0%}".format),
         }
     )
-    return t.reset_index().to_html(index=False, border=0)
+    flagged = set(idle.flagged(nothing))
+    why = "".join(
+        f"<li{_BAD if device in flagged else ''}>{html.escape(line)}</li>"
+        for device, line in idle.lines(nothing).items()
+    )
+    return t.reset_index().to_html(index=False, border=0) + (f"<ul>{why}</ul>" if why else "")
+
+
+_BAD = ' class="bad"'
 
 
 def _rate(x) -> str:
@@ -282,6 +295,20 @@ def continual_sections(run_dir: Path) -> list[str]:
     return out
 
 
+def _idle_warning(clients: pd.DataFrame) -> str:
+    """A warning naming each device that trained nothing in most of its client-rounds ('' if none did)."""
+    from . import idle
+
+    nothing = idle.by_device(clients)
+    named = [f"{d} in {idle.percent(nothing.share[d])}" for d in idle.flagged(nothing)]
+    if not named:
+        return ""
+    return (
+        f'<p class="bad"><b>Trained nothing</b> in most of its client-rounds: {html.escape(", ".join(named))}; '
+        "the figures are the rest of the fleet's (why: under Per device).</p>"
+    )
+
+
 def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
     clients = pd.read_parquet(run_dir / "clients.parquet")
@@ -296,6 +323,7 @@ def run_sections(run_dir: Path) -> tuple[str, list[str]]:
         + f". {int(last[RoundCol.ROUND])} rounds, final test accuracy <b>{accuracy:.3f}</b> after "
         f"{last[RoundCol.SIM_TIME_S]:.1f} s of simulated time and {last[RoundCol.TOTAL_ENERGY_J]:.1f} J; "
         f"{clients[ClientCol.PARTITION_ID].nunique()} clients on {clients[ClientCol.DEVICE].nunique()} device types.</p>"
+        + _idle_warning(clients)
     )
     sections = [
         "<h2>Accuracy against simulated time</h2>" + accuracy_figure(rounds),
@@ -386,7 +414,10 @@ def pareto_figure(table: pd.DataFrame) -> str:
 def comparison_table(table: pd.DataFrame) -> str:
     from .comparison import interval, interval_text
 
-    shown = {"final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}"}
+    shown = {
+        "final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}",
+        "fits_fraction": "{:.0%}", "fraction_params_trained": "{:.0%}",
+    }  # fmt: skip
     out = table[["fleet", "strategy"]].copy()
     out["seeds used"] = table["used"] if "used" in table else table.seeds.map(lambda n: f"{n}/{n}")
     for key in ("failed", "diverged", "with_errors", "lr", "bn_mode"):
@@ -405,6 +436,11 @@ def comparison_table(table: pd.DataFrame) -> str:
                 ("≥ " if b else "") + interval_text(m, c, lo, hi, fmt)
                 for m, c, lo, hi, b in zip(mean, ci, low, high, bound.astype(bool))
             ]
+    if "trained_nothing" in table:  # per device, over every seed; flagged above half (fedelastic.idle)
+        from .idle import text
+
+        out["trained nothing"] = text(table.trained_nothing)
+        out["idle devices"] = text(table.idle_devices)
     return out.to_html(index=False, border=0)
 
 
@@ -433,11 +469,19 @@ def _tuning(folder: Path) -> str:
     from .comparison import edge_warnings
 
     warnings = "".join(f'<p class="bad">{html.escape(line)}</p>' for line in edge_warnings(folder))
+    from .comparison import untuned_cells
+
+    untuned = "".join(
+        f'<p class="bad">No tuning run of {html.escape(f)} / {html.escape(s)} completed: its seeds ran with the '
+        "scenario's own lr and bn_mode, which no validation score chose.</p>"
+        for f, s in sorted(untuned_cells(folder))
+    )
     return (
         "<h2>Tuning</h2><p>Each strategy's learning rate (and BatchNorm mode) was chosen per fleet by its final "
         "accuracy on a validation split held out from the clients' training data (never the test set); ties go "
         "to the lower validation loss, then the smaller learning rate. Only completed tuning runs with a finite validation loss count.</p>"
         + warnings
+        + untuned
         + shown.to_html(index=False, border=0)
     )
 
@@ -474,6 +518,9 @@ def comparison_sections(folder: Path) -> tuple[str, list[str]]:
             "(see “seeds used” and the list below).</p>"
         )
     )
+    from .idle import verdicts
+
+    head += "".join(f'<p class="bad"><b>Idle devices.</b> {html.escape(line)}.</p>' for line in verdicts(table))
     sections = ["<h2>Accuracy against time and energy</h2>" + pareto_figure(table)]
     if (folder / "runs.csv").exists():
         buf = io.BytesIO()

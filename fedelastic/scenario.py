@@ -48,7 +48,8 @@ class DataConfig:
         "digits",
         help="'digits' (scikit-learn, 8x8), 'synth_digits' (generated, 32x32 RGB), a registered dataset, "
         "'package.module:callable' or 'file.py:callable', a Hugging Face name, "
-        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz",
+        "or a local copy: a save_to_disk folder, .parquet, an imagefolder tree or an .npz (a relative path "
+        "is taken from the scenario file's folder)",
     )
     partitioner: Literal["iid", "dirichlet", "shards", "pathological", "natural_id"] = field(
         "dirichlet", help="how client data is split (pathological and natural_id: Hugging Face sources)"
@@ -400,7 +401,9 @@ class Scenario:
     fleet: dict[str, int] = field(help="device profile name (or .toml path) -> number of clients")
     seed: int = field(0, help="seed of partitioning, fleet assignment, sampling and training")
     output_dir: str = field("runs", help="where runs are written")
-    device_dirs: tuple[str, ...] = field((), help="extra folders of device profiles")
+    device_dirs: tuple[str, ...] = field(
+        (), help="extra folders of device profiles (a relative path is taken from the scenario file's folder)"
+    )
     data: DataConfig = field(default_factory=DataConfig, help="dataset and partitioning")
     model: ModelConfig = field(default_factory=ModelConfig, help="the model")
     train: TrainConfig = field(default_factory=TrainConfig, help="local training")
@@ -488,9 +491,24 @@ def validate(scenario: Scenario) -> Scenario:
     for device in scenario.fleet:
         get_profile(device, dirs, context=src)
     scenario = _resolve_traces(replace(scenario, device_dirs=dirs), base)
+    _check_local_copy(scenario.data.dataset, base, src)
     scenario = _resolve_dataset(scenario, src)  # user code: after the other checks
     resolve_factory(scenario.model.name, context=src)  # last: a model file's code runs only once all else passed
     return scenario
+
+
+_LOCAL = (("./", "../", "/", "~", ".\\", "..\\"), (".npz", ".parquet"))  # how a path to a local copy reads
+
+
+def _check_local_copy(name: str, base: Path, src: str) -> None:
+    """A ``data.dataset`` that reads as a path (``./x.npz``, ``/data/set``, ``x.parquet``) must exist:
+    it is not then looked up on the Hugging Face Hub, which would wait for the network and then
+    ask for a local copy. A relative path is taken from the scenario file's folder."""
+    if is_plugin(name) or not (name.startswith(_LOCAL[0]) or name.endswith(_LOCAL[1])):
+        return
+    path = base / Path(name).expanduser()
+    if not path.exists():
+        raise ConfigError(src, "data.dataset", f"an existing file or folder ({path} does not exist)", name)
 
 
 def _resolve_dataset(scenario: Scenario, src: str) -> Scenario:
@@ -543,6 +561,10 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
 def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) -> Scenario:
     """A type-checked scenario; ``resolve``: also :func:`validate` the names it refers to (which
     imports a model file's code: without it, no file it names is read and no user code runs)."""
+    if "compare" in raw:  # a comparison file: fedelastic.comparison reads its [compare] table
+        raise ConfigError(
+            src, "compare", f"no [compare] table (a comparison: run it with `fedelastic compare {src}` or fe.compare)"
+        )
     scenario = from_dict(Scenario, {**raw, "source": src}, src)
     return validate(scenario) if resolve else scenario
 

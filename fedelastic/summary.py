@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import idle
 from .errors import FedelasticError
 from .sim.columns import ClientCol as C
 from .sim.columns import RoundCol as R
@@ -20,9 +21,8 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 def report(run_dir: Path) -> None:
     """Write the figure and print the summary table of a finished (or partial, or empty) run."""
-    import pandas as pd
 
-    from .results import plot_accuracy, read_status
+    from .results import read_status
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -31,14 +31,7 @@ def report(run_dir: Path) -> None:
         raise FedelasticError(f"{run_dir / 'status.json'}: {read_status(run_dir)['error']}")
     if not (run_dir / "rounds.parquet").exists():
         raise FedelasticError(f"{run_dir}: no results yet (no rounds.parquet; status: {read_status(run_dir)['status']})")
-    rounds = pd.read_parquet(run_dir / "rounds.parquet")
-    clients_path = run_dir / "clients.parquet"
-    clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame()
-    plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
-    if (run_dir / "tasks.parquet").exists():  # a continual run: its accuracy matrix, summaries and figure
-        from .continual import report as continual_report
-
-        continual_report(run_dir)
+    rounds, clients = write_figures(run_dir)
     status = read_status(run_dir)
     last = rounds.iloc[-1]
     evaluated = rounds[R.TEST_ACCURACY].dropna()  # the last evaluated round's (server.evaluate_every)
@@ -61,12 +54,13 @@ def report(run_dir: Path) -> None:
         "trained params",
     ):
         table.add_column(col, justify="right", overflow="fold", no_wrap=col == "device")  # names whole
+    nothing = idle.by_device(clients)
     for device, g in clients.groupby(C.DEVICE) if len(clients) else ():
         table.add_row(
             escape(str(device)),
             str(len(g)),
             f"{g[C.FITS].mean():.0%}",
-            str(int((g[C.FITS].astype(bool) & (g[C.STEPS] == 0)).sum())),
+            f"{idle.percent(nothing.share[device])} ({nothing.trained_nothing[device]})",
             str(int(_failed(g))),
             f"{g[C.EMULATED_TRAIN_TIME_S].mean():.3g} s"
             + (
@@ -80,6 +74,8 @@ def report(run_dir: Path) -> None:
             f"{g[C.FRACTION_PARAMS_TRAINED].mean():.0%}",
         )
     console.print(table)
+    for line in idle.lines(nothing).values():  # a device that idled is named with why, under its table
+        console.print(f"  {line}", markup=False, highlight=False)
     for message, count in status.get("errors", {}).items():
         console.print(f"  {count} x {message}", markup=False, highlight=False)
     if status.get("empty_rounds"):
@@ -99,6 +95,24 @@ def report(run_dir: Path) -> None:
         markup=False,
         highlight=False,
     )
+
+
+def write_figures(run_dir: Path):
+    """Write a run folder's ``accuracy_vs_time.png`` (and a continual run's figures and summaries);
+    returns its rounds and clients tables."""
+    import pandas as pd
+
+    from .results import plot_accuracy
+
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    clients_path = run_dir / "clients.parquet"
+    clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame()
+    plot_accuracy(rounds, clients, run_dir / "accuracy_vs_time.png")
+    if (run_dir / "tasks.parquet").exists():  # a continual run: its accuracy matrix, summaries and figure
+        from .continual import report as continual_report
+
+        continual_report(run_dir)
+    return rounds, clients
 
 
 def _failed(g) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 
 import pytest
@@ -9,6 +10,21 @@ import pytest
 from fedelastic.devices import builtin_profile_dir
 from fedelastic.scenario import parse_scenario
 from tests.support import small_scenario_dict
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_cache(tmp_path_factory):
+    """The suite's pretrained weights and generated data go to a temporary folder, not the user's
+    ~/.cache/fedelastic (about 100 MB otherwise); an explicit ``FEDELASTIC_CACHE`` is kept. Set
+    before any test runs: subprocesses and Ray workers inherit it."""
+    if "FEDELASTIC_CACHE" in os.environ:
+        yield
+        return
+    os.environ["FEDELASTIC_CACHE"] = str(tmp_path_factory.mktemp("fedelastic-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("FEDELASTIC_CACHE", None)
 
 
 @pytest.fixture

@@ -64,7 +64,7 @@ def _local_kind(path: Path) -> str | None:
 
 
 def _source_stamp(name: str, base: Path) -> dict:
-    path = (base / name).expanduser()
+    path = base / Path(name).expanduser()
     if _local_kind(path) is None:
         return {"hub": name}
     # datasets writes its own cache-*.arrow files beside a save_to_disk copy: they are not the source
@@ -183,7 +183,7 @@ def _load_and_partition(name: str, base: Path, preprocess, partitioner, count: i
     """(train split, test split, indices of partitions 0..count-1) through flwr-datasets."""
     from flwr_datasets import FederatedDataset
 
-    path = (base / name).expanduser()
+    path = base / Path(name).expanduser()
     kind = _local_kind(path)
     if kind == "save_to_disk":
         import datasets
@@ -308,7 +308,7 @@ def prepare(
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 (a local copy that cannot be read: bad input, in one line)
-        path = (base / d.dataset).expanduser()
+        path = base / Path(d.dataset).expanduser()
         kind = _local_kind(path)
         if kind is None:
             raise
@@ -334,7 +334,7 @@ def prepare(
 def _prepare_uncached(d, num_partitions: int, seed: int, src: str, base: Path, split_seed: int) -> FederatedData:
     from . import partition
 
-    path = (base / d.dataset).expanduser()
+    path = base / Path(d.dataset).expanduser()
     if _local_kind(path) == "npz":  # numpy only: the hand-written partitioners
         x, y = load_npz(path, d, src)
         if d.classes:

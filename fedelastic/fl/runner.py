@@ -395,11 +395,23 @@ def _flwr_quiet():
     if before < logging.WARNING:
         logger.setLevel(logging.WARNING)
     logger.addFilter(_not_run_simulation_banner)
+    logger.addFilter(_not_cut_off_at_run_end)
     try:
         yield
     finally:
         logger.setLevel(before)
         logger.removeFilter(_not_run_simulation_banner)
+        logger.removeFilter(_not_cut_off_at_run_end)
+
+
+CUT_OFF = "the run ended before this client"  # runtime.backend's ClientTimeout for calls a stopping run cuts off
+
+
+def _not_cut_off_at_run_end(record: logging.LogRecord) -> bool:
+    """False for Flower's ERROR lines (the exception, then its traceback) about a client call that
+    the run cut off as it stopped (Ctrl-C, SIGTERM, a failure elsewhere): that is how a run ends,
+    and the command says so in one line."""
+    return CUT_OFF not in str(record.msg)
 
 
 def _not_run_simulation_banner(record: logging.LogRecord) -> bool:
@@ -473,6 +485,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         recorder.close()
         if cause is not exc and not isinstance(exc, KeyboardInterrupt):
             raise cause from None
+        if isinstance(exc, KeyboardInterrupt):
+            exc.run_dir = run_dir  # type: ignore[attr-defined]  # the command's resume hint names the folder
         raise
     recorder.finish(scenario.simulation.max_failure_rate)
     recorder.close()

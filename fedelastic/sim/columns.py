@@ -22,6 +22,7 @@ class RoundCol:
     VAL_ACCURACY: Final = "val_accuracy"  # only in a run with a validation share
     VAL_LOSS: Final = "val_loss"
     TOTAL_ENERGY_J: Final = "total_energy_j"
+    CLIENTS: Final = "clients"
     CLIENTS_FAILED: Final = "clients_failed"
     CLIENTS_NOT_FITTING: Final = "clients_not_fitting"
     CLIENTS_REJECTED: Final = "clients_rejected"
@@ -48,4 +49,5 @@ class ClientCol:
     EMULATED_PEAK_MEMORY_BYTES: Final = "emulated_peak_memory_bytes"
     DEVICE_MEMORY_BYTES: Final = "device_memory_bytes"
     STATUS: Final = "status"
+    FITS_REASON: Final = "fits_reason"
     ERROR: Final = "error"

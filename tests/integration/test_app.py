@@ -81,6 +81,8 @@ def test_module_level_apps_run_a_scenario_like_fedelastic_run(tmp_path):
 
     (run_dir,) = (tmp_path / "app-runs" / "tiny").iterdir()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    assert (run_dir / "accuracy_vs_time.png").stat().st_size > 0  # the figure `fedelastic run` writes
+    assert not (run_dir / "superlink.pid").exists()  # no SuperLink here: none is named
     reference = run_scenario(scenario_from_run_config(run_config), run_id="ref")
     for table in ("clients", "rounds"):
         got = pd.read_parquet(run_dir / f"{table}.parquet").drop(columns="host_wall_s")
@@ -148,6 +150,8 @@ def test_flwr_run_runs_the_app_on_a_local_simulation_federation(tmp_path):
 
     (run_dir,) = (out / "tiny").iterdir()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed", log
+    pid = int((run_dir / "superlink.pid").read_text())  # the process `kill PID` stops, as the log says
+    assert "flower-superlink" in left[pid] and f"stop it with `kill {pid}`" in log, (pid, left)
     rounds = pd.read_csv(run_dir / "rounds.csv")
     clients = pd.read_csv(run_dir / "clients.csv")
     assert list(rounds["round"]) == [0, 1, 2]  # --run-config's server.rounds=2 replaced the file's 4

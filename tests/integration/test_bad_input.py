@@ -384,3 +384,13 @@ def test_a_scenario_file_cannot_set_source(tmp_path, capsys):
 
     with pytest.raises(ConfigError, match="key 'source'"):
         fe.load({**small_scenario_dict(tmp_path), "source": "/etc/passwd"})
+@pytest.mark.parametrize("name", ["./my_data.npz", "my_data.npz", "../data/set", "/no/such/folder"])
+def test_a_missing_local_copy_is_refused_at_once_not_looked_up_on_the_hub(tmp_path, capsys, monkeypatch, name):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the Hugging Face Hub was asked for a local path")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    code, err = _run(tmp_path, capsys, dataset=name)
+    _assert_refused(tmp_path, code, err, "data.dataset", "an existing file or folder", "does not exist")

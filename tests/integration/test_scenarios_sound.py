@@ -1,5 +1,6 @@
 """Every shipped scenario and comparison, shrunk to a few steps, trains soundly: no client update is
-rejected as non-finite or fails, no client reports a non-finite loss, and no run diverges or fails.
+rejected as non-finite or fails, no client reports a non-finite loss, no device type trains nothing
+in every round, and no run diverges or fails.
 
 The shrinking is ``benchmarks/scenarios.py --reduced``'s (1-4 rounds of 3 local steps, one
 pretraining epoch, 3,000 generated images, in-process); the full-size figures are in benchmarks/studies/shipped-scenarios.md.
@@ -15,6 +16,7 @@ import sys
 import pandas as pd
 import pytest
 
+from fedelastic import idle
 from fedelastic.config import read_toml
 from tests.support import ROOT
 
@@ -92,6 +94,8 @@ def test_shipped_scenario_trains_soundly_at_reduced_size(bench, path, tmp_path):
     raw = bench.reduced(read_toml(path, "scenario"))
     raw.pop("source", None)
     rows = (bench.run_compare if "compare" in raw else bench.run_single)(path, raw, tmp_path)
+    lines = path.read_text().splitlines()
+    header = "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
     runs = [f.parent for f in tmp_path.rglob("status.json")]
     assert runs, "no run folder was written"
     for run in runs:
@@ -100,6 +104,9 @@ def test_shipped_scenario_trains_soundly_at_reduced_size(bench, path, tmp_path):
         clients = pd.read_parquet(run / "clients.parquet")
         bad = clients[clients.status.isin(["rejected", "failed"])]
         assert bad.empty, f"{run}: {len(bad)} client results {sorted(set(bad.status))}: {bad.iloc[0].to_dict()}"
+        nothing = idle.by_device(clients)  # a device type idle throughout is the scenario's point, said in its header
+        unsaid = [d for d in idle.flagged(nothing) if nothing.share[d] == 1 and d not in header]
+        assert not unsaid, f"{run}: trained nothing throughout, not said in {path.name}'s header: {idle.lines(nothing)}"
         trained = clients[clients.steps > 0]
         losses = trained.train_loss.astype(float).tolist()
         assert losses and all(math.isfinite(v) for v in losses), f"{run}: non-finite train losses"

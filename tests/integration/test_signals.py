@@ -55,6 +55,7 @@ def _assert_stopped(run_dir: Path, code: int, err: str, signame: str, at_least: 
     expected_code, reason = CASES[signame]
     assert code == expected_code, err
     assert "terminate called" not in err and "Traceback" not in err, err
+    assert f"continue with `fedelastic run --resume {run_dir}`" in err, err  # the folder itself, named
     status = read_status(run_dir)
     assert status["status"] == "failed" and status["error"] == reason, status
     rounds = pd.read_csv(run_dir / "rounds.csv")["round"].tolist()

@@ -330,7 +330,7 @@ def test_validation_and_tune_keys_are_checked(tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_scenario(small_scenario_dict(tmp_path, data={"validation": 1.0}), "s.toml")
     assert info.value.key == "data.validation"
-    for tune, key in (({"lr": [0.1, -1.0]}, "compare.tune.lr"), ({}, "compare.tune.lr"),
+    for tune, key in (({"lr": [0.1, -1.0]}, "compare.tune.lr"),
                       ({"lr": [0.1], "bn_mode": ["sometimes"]}, "compare.tune.bn_mode[0]"),
                       ({"lr": [0.1], "validation": 0.0}, "compare.tune.validation")):  # fmt: skip
         with pytest.raises(ConfigError) as info:

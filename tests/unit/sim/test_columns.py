@@ -105,7 +105,7 @@ def test_the_readers_read_tables_made_of_the_records_alone(tmp_path, capsys):
     memory = memory_by_device(clients)
     assert memory.loc["jetson_nano"].tolist() == [9e6, 8e6, 9 / 8]
     pi_row = [c.strip() for c in device_table(clients).split("<td>raspberry_pi_4</td>")[1].split("</tr>")[0].splitlines() if c.strip()]
-    assert pi_row == [f"<td>{v}</td>" for v in ("sbc", 1, "100%", 0, 3, 0.25, 2, "3.0 MB", "4.0 MB", "100%")]
+    assert pi_row == [f"<td>{v}</td>" for v in ("sbc", 1, "100%", "0%", 0, 3, 0.25, 2, "3.0 MB", "4.0 MB", "100%")]
 
     (tmp_path / "status.json").write_text(json.dumps({"status": "completed"}))
     rounds.to_parquet(tmp_path / "rounds.parquet")
