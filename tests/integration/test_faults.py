@@ -160,7 +160,13 @@ def _nan_weights(tmp, mp):
 def _existing_run_id(tmp, mp):
     path = scenario_file(tmp)
     (tmp / "runs" / "tiny" / "taken").mkdir(parents=True)
+    (tmp / "runs" / "tiny" / "taken" / "config.toml").write_text("")  # a run's (an empty folder is taken again)
     return ["run", path, "--run-id", "taken"]
+
+
+def _not_a_run(tmp, mp):
+    (tmp / "notes.txt").write_text("x")  # a folder with files, none a run's (an empty one: see test_chaos)
+    return ["run", "--resume", tmp]
 
 
 def _output_is_file(tmp, mp):
@@ -232,7 +238,7 @@ BAD = [
     Bad("cli-run-id-exists", _existing_run_id, "--resume", file=""),
     Bad("cli-report-missing", lambda tmp, mp: ["report", tmp / "nope"], "no such run folder", file=""),
     Bad("cli-report-no-results", _report_no_results, "no results", file=""),
-    Bad("cli-resume-not-a-run", lambda tmp, mp: ["run", "--resume", tmp], "not a run folder", file=""),
+    Bad("cli-resume-not-a-run", _not_a_run, "not a run folder", file=""),
     Bad("output-dir-is-file", _output_is_file, "output_dir"),
     Bad("output-dir-unwritable", _scn(output_dir="/sys/fedelastic-runs"), "output_dir"),
 ]
