@@ -347,7 +347,18 @@ def test_an_npz_whose_images_hold_nan_is_bad_data_refused_before_the_run(tmp_pat
     _assert_refused(tmp_path, code, err, "key 'data.dataset'", "nan.npz", "21 NaN/inf values in 21 of 60 images")
 
 
-def test_a_registered_dataset_with_nan_images_is_refused(tmp_path):
+@pytest.fixture
+def _datasets():
+    """Leaves the dataset registry as it found it."""
+    from fedelastic.data import DATASETS
+
+    before = dict(DATASETS)
+    yield
+    DATASETS.clear()
+    DATASETS.update(before)
+
+
+def test_a_registered_dataset_with_nan_images_is_refused(tmp_path, _datasets):
     import fedelastic as fe
 
     x = np.zeros((30, 1, 8, 8), dtype=np.float32)

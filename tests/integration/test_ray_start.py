@@ -30,6 +30,7 @@ def _no_ray_start(monkeypatch) -> list:
 def test_a_bad_run_folder_fails_before_ray_starts(make_scenario, monkeypatch, overrides, run_id, error, match):
     sc = make_scenario(simulation={"backend": "ray"}, **overrides)
     (Path(sc.output_dir) / "tiny" / "taken").mkdir(parents=True)
+    (Path(sc.output_dir) / "tiny" / "taken" / "config.toml").write_text("")  # a run's (an empty folder is free)
     calls = _no_ray_start(monkeypatch)
     with pytest.raises(error, match=match):
         api.run(sc, run_id=run_id)
