@@ -174,19 +174,14 @@ class _Killed(BaseException):
     """Stands for kill -9: nothing after it runs (not an Exception, so no handler catches it)."""
 
 
-@pytest.mark.parametrize("kill_at", range(12))
-def test_a_reload_killed_at_any_step_loses_no_finished_round(kill_at, tmp_path, monkeypatch):
-    """Resume rewrites a table keeping rounds <= 3 of 5. Killed at each file-system step of that
-    rewrite (every rename, unlink, folder removal and part write), the next reload still finds
-    rounds 1 to 3 whole, and the CSV and Parquet agree: the rewrite goes through temporary names."""
+def _kill_at_step(kill_at: int, monkeypatch) -> dict:
+    """From now on, the file-system step number ``kill_at`` (a rename, unlink, folder removal or
+    Parquet part write; counted from 0) raises :class:`_Killed`; returns the step counter."""
     import os
     import shutil
 
     import pyarrow.parquet as pq
 
-    table = _Table(tmp_path, "clients", keep_rows=False)
-    for r in range(1, 6):
-        table.append(_rows(r))
     steps = {"n": 0}
 
     def step(real):
@@ -200,6 +195,18 @@ def test_a_reload_killed_at_any_step_loses_no_finished_round(kill_at, tmp_path, 
 
     for mod, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (pq, "write_table")):
         monkeypatch.setattr(mod, name, step(getattr(mod, name)))
+    return steps
+
+
+@pytest.mark.parametrize("kill_at", range(12))
+def test_a_reload_killed_at_any_step_loses_no_finished_round(kill_at, tmp_path, monkeypatch):
+    """Resume rewrites a table keeping rounds <= 3 of 5. Killed at each file-system step of that
+    rewrite (every rename, unlink, folder removal and part write), the next reload still finds
+    rounds 1 to 3 whole, and the CSV and Parquet agree: the rewrite goes through temporary names."""
+    table = _Table(tmp_path, "clients", keep_rows=False)
+    for r in range(1, 6):
+        table.append(_rows(r))
+    steps = _kill_at_step(kill_at, monkeypatch)
     keep = lambda row: row["round"] <= 3  # noqa: E731
     try:
         _Table(tmp_path, "clients", keep_rows=False).load(keep)
@@ -235,27 +242,10 @@ def test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never
     """Round 3 brings the first error string: the parts are merged into one. Killed at each step of
     that merge, the folder reads back as rounds 1-2 or rounds 1-3, each row once (before, a kill
     between the merged part's rename and the old parts' removal doubled rounds 1-2)."""
-    import os
-    import shutil
-
-    import pyarrow.parquet as pq
-
     table = _Table(tmp_path, "clients", keep_rows=False)
     table.append(_rows(1))
     table.append(_rows(2))
-    steps = {"n": 0}
-
-    def step(real):
-        def wrapped(*args, **kwargs):
-            if steps["n"] == kill_at:
-                raise _Killed
-            steps["n"] += 1
-            return real(*args, **kwargs)
-
-        return wrapped
-
-    for mod, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (pq, "write_table")):
-        monkeypatch.setattr(mod, name, step(getattr(mod, name)))
+    _kill_at_step(kill_at, monkeypatch)
     try:
         table.append(_rows(3))
     except _Killed:
