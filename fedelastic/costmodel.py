@@ -91,11 +91,6 @@ class MemoryBreakdown:
             + self.workspace_bytes
         )
 
-    @property
-    def ram_bytes(self) -> float:
-        """Alias of :attr:`total_bytes`."""
-        return self.total_bytes
-
 
 @dataclass(frozen=True)
 class Emulated:

@@ -89,8 +89,7 @@ class _Table:
         folder is the table (its parts are renamed into place after the CSV rows are appended);
         one with no part, or parts with no column, reads as empty.
         """
-        _settle_swap(self.parquet)
-        frame = read_parquet_table(self.parquet)
+        frame = read_parquet_table(self.parquet)  # a swap a kill cut short was settled when the table was opened
         rows = [r for r in frame.to_dict("records") if keep(r)]
         final_csv, final_parquet = self.csv, self.parquet
         new_csv = final_csv.with_name(f".{final_csv.name}.new")
@@ -269,9 +268,7 @@ def _plain(frame: pd.DataFrame, schema) -> bool:
 def read_parquet_table(path: Path) -> pd.DataFrame:
     """A table's Parquet folder (or file) as a DataFrame; an empty one (no columns) when it does not
     exist, holds no part, or its parts hold no column (a run killed before its first rows)."""
-    if path.is_dir() and not any(path.glob("part-*.parquet")):
-        return pd.DataFrame()
-    if not path.exists():
+    if not path.exists() or (path.is_dir() and not any(path.glob("part-*.parquet"))):
         return pd.DataFrame()
     frame = pd.read_parquet(path)
     return frame if len(frame.columns) else pd.DataFrame()

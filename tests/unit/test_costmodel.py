@@ -82,7 +82,7 @@ def test_mcu_keeps_frozen_weights_in_flash_and_trained_weights_in_sram():
         6,
         workspace,
     )
-    assert m.flash_bytes == 17 and m.total_bytes == m.ram_bytes == 6 + 6 + 6 + 6 + 14 == 38
+    assert m.flash_bytes == 17 and m.total_bytes == 6 + 6 + 6 + 6 + 14 == 38
     # half the output channels of the first weight: 6 of its 12 elements in SRAM, the rest in flash;
     # a dense weight's gradient needs all of its input (4 x 2) and the ReLU above keeps a 1-bit mask
     m = cost.memory(np.array([0.5, 0, 0, 0]))
