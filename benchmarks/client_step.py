@@ -39,8 +39,8 @@ def step_part(reps: int) -> dict:
     from flwr.app import ConfigRecord
 
     from fedelastic.api import load
+    from fedelastic.environment import environment
     from fedelastic.fl.client import prepare_job, reply_content, train_cohort
-    from fedelastic.fl.env import environment
 
     wl = peers.Workload()
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,7 +43,7 @@ import torch
 torch.set_num_threads(1)
 from fedelastic.api import load
 from fedelastic.fl.cohort import warm_up
-from fedelastic.fl.env import environment
+from fedelastic.environment import environment
 from fedelastic.training import make_optimizer, ordered_params
 sys.path.insert(0, {root!r})
 from benchmarks.peers import Workload

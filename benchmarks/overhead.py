@@ -77,8 +77,8 @@ def worker_bare(sc) -> dict:
     """(a): the clients' work in one plain loop, mirroring ``fedelastic.fl.client.client_train``."""
     import torch
 
+    from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
-    from fedelastic.fl.env import environment
     from fedelastic.fl.server import PartialFedAvg
     from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
@@ -193,10 +193,10 @@ def worker_main(args) -> None:
 
         runner.fast_dispatch = contextlib.nullcontext
     if args.worker == "ray-polling":  # the engine before issue 10: no wake-up on push, replies pulled every 0.05 s
-        import fedelastic.fl.runner as runner
+        import fedelastic.fl.grids as grids
 
-        runner.notify_pushed = lambda: None
-        runner.PULL_PERIOD_S = 0.05
+        grids.notify_pushed = lambda: None
+        grids.PULL_PERIOD_S = 0.05
     out = worker_bare(sc) if args.worker == "bare" else worker_fl(sc)
     out.update(variant=args.worker, clients=sc.num_clients, fleet=sc.fleet, torch_threads=sc.simulation.torch_threads)
     Path(args.result).write_text(json.dumps(out))

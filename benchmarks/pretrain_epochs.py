@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from fedelastic.fl.env import RunEnvironment
+from fedelastic.environment import RunEnvironment
 from fedelastic.optim import SGD
 from fedelastic.scenario import load_scenario
 from fedelastic.training import batches, evaluate_model, seed_everything, torch_threads

@@ -7,7 +7,7 @@ Each run is a fresh process doing what ``peers.py``'s ``ray`` variant does (torc
 ``torch._dynamo`` imported first, then ``fedelastic.api.run`` on the shared workload), with
 wall-clock stamps (``time.time()``, one clock for every process of the run):
 
-* driver: imports, ``api.run``, Ray's start (``raypool.start_ray``) and what runs beside it,
+* driver: imports, ``api.run``, Ray's start (``runtime.lifecycle.start_ray``) and what runs beside it,
   Flower's simulation, the partition query, every round's row, Ray's shutdown, ``api.run``'s
   return, the first ``atexit`` hook, and the process's exit as its parent sees it;
 * Ray workers: process creation, the first call reaching the shipped app's loader, the app
@@ -138,6 +138,11 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
     st("driver: fedelastic.api imported")
     import fedelastic.fl.raypool as raypool
 
+    try:  # Ray's start and shutdown (fl/raypool.py before issue 39)
+        import fedelastic.runtime.lifecycle as lifecycle
+    except ImportError:
+        lifecycle = raypool
+
     def wrap(obj, name: str, label: str) -> None:
         fn = getattr(obj, name, None)
         if fn is None:
@@ -168,7 +173,7 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         wrap(runner, "start_ray", "driver: ray.init")
         wrap(rayrun, "start_ray", "driver: ray.init")
         wrap(runner, "_start_ray", "driver: ray.init")  # code before issue 10's changes (for comparisons)
-        if not hasattr(raypool, "quick_shutdown"):
+        if not hasattr(lifecycle, "quick_shutdown"):
             import ray
 
             wrap(ray, "shutdown", "driver: Ray shutdown")
@@ -195,7 +200,7 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
 
     home = importlib.import_module("fedelastic.orchestrate") if importlib.util.find_spec("fedelastic.orchestrate") else api
     wrap(home, "prepare_run", "driver: imports and data beside ray.init")  # api.prepare_run in older code
-    start = getattr(raypool, "start_ray", None)
+    start = getattr(lifecycle, "start_ray", None)
     if start is None:  # code from before issue 10's changes
         instrument()
     else:
@@ -210,8 +215,8 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
                 if not done:
                     done.append(instrument())
 
-        raypool.start_ray = started
-    wrap(raypool, "quick_shutdown", "driver: Ray shutdown")
+        lifecycle.start_ray = started
+    wrap(lifecycle, "quick_shutdown", "driver: Ray shutdown")
     wrap(raypool, "early_start", "driver: early actors")
     st("driver: api.run called")
     api.run(scenario, progress=lambda row: rounds.append((f"round {row['round']} row", time.time())))

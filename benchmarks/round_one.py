@@ -43,7 +43,7 @@ import peers
 from flwr.app import ConfigRecord
 from fedelastic.api import load
 from fedelastic.fl.client import prepare_job, train_cohort
-from fedelastic.fl.env import environment, warm_up
+from fedelastic.environment import environment, warm_up
 from fedelastic.training import LocalTraining, train_local
 
 variant, rnd = sys.argv[1], 3
@@ -112,8 +112,8 @@ def threads_part(reps: int) -> dict:
     from flwr.app import ConfigRecord
 
     from fedelastic.api import load
+    from fedelastic.environment import environment, warm_up
     from fedelastic.fl.client import prepare_job, train_cohort
-    from fedelastic.fl.env import environment, warm_up
 
     torch.set_num_threads(1)
     wl = peers.Workload()

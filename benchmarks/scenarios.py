@@ -69,7 +69,7 @@ from fedelastic.config import read_toml  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
-from fedelastic.fl.env import environment  # noqa: E402
+from fedelastic.environment import environment  # noqa: E402
 from fedelastic.pretrain import initial_state  # noqa: E402
 from fedelastic.results import read_status  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from fedelastic import api  # noqa: E402
 from fedelastic.config import read_toml  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.fl.env import environment  # noqa: E402
+from fedelastic.environment import environment  # noqa: E402
 from fedelastic.pretrain import initial_state  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import LocalTraining, evaluate_model, train_local  # noqa: E402

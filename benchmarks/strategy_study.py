@@ -107,7 +107,7 @@ def measure_contributions(base: Path, path: Path, oracle: bool = False, proxy: s
     from fedelastic.comparison import expand
     from fedelastic.contribution import analyse
     from fedelastic.data import transform
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
     from fedelastic.pretrain import initial_state
 
     raw = tomllib.loads(base.read_text())

@@ -69,8 +69,8 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
     """``torch`` (plain SGD loop) or ``bare`` (fedelastic's train_partition), one process, no Flower."""
     import torch
 
+    from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
-    from fedelastic.fl.env import environment
     from fedelastic.fl.server import PartialFedAvg
     from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial

@@ -40,7 +40,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.fl.env import RunEnvironment  # noqa: E402
+from fedelastic.environment import RunEnvironment  # noqa: E402
 from fedelastic.quant import device_numerics  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
 from fedelastic.training import CohortJob, LocalTraining, batches, make_optimizer, seed_everything, train_local  # noqa: E402

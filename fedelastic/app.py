@@ -137,7 +137,7 @@ def _client(context: Context) -> ClientApp:
     """The scenario's ClientApp, built once per process and run config."""
     key = repr(sorted(context.run_config.items()))
     if key not in _CLIENTS:
-        from .fl.client import make_client_app
+        from .fl.clientapp import make_client_app
 
         _CLIENTS.clear()
         _CLIENTS[key] = make_client_app(scenario_from_run_config(context.run_config))

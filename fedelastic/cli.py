@@ -348,7 +348,7 @@ def cmd_models(args) -> None:
 
 
 def cmd_pretrain(args) -> None:
-    from .fl.env import environment
+    from .environment import environment
     from .pretrain import initial_state
     from .scenario import load_scenario
 

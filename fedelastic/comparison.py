@@ -515,7 +515,7 @@ def _why(status: dict) -> str:
 
 def _bn_mode(sc: Scenario) -> str:
     """``train.bn_mode`` with ``auto`` resolved as the run resolves it."""
-    from .fl.env import RunEnvironment
+    from .environment import RunEnvironment
 
     return RunEnvironment(sc).bn_mode
 

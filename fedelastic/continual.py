@@ -52,7 +52,7 @@ COLLAPSE_MIN_CLASSES = 3
 
 
 class StreamSource(Protocol):
-    """What continual evaluation reads of a run's environment (:class:`fedelastic.fl.env.RunEnvironment`)."""
+    """What continual evaluation reads of a run's environment (:class:`fedelastic.environment.RunEnvironment`)."""
 
     @property
     def stream(self) -> Stream | None: ...

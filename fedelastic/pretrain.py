@@ -23,7 +23,7 @@ from .optim import SGD
 from .training import batches, seed_everything, torch_threads
 
 if TYPE_CHECKING:
-    from .fl.env import RunEnvironment
+    from .environment import RunEnvironment
 
 
 def cache_dir() -> Path:

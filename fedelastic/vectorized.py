@@ -62,7 +62,7 @@ from .training import (
 )
 
 if TYPE_CHECKING:
-    from .fl.env import RunEnvironment
+    from .environment import RunEnvironment
 
 _SOURCE = "<vectorised training>"
 

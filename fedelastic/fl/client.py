@@ -1,25 +1,23 @@
-"""The Flower ClientApp: one emulated device trains locally and reports its figures."""
+"""One emulated client's round: it trains locally and reports what it measured or emulated (the
+ClientApp that calls this is :mod:`fedelastic.fl.clientapp`)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 
 from ..costmodel import CostModel, Emulated
+from ..environment import RunEnvironment, environment
 from ..quant import device_numerics
 from ..scenario import Scenario
 from ..sim.aggregators import FedProx
 from ..sim.records import METRIC_KEYS
 from ..training import CohortJob, LocalResult, LocalTraining, Prepared, train_local
 from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
-from .env import RunEnvironment, environment
 
 
 def _partition_id(context: Context) -> int:
@@ -278,54 +276,3 @@ def too_slow_content(env: RunEnvironment, pid: int) -> RecordDict:
             "metrics": MetricRecord({k: metrics[k] for k in METRIC_KEYS}),
         }
     )
-
-
-def check_same_code() -> None:
-    """A Ray worker must run the fedelastic the driver runs (the runner exports its folder as FEDELASTIC_ROOT)."""
-    import fedelastic
-
-    expected = os.environ.get("FEDELASTIC_ROOT")
-    here = str(Path(fedelastic.__file__).resolve().parent.parent)
-    if expected and here != expected:
-        raise RuntimeError(
-            f"this worker imported fedelastic from {here}, the driver runs it from {expected}; "
-            "run from a folder that holds no other copy of fedelastic"
-        )
-
-
-def make_client_app(scenario: Scenario) -> ClientApp:
-    """A ClientApp bound to ``scenario`` (the scenario is small; data is rebuilt per process).
-
-    It carries the strategies, models and datasets the driver's code registered (a notebook's, say),
-    so that Ray workers, which run none of that code, know them too.
-    """
-    from .. import plugins
-
-    registered = plugins.registered()
-    app = ClientApp()
-
-    def adopt_plugins() -> None:  # a module function: Ray ships it by reference, the dicts by value
-        plugins.adopt(registered)
-
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        check_same_code()
-        adopt_plugins()
-        if "cohort" in msg.content:  # a cohort node's start-up query: build its data and model now
-            from .cohort import warm_up
-
-            warm_up(scenario)
-        return Message(
-            content=RecordDict({"metrics": MetricRecord({"partition-id": _partition_id(context)})}), reply_to=msg
-        )
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        adopt_plugins()
-        if "cohort" in msg.content:  # this node trains a cohort of virtual clients (fl/cohort.py)
-            from .cohort import cohort_train
-
-            return cohort_train(scenario, msg)
-        return client_train(scenario, msg, context)
-
-    return app

@@ -36,14 +36,15 @@ import torch
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from ..environment import RunEnvironment, environment, freeze_heap
+from ..environment import warm_up as env_warm_up
 from ..errors import with_traceback
+from ..runtime.backend import timeout_reason
 from ..scenario import Scenario
 from ..sim.fleet import local_steps
 from .arrays import record_dict, record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
-from .env import RunEnvironment, environment, freeze_heap
-from .env import warm_up as env_warm_up
-from .raypool import timeout_reason
+from .grids import PassThroughGrid
 from .threads import STOPPING, KeptThread, wait_out
 
 # a member's state in a cohort's reply
@@ -173,13 +174,13 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
 
 def warm_up(scenario: Scenario) -> None:
-    """A cohort node's start-up query: :func:`env.warm_up` (data, model, its description), then
-    :func:`env.freeze_heap` (a Ray worker's process is the run's; in-process, the driver unfreezes)."""
+    """A cohort node's start-up query: :func:`fedelastic.environment.warm_up` (data, model, its description), then
+    :func:`~fedelastic.environment.freeze_heap` (a Ray worker's process is the run's; in-process, the driver unfreezes)."""
     env_warm_up(scenario)
     freeze_heap()
 
 
-class CohortGrid(Grid):
+class CohortGrid(PassThroughGrid):
     """The server's grid in cohort mode: one virtual node per client over a few Flower nodes.
 
     ``grid`` is the runtime's grid (its nodes are the cohorts), ``cohorts`` how many of them
@@ -187,7 +188,8 @@ class CohortGrid(Grid):
     """
 
     def __init__(self, grid: Grid, env: RunEnvironment, cohorts: int):
-        self.grid, self.env, self.cohorts = grid, env, max(1, cohorts)
+        super().__init__(grid)
+        self.env, self.cohorts = env, max(1, cohorts)
         sc = env.scenario
         self.timeout_s = sc.simulation.timeout_s
         self.virtual = {p + 1: p for p in range(sc.num_clients)}  # virtual node id -> partition
@@ -200,14 +202,8 @@ class CohortGrid(Grid):
         for p in range(sc.num_clients):
             self._steps[p] = local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps)
 
-    def set_run(self, run) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self):
-        return self.grid.run
-
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        """A plain message to a virtual node (Flower's grid below knows only the cohort nodes)."""
         return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:

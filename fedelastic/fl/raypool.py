@@ -1,210 +1,19 @@
-"""Starting and stopping Ray for a run: a local cluster quickly, or an existing one by its address.
+"""A run's early Ray start: the local cluster started, and Flower's client actors created, before
+the runtime (Flower, torch) is imported.
 
-:func:`start_ray` starts Ray (or connects to ``simulation.ray_address``), with Ray's start-up
-patches where they are active (:mod:`fedelastic.runtime.raystart`); :func:`start_ray_beside` runs the
-driver's own start-up work on a thread while ``ray.init`` waits for its daemons, and
-:func:`start_ray_early` does so before the runtime is imported, creating Flower's client actors
-early (:mod:`fedelastic.runtime.backend`). :func:`quick_shutdown` kills the autoscaler monitor if
-there is one (its SIGTERM handler reports to the GCS Ray has already stopped, so ``ray.shutdown``
-waits a full second on it), shuts Ray down and returns once every process of the cluster has
-exited. The crash-tolerant client calls of Flower's Ray backend are in :mod:`fedelastic.runtime.backend`.
+:func:`start_ray_early` starts Ray with the driver's imports and data on a thread beside it
+(:func:`fedelastic.runtime.lifecycle.start_ray_beside`), then creates Flower's client actors
+(:func:`fedelastic.fl.rayrun.start_actors_early`), which build their data while the driver sets the
+run up. Importing this module imports no Flower.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-import subprocess
-import threading
-import warnings
 from collections.abc import Callable
-from typing import TypeVar
 
-from ..errors import ConfigError
 from ..runtime import patches
-from ..runtime.backend import (  # noqa: F401 (the Ray backend's names, as before)
-    _ACTOR_METHODS,
-    _EARLY,
-    _SETTINGS,
-    ClientTimeout,
-    _call_client,
-    _kill,
-    _same_build,
-    _same_code,
-    actor_class,
-    create_early_actors,
-    early_actors,
-    light_actor,
-    resilient_actors,
-    timeout_reason,
-)
-from ..runtime.orphans import descendants, reap
-from ..runtime.orphans import descendants as _descendants  # noqa: F401 (tests)
-from ..runtime.raystart import _ray_start_patches, no_autoscaler, no_dashboard, prompt_node_wait  # noqa: F401
-
-T = TypeVar("T")
-
-
-_APPS: dict[str, object] = {}  # in a worker: the ClientApp it runs (fl/rayrun.ShippedClientApp)
-
-
-def unpickled_app(root: str, key: str, payload: bytes):
-    """The ClientApp pickled in ``payload``, unpickled once per worker and app (``key``)."""
-    if key not in _APPS:
-        import pickle
-
-        os.environ["FEDELASTIC_ROOT"] = root  # the folder the driver runs fedelastic from (client.check_same_code)
-        _APPS.clear()
-        _APPS[key] = pickle.loads(payload)
-    return _APPS[key]
-
-
-def stop_autoscaler() -> None:
-    """Kill the autoscaler monitor of the local cluster this process started (nothing else, and nothing if none).
-
-    A single-node cluster has nothing to scale; ``ray.shutdown`` would SIGTERM the monitor after
-    the GCS is gone, wait a full second for it, then SIGKILL it.
-    """
-    for proc in _node_processes("PROCESS_TYPE_MONITOR"):
-        if proc.poll() is None:
-            proc.kill()
-            try:
-                proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _node_processes(kind: str | None = None) -> list[subprocess.Popen]:
-    """The processes ``ray.init`` started here for its local cluster (all, or those of ``ray_constants.<kind>``); [] if none."""
-    try:
-        import ray._private.worker as ray_worker
-        from ray._private import ray_constants
-
-        node = ray_worker._global_node
-        if node is None:
-            return []
-        kinds = [getattr(ray_constants, kind)] if kind else list(node.all_processes)
-        infos = [info for kind in kinds for info in node.all_processes.get(kind, ())]
-    except Exception:  # noqa: BLE001 (another Ray: leave the shutdown to it)
-        return []
-    return [p for p in (getattr(info, "process", None) for info in infos) if isinstance(p, subprocess.Popen)]
-
-
-def ray_processes() -> dict[int, str]:
-    """pid -> start time of every live process of the local cluster this process started (workers
-    and agents included); {} when it started none."""
-    return descendants([p.pid for p in _node_processes()])
-
-
-#: Ray's settings for a local cluster this process starts (``ray.init(_system_config=...)``): a
-#: raylet, worker or driver that finds its object store or raylet socket not yet listening tries
-#: again after 50 ms instead of Ray's 1 s (the same 10 s in all). The raylet connects to the
-#: object store it has just started on another thread; when it looks before the store listens,
-#: Ray's default costs the start-up a whole second (about one start in five here).
-LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
-
-
-def ray_init_args(sim) -> dict:
-    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only, and
-    :data:`LOCAL_SYSTEM_CONFIG` for a local cluster (a running cluster keeps its own settings).
-
-    No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
-    those ``ray.init`` starts (``rayrun.ShippedClientApp`` puts the driver's code first instead).
-    """
-    args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
-    if sim.ray_address:
-        args["address"] = sim.ray_address
-    elif _starts_local_cluster() and patches.active("ray"):
-        args["_system_config"] = dict(LOCAL_SYSTEM_CONFIG)
-    return args
-
-
-def _starts_local_cluster() -> bool:
-    """Whether ``ray.init()`` without an address starts a cluster: it connects instead to
-    ``RAY_ADDRESS``'s, or to the one ``ray start`` recorded (``<ray temp dir>/ray_current_cluster``),
-    and a connecting ``ray.init`` refuses ``_system_config``. False for a Ray without that record."""
-    if os.environ.get("RAY_ADDRESS"):
-        return False
-    try:
-        from ray._private.services import find_bootstrap_address
-
-        return find_bootstrap_address(None) is None
-    except Exception:  # noqa: BLE001 (another Ray: its settings are left alone)
-        return False
-
-
-def probe(address: str, src: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, not Ray's half minute of retries, when a ``host:port`` cluster address does not answer."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not address or address == "auto" or not sep or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(src, "simulation.ray_address", f"a reachable Ray cluster ({reason})", address) from None
-
-
-def start_ray(scenario) -> None:
-    """``ray.init`` (a local cluster, or ``simulation.ray_address``) unless Ray is already up.
-
-    Call it on the main thread: Ray ties its daemons' lives to the thread that starts them.
-    """
-    import ray
-
-    sim, src = scenario.simulation, scenario.source or "<scenario>"
-    patches.configure(sim.patches)
-    if not ray.is_initialized():
-        probe(sim.ray_address, src)
-        try:
-            # Ray 2.55's "Tip" about a future default (accelerator env vars, which no client here uses): this one only
-            warnings.filterwarnings("ignore", "Tip: In future versions of Ray", FutureWarning, "ray._private.worker")
-            with _ray_start_patches():
-                ray.init(**ray_init_args(sim))
-        except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            from ..results import one_line
-
-            raise ConfigError(
-                src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address
-            ) from None
-        finally:
-            from ..signals import reclaim_sigterm
-
-            reclaim_sigterm()  # ray.init's own SIGTERM handler (sys.exit) would skip the run's last writes
-
-
-def start_ray_beside(scenario, work: Callable[[], T]) -> T:
-    """``work()`` on a helper thread while this thread starts Ray (:func:`start_ray`): the two overlap.
-
-    Ray's start is mostly waiting for its daemons; ``work`` is the driver's own (imports, data,
-    the model's description, checks). An error of ``work`` wins: Ray is shut down and the error
-    raised, as if Ray had not been started. Returns what ``work`` returned.
-    """
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(work())
-        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
-            box.append(exc)
-
-    thread = threading.Thread(target=run, name="fedelastic-beside-ray", daemon=True)
-    thread.start()
-    try:
-        start_ray(scenario)
-    except BaseException as exc:
-        if not isinstance(exc, Exception):  # Ctrl-C: do not wait for ``work`` first
-            raise
-        thread.join()
-        if box and isinstance(box[0], BaseException):
-            raise box[0] from None
-        raise
-    thread.join()
-    if isinstance(box[0], BaseException):
-        quick_shutdown()
-        raise box[0]
-    return box[0]
+from ..runtime.backend import drop_early_actors
+from ..runtime.lifecycle import quick_shutdown, start_ray_beside
 
 
 def start_ray_early(scenario, prepare: Callable[[], object]) -> bool:
@@ -254,25 +63,6 @@ def early_start(scenario) -> None:
 
         start_actors_early(scenario)
     except Exception:  # noqa: BLE001,S110 (the run meets the error again and reports it)
-        _kill(_EARLY.pop("actors", []))
-        _EARLY.clear()
-
-
-def quick_shutdown(wait_s: float = 3.0) -> None:
-    """``ray.shutdown()`` of the local cluster this process started, without waiting on its
-    autoscaler; returns once every process of that cluster has exited (workers included).
-
-    Ray stops its own processes but not the workers they started, which exit on their own a
-    moment later. Any of them still running after ``wait_s`` seconds is killed.
-    """
-    import ray
-
-    _EARLY.clear()
-    if not ray.is_initialized():
-        return
-    ours = ray_processes()
-    stop_autoscaler()
-    ray.shutdown()
-    reap(ours, wait_s)
+        drop_early_actors()
 
 

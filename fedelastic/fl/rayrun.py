@@ -19,13 +19,15 @@ from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
+from ..environment import environment
 from ..results import Recorder
 from ..runtime import orphans
+from ..runtime.backend import create_early_actors, resilient_actors
 from ..runtime.dispatch import fast_dispatch, notify_pushed
+from ..runtime.lifecycle import quick_shutdown, ray_processes, start_ray
 from ..scenario import Scenario
 from .cohort import CohortGrid, cohort_count
-from .env import environment
-from .raypool import create_early_actors, quick_shutdown, resilient_actors, start_ray
+from .grids import GuardedGrid
 
 
 def _loader(name: str = "load_with_driver_code"):
@@ -85,14 +87,14 @@ def start_actors_early(scenario: Scenario) -> int:
 
     Each actor, as it is created, puts the driver's code first on its path (as
     :class:`ShippedClientApp` does), imports the runtime and builds its data and client model,
-    with the driver's model description (:func:`env.warm_worker`), while the driver sets the run
-    up. Flower's Ray backend then takes these actors (``raypool.early_actors``) instead of
+    with the driver's model description (:func:`fedelastic.fl.clientapp.warm_worker`), while the driver sets the run
+    up. Flower's Ray backend then takes these actors (``fedelastic.runtime.backend.early_actors``) instead of
     creating its own. Call it after the runtime's imports and the data (``orchestrate.prepare_run``).
     """
     from ray import cloudpickle
 
     from .. import plugins
-    from .env import warm_worker
+    from .clientapp import warm_worker
 
     env = environment(scenario)
     warm = partial(warm_worker, scenario, plugins.registered(), env.info)
@@ -114,8 +116,6 @@ def run_on_ray(
 ) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
-
-    from .runner import GuardedGrid
 
     sim = scenario.simulation
     app = ServerApp()
@@ -160,8 +160,6 @@ def run_on_ray(
 
 def _record_ray(run_dir: Path) -> None:
     """Record the processes of the local Ray cluster this process started in ``run_dir`` (none: nothing)."""
-    from .raypool import ray_processes
-
     procs = ray_processes()
     if procs:
         orphans.record(run_dir, procs)

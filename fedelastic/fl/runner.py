@@ -13,206 +13,29 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Context, Error, Message, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from ..config import read_toml
-from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated, with_traceback
+from ..environment import RunEnvironment, environment
+from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
 from ..runtime import orphans
-from ..runtime.dispatch import notify_pushed, replies_may_wait, wait_for_replies
+from ..runtime.lifecycle import start_ray_beside
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, recorded, recorded_source, validate
 from .checkpoint import CHECKPOINT, load_checkpoint
-from .client import make_client_app
+from .clientapp import make_client_app
 from .cohort import CohortGrid, cohort_count
-from .env import RunEnvironment, environment
-from .raypool import start_ray_beside
+from .grids import GuardedGrid, InProcessGrid, RunAborted
 from .server import server_main
-from .threads import STOPPING, KeptThread, wait_out
 from .untrained import warn_if_untrained_partial
-
-
-class InProcessGrid(Grid):
-    """A Grid that calls a ClientApp directly; node ids are random, as in Flower."""
-
-    def __init__(self, client_app: ClientApp, num_nodes: int):
-        self.app = client_app
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
-            0,
-            1,
-            0,
-        )  # what Flower's runtime sets in a ServerApp process
-        ids = np.random.default_rng().choice(2**31, size=num_nodes, replace=False)
-        self.contexts = {
-            int(node): Context(0, int(node), {"partition-id": i, "num-partitions": num_nodes}, RecordDict(), {})
-            for i, node in enumerate(ids)
-        }
-        self._replies: dict[str, Message] = {}
-        self._run = None
-        STOPPING.clear()  # a run stopped before this one in the process is over
-        self._caller: KeptThread | None = None  # the thread client calls run on (threads.py)
-        self.on_abandon: Callable[[], None] = lambda: None
-
-    def close(self) -> None:
-        """End the thread client calls run on (once an abandoned call returns, if one is running)."""
-        if self._caller is not None:
-            self._caller.close()
-
-    def set_run(self, run) -> None:
-        self._run = run
-
-    @property
-    def run(self):
-        return self._run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
-        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def _call(self, msg: Message, timeout: float | None = None) -> Message | None:
-        """Run the ClientApp on ``msg``; None if it did not return within ``timeout`` seconds.
-
-        Calls run on one kept thread (:class:`~.threads.KeptThread`). A call that overruns is
-        abandoned on that (daemon) thread, which Python cannot stop: it keeps its CPU until it
-        returns, and its late result is dropped; the next call gets a new thread. The process's
-        shared client model is rebuilt so the abandoned call cannot disturb later clients.
-        """
-        node = msg.metadata.dst_node_id
-        box: list[Message] = []
-
-        def work() -> None:
-            try:
-                box.append(self.app(msg, self.contexts[node]))
-            except Exception as exc:  # a client failure becomes an error reply, as in Flower
-                box.append(Message(Error(code=0, reason=with_traceback(exc)), reply_to=msg))
-
-        if timeout is None:
-            work()
-            return box[0]
-        if self._caller is None or self._caller.retired:
-            self._caller = KeptThread("client-call")
-        done = self._caller.run(work)
-        try:
-            returned = done.wait(max(timeout, 0.0))
-        except BaseException:  # Ctrl-C or SIGTERM: the call returns first, within its timeout (threads.STOPPING)
-            wait_out(done, timeout)
-            raise
-        if not returned or not box:
-            self._caller.retired = True  # it goes on with the abandoned call: the next call gets a new thread
-            self.on_abandon()
-            return None
-        return box[0]
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for i, msg in enumerate(messages):
-            key = f"{len(self._replies)}-{i}"
-            reply = self._call(msg)
-            assert reply is not None
-            self._replies[key] = reply
-            ids.append(key)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(i) for i in message_ids]
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Each client in turn, each given ``timeout`` seconds (clients run one after another here,
-        not side by side as on Ray); a client that overruns gets no reply, as on Ray."""
-        replies = [self._call(msg, timeout) for msg in messages]
-        return [r for r in replies if r is not None]
-
-
-class GuardedGrid(Grid):
-    """A Grid that stops waiting for replies when ``stop`` is set (the runtime died, or Ctrl-C).
-
-    Without it the ServerApp thread of a failed Flower runtime waits out ``timeout_s`` (an hour
-    by default) and keeps the driver alive. ``on_sent()`` is called as each batch of messages
-    (not an empty one) leaves, before the wait for replies: the runner hands the recorder's
-    kept writes (the previous round's rows and checkpoint) to its writer there, so that they
-    are made while the clients train, not while this thread still builds the round's messages
-    (a writer holding the GIL then made that 1-2 ms slower a round).
-    """
-
-    def __init__(
-        self,
-        grid: Grid,
-        stop: threading.Event,
-        pull_period_s: float | None = None,
-        on_sent: Callable[[], None] = lambda: None,
-    ):
-        self.grid, self.stop, self.on_sent = grid, stop, on_sent
-        self.pull_period_s = pull_period_s  # None: PULL_PERIOD_S (the in-memory simulation grid)
-
-    def set_run(self, run) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self):
-        return self.grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        if self.stop.is_set():
-            raise RunAborted("the simulation runtime stopped")
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = self.grid.push_messages(messages)
-        notify_pushed()  # the dispatch loop sweeps now rather than at its next 0.1 s tick
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)  # on_sent: not at the empty send of Flower's evaluate step (the driver evaluates then)
-        if isinstance(self.grid, InProcessGrid):
-            if messages:
-                self.on_sent()
-            return self.grid.send_and_receive(messages, timeout=timeout)
-        replies_may_wait()
-        pending = {i for i in self.grid.push_messages(messages) if i}
-        notify_pushed()
-        if messages:
-            self.on_sent()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        while pending:
-            if self.stop.is_set():
-                raise RunAborted("the simulation runtime stopped")
-            replies_may_wait()  # a reply stored from here on ends the wait below at once
-            got = list(self.grid.pull_messages(pending))
-            replies.extend(got)
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if not pending or (deadline is not None and time.monotonic() >= deadline):
-                break
-            if self.pull_period_s is None:  # the simulation's grid: woken by each stored reply
-                wait_for_replies(PULL_PERIOD_S)
-            else:
-                time.sleep(self.pull_period_s)
-        return replies
-
-
-PULL_PERIOD_S = 0.01  # how often the ServerApp asks for replies at most (a stored reply wakes it sooner)
-
-
-class RunAborted(RuntimeError):
-    """The runtime under the ServerApp stopped; the server gives up instead of waiting."""
 
 
 def check_folder_name(value: str, src: str, key: str) -> str:
@@ -336,7 +159,7 @@ def _preflight_beside_ray(scenario: Scenario, env: RunEnvironment) -> dict:
     """:func:`_preflight` on a thread while this thread starts Ray: the two overlap at start-up.
 
     A check that fails wins: Ray is shut down and the check's error is raised, as if Ray had
-    not been started (:func:`raypool.start_ray_beside`).
+    not been started (:func:`fedelastic.runtime.lifecycle.start_ray_beside`).
     """
     return start_ray_beside(scenario, lambda: _preflight(scenario, env))
 

@@ -28,8 +28,10 @@ from flwr.supercore import log
 
 from ..continual import evaluate_stream
 from ..divergence import Detector, weight_norm
+from ..environment import RunEnvironment, environment, freeze_heap
 from ..errors import Diverged, RunFailed, StopRun
 from ..results import Recorder
+from ..runtime.backend import timeout_reason
 from ..scenario import Scenario
 from ..sim.aggregators import make_aggregator
 from ..sim.callbacks import CallbackList, ContinualReport, ResultsWriter, RoundEnd
@@ -39,8 +41,6 @@ from ..sim.records import METRIC_KEYS, ClientRecord, RoundRecord
 from ..training import evaluate_model, evaluate_predictions, torch_threads
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 from .checkpoint import Checkpointer
-from .env import RunEnvironment, environment, freeze_heap
-from .raypool import timeout_reason
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout_s: float) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 from ..training import LocalTraining, train_local
 
 if TYPE_CHECKING:
-    from .env import RunEnvironment
+    from ..environment import RunEnvironment
 
 SMALL_SHARE = 0.5  # below it, most of an untrained model keeps its random weights: the run learns little
 

@@ -20,7 +20,7 @@ Any other client error is returned to the pool and reported as before. A cohort 
 (``fl/cohort.py``) gets ``timeout_s`` per client it trains, and a cohort that abandoned a hung
 client (its reply says so) has its worker replaced after it replies. At the end the patched
 ``terminate`` kills the workers (``ray.kill``: Flower's ``exit_actor()`` runs each worker's
-interpreter teardown first) and shuts Ray down (``raypool.quick_shutdown``). The patched ``build``
+interpreter teardown first) and shuts Ray down (``lifecycle.quick_shutdown``). The patched ``build``
 fills the pool with the actors made as Ray came up (:func:`create_early_actors`), of
 :func:`actor_class`: a copy of Flower's that Ray ships by value, so that a worker does not import
 ``flwr.simulation``.
@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import patches
+from .lifecycle import EARLY as _EARLY
+from .lifecycle import quick_shutdown
 
 
 @dataclass
@@ -70,7 +72,6 @@ def timeout_reason(timeout_s: float) -> str:
     return f"timeout: no reply within simulation.timeout_s = {timeout_s:g} s"
 
 
-_EARLY: dict = {}  # actors created as soon as Ray was up ("actors"), with the resources they reserve ("resources")
 
 _ACTOR_METHODS = ("__init__", "run", "terminate")
 _ACTORS: list = []  # the Ray actor class actor_class() chose, once per process
@@ -136,6 +137,12 @@ def early_actors(resources: dict) -> list:
         return actors
     _kill(actors)  # made for other resources: of no use to this pool
     return []
+
+
+def drop_early_actors() -> None:
+    """Kill the actors :func:`create_early_actors` made and forget them (none: nothing)."""
+    _kill(_EARLY.pop("actors", []))
+    _EARLY.clear()
 
 
 def _kill(actors) -> None:
@@ -231,8 +238,6 @@ def _terminate(original):
                 except Exception:  # noqa: BLE001 (already gone)
                     pass
             idle.clear()  # nothing left for Flower's terminate_all_actors to message
-        from ..fl.raypool import quick_shutdown
-
         quick_shutdown()
         original(self)  # Flower's own teardown (its ray.shutdown finds Ray stopped)
 
@@ -312,8 +317,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     _SETTINGS.retries, _SETTINGS.timeout_s, _SETTINGS.stop, _SETTINGS.replaced = retries, timeout_s, stop, 0
     _SETTINGS.starting.clear()
     if not patches.active("flwr"):
-        _kill(_EARLY.pop("actors", []))
-        _EARLY.clear()
+        drop_early_actors()
         yield _SETTINGS
         return
     try:
@@ -330,8 +334,7 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     if _same_build(build):  # Flower's build as this module knows it: actor_class()'s actors, the early ones first
         RayBackend.build = _build
     else:  # another Flower: its build makes its own actors, which the early ones would keep from the CPUs
-        _kill(_EARLY.pop("actors", []))
-        _EARLY.clear()
+        drop_early_actors()
     # a worker thread still waiting after ray.shutdown() must not start a new local Ray (whose agents outlive us)
     if patches.active("ray"):
         auto_init.enable_auto_connect = False
@@ -340,5 +343,4 @@ def resilient_actors(*, retries: int, timeout_s: float, stop: threading.Event) -
     finally:
         RayBackend.process_message, RayBackend.terminate, RayBackend.build = original, terminate, build
         auto_init.enable_auto_connect = auto
-        _kill(_EARLY.pop("actors", []))  # not taken (the run stopped before its pool was built)
-        _EARLY.clear()
+        drop_early_actors()  # not taken (the run stopped before its pool was built)

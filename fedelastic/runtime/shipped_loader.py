@@ -25,7 +25,7 @@ def driver_code_first(root, paths):
 
 def load_with_driver_code(root, paths, key, payload):
     driver_code_first(root, paths)
-    from fedelastic.fl.raypool import unpickled_app
+    from fedelastic.runtime.lifecycle import unpickled_app
 
     return unpickled_app(root, key, payload)
 

@@ -22,7 +22,8 @@ from flwr.common.config import flatten_dict
 from fedelastic.app import client_app, scenario_from_run_config, server_app
 from fedelastic.config import to_dict
 from fedelastic.errors import ConfigError
-from fedelastic.fl.runner import InProcessGrid, run_scenario
+from fedelastic.fl.grids import InProcessGrid
+from fedelastic.fl.runner import run_scenario
 from fedelastic.scenario import load_scenario
 from tests.support import ROOT, processes_with, small_scenario_dict
 

@@ -567,7 +567,7 @@ def test_report_draws_empty_and_non_finite_runs(tmp_path):
 def test_a_stopped_runtime_ends_the_server_wait_at_once():
     import threading
 
-    from fedelastic.fl.runner import GuardedGrid, RunAborted
+    from fedelastic.fl.grids import GuardedGrid, RunAborted
 
     class SilentGrid:  # a runtime that never delivers anything
         def push_messages(self, messages):

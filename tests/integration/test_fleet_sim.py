@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from fedelastic.environment import environment
 from fedelastic.errors import ConfigError
-from fedelastic.fl.env import environment
 from fedelastic.fl.runner import run_scenario
 from tests.support import frames
 

@@ -14,7 +14,7 @@ from flwr.app import Context, RecordDict
 from fedelastic.app import client_app, server_app
 from fedelastic.config import to_dict
 from fedelastic.errors import ConfigError
-from fedelastic.fl.runner import InProcessGrid
+from fedelastic.fl.grids import InProcessGrid
 
 
 def _scenario_file(tmp_path: Path, scenario, **changes) -> Path:

@@ -8,7 +8,7 @@ import os
 import pandas as pd
 import pytest
 
-from fedelastic.fl.env import environment
+from fedelastic.environment import environment
 from fedelastic.fl.runner import run_scenario
 
 SIX = {"raspberry_pi_4": 2, "jetson_nano": 2, "stm32h743": 2}

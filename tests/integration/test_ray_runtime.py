@@ -16,11 +16,12 @@ import pytest
 from ray import cloudpickle
 
 import fedelastic
-from fedelastic.fl.client import make_client_app
-from fedelastic.fl.raypool import _descendants, no_autoscaler, no_dashboard
+from fedelastic.fl.clientapp import make_client_app
 from fedelastic.fl.rayrun import ShippedClientApp
 from fedelastic.runtime.dispatch import StoppableQueue, fast_dispatch
 from fedelastic.runtime.orphans import alive as _alive
+from fedelastic.runtime.orphans import descendants
+from fedelastic.runtime.raystart import no_autoscaler, no_dashboard
 
 ROOT = Path(fedelastic.__file__).resolve().parent.parent
 
@@ -115,7 +116,7 @@ def test_descendants_finds_a_process_tree_and_alive_sees_it_end():
     )
     try:
         deadline = time.monotonic() + 30
-        while len(tree := _descendants([parent.pid])) < 2 and time.monotonic() < deadline:
+        while len(tree := descendants([parent.pid])) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(tree) == 2 and parent.pid in tree
         child = next(p for p in tree if p != parent.pid)
@@ -189,7 +190,7 @@ def test_a_cluster_started_without_its_dashboard_runs_tasks():
     import ray._private.worker as ray_worker
     from ray._private import ray_constants
 
-    from fedelastic.fl import raypool
+    from fedelastic.runtime import lifecycle
 
     with no_dashboard():
         ray.init(num_cpus=1, include_dashboard=False)
@@ -205,7 +206,7 @@ def test_a_cluster_started_without_its_dashboard_runs_tasks():
 
         assert ray.get(double.remote(21)) == 42
     finally:
-        raypool.quick_shutdown()
+        lifecycle.quick_shutdown()
 
 
 @pytest.mark.ray

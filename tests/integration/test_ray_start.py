@@ -10,7 +10,7 @@ import pytest
 from fedelastic import api, orchestrate
 from fedelastic.errors import ConfigError, FedelasticError
 from fedelastic.fl import raypool
-from fedelastic.runtime import backend
+from fedelastic.runtime import backend, lifecycle, raystart
 
 
 def _no_ray_start(monkeypatch) -> list:
@@ -81,27 +81,27 @@ def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_s
 ):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's temp dir: no cluster recorded by `ray start` there
-    local = raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+    local = lifecycle.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
     config = local["_system_config"]
     # the same 10 s in all as Ray's default (1000 ms x 10 attempts), tried every 50 ms
     assert config["raylet_client_connect_timeout_milliseconds"] * config["raylet_client_num_connect_attempts"] == 10_000
     assert config["raylet_client_connect_timeout_milliseconds"] == 50
-    given = raypool.ray_init_args(make_scenario(simulation={"backend": "ray", "ray_address": "10.0.0.1:6379"}).simulation)
+    given = lifecycle.ray_init_args(make_scenario(simulation={"backend": "ray", "ray_address": "10.0.0.1:6379"}).simulation)
     assert "_system_config" not in given and given["address"] == "10.0.0.1:6379"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # ray.init would connect there, where _system_config is refused
-    assert "_system_config" not in raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+    assert "_system_config" not in lifecycle.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
     monkeypatch.delenv("RAY_ADDRESS")
     # a cluster `ray start --head` recorded: ray.init() with no address connects to it (and would refuse the config)
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.2:6379")
-    assert "_system_config" not in raypool.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
+    assert "_system_config" not in lifecycle.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
 
 
 def test_prompt_node_wait_swaps_rays_get_node_and_restores_it():
     import ray._private.services as services
 
     before = services.get_node
-    with raypool.prompt_node_wait() as used:
+    with raystart.prompt_node_wait() as used:
         assert used and services.get_node is not before
     assert services.get_node is before
 
@@ -110,7 +110,7 @@ def test_prompt_node_wait_leaves_a_ray_without_the_function_alone(monkeypatch):
     import ray._private.services as services
 
     monkeypatch.delattr(services, "get_node")
-    with raypool.prompt_node_wait() as used:
+    with raystart.prompt_node_wait() as used:
         assert not used
     assert not hasattr(services, "get_node")
 
@@ -118,12 +118,12 @@ def test_prompt_node_wait_leaves_a_ray_without_the_function_alone(monkeypatch):
 def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch):
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
-    assert raypool._same_build(RayBackend.build)  # Flower 1.42.0's, as pinned
+    assert backend._same_build(RayBackend.build)  # Flower 1.42.0's, as pinned
 
     def other_build(self, app_fn):  # a Flower whose build does something else
         self.pool = None
 
-    assert not raypool._same_build(other_build)
+    assert not backend._same_build(other_build)
 
 
 @pytest.mark.ray
@@ -154,9 +154,9 @@ def _flower_actor():
 
 
 def test_the_light_client_actor_compiles_to_flowers_own_methods():
-    flower, light = _flower_actor(), raypool.light_actor()
-    for method in raypool._ACTOR_METHODS:
-        assert raypool._same_code(getattr(light, method), getattr(flower, method))
+    flower, light = _flower_actor(), backend.light_actor()
+    for method in backend._ACTOR_METHODS:
+        assert backend._same_code(getattr(light, method), getattr(flower, method))
 
     def run(self, client_app_fn, message, cid, context):  # Flower's run, less its LoadClientAppError branch
         try:
@@ -166,8 +166,8 @@ def test_the_light_client_actor_compiles_to_flowers_own_methods():
             raise ValueError(str(ex)) from ex
         return cid, out_message, context
 
-    assert not raypool._same_code(run, flower.run)
-    assert not raypool._same_code(flower.terminate, flower.run)
+    assert not backend._same_code(run, flower.run)
+    assert not backend._same_code(flower.terminate, flower.run)
 
     class Other:
         def __init__(self, on_actor_init_fn=print):  # Flower's __init__ with another default
@@ -175,19 +175,19 @@ def test_the_light_client_actor_compiles_to_flowers_own_methods():
             if on_actor_init_fn:
                 on_actor_init_fn()
 
-    assert raypool._same_code(Other.__init__, raypool.light_actor().__init__) is False
+    assert backend._same_code(Other.__init__, backend.light_actor().__init__) is False
     Other.__init__.__defaults__ = (None,)
-    assert raypool._same_code(Other.__init__, flower.__init__)  # the default was all that differed
+    assert backend._same_code(Other.__init__, flower.__init__)  # the default was all that differed
 
 
 def test_a_flower_whose_actor_differs_keeps_its_own_actor_class(monkeypatch):
     from flwr.simulation.ray_transport.ray_actor import ClientAppActor
 
     monkeypatch.setattr(backend, "_ACTORS", [])
-    assert raypool.actor_class() is not ClientAppActor  # Flower 1.42.0's, as pinned: the light copy
+    assert backend.actor_class() is not ClientAppActor  # Flower 1.42.0's, as pinned: the light copy
     monkeypatch.setattr(backend, "_ACTORS", [])
     monkeypatch.setattr(_flower_actor(), "run", lambda self, *a: None)  # a Flower whose run does something else
-    assert raypool.actor_class() is ClientAppActor
+    assert backend.actor_class() is ClientAppActor
 
 
 @pytest.mark.parametrize("actor", ["light", "flower"])
@@ -195,7 +195,7 @@ def test_the_light_client_actor_runs_an_app_as_flowers_does(actor):
     """Each class, called as Ray's worker calls it: the same replies and errors (checked by hand)."""
     from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 
-    cls = raypool.light_actor() if actor == "light" else _flower_actor()
+    cls = backend.light_actor() if actor == "light" else _flower_actor()
     inits: list[int] = []
     node = cls(on_actor_init_fn=lambda: inits.append(1))
     assert inits == [1]
@@ -230,9 +230,9 @@ def test_a_light_actors_worker_never_imports_flowers_simulation_package():
 
     ray.init(num_cpus=1, include_dashboard=False)
     try:
-        node = raypool.actor_class().options(num_cpus=1).remote()
+        node = backend.actor_class().options(num_cpus=1).remote()
         assert ray.get(node.run.remote(lambda: loaded, "msg", "0", "ctx")) == ("0", ["flwr.clientapp"], "ctx")
         with pytest.raises(ClientAppException, match="boom"):
             ray.get(node.run.remote(lambda: failing, "msg", "0", "ctx"))
     finally:
-        raypool.quick_shutdown()
+        lifecycle.quick_shutdown()

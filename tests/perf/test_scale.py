@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from fedelastic.environment import environment
 from fedelastic.fl import server as fl_server
-from fedelastic.fl.client import make_client_app
-from fedelastic.fl.env import environment
-from fedelastic.fl.runner import GuardedGrid, InProcessGrid
+from fedelastic.fl.clientapp import make_client_app
+from fedelastic.fl.grids import GuardedGrid, InProcessGrid
 from fedelastic.pretrain import initial_state
 from fedelastic.results import Recorder
 from fedelastic.scenario import SimulationConfig, parse_scenario

@@ -305,7 +305,7 @@ def test_validation_carve_is_disjoint_and_deterministic():
 
 def test_the_validation_split_comes_from_the_clients_training_data(make_scenario):
     from fedelastic.data import load_dataset, train_test_split
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
 
     plain = RunEnvironment(make_scenario()).data
     env = RunEnvironment(make_scenario(data={"validation": 0.25}))
@@ -374,7 +374,7 @@ def test_a_tuned_comparison_runs_the_seeds_with_the_chosen_values_and_resumes(tm
 
 def test_the_server_scores_val_accuracy_on_the_held_out_share(make_scenario):
     from fedelastic.data import load_dataset, train_test_split
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
     from fedelastic.fl.runner import run_scenario
     from fedelastic.training import evaluate_model
 

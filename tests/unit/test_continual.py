@@ -319,7 +319,7 @@ def test_misplaced_data_keys_and_a_hue_shift_of_grey_images_are_errors(make_scen
     with pytest.raises(ConfigError, match="data.partition_by"):
         make_scenario(data={"partition_by": "writer_id"})
     sc = make_scenario(stream={**SMALL_STREAM, "domains": [{}, {"hue": 90}]})
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
 
     with pytest.raises(ConfigError, match=r"stream.domains\[1\].hue"):
         _ = RunEnvironment(sc).stream

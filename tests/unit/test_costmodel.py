@@ -360,7 +360,7 @@ def test_a_selection_is_charged_its_own_evaluations_only():
 
 
 def test_optimizer_state_follows_the_momentum(make_scenario):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
 
     info = _mlp_info()
     sgd = CostModel(info, get_profile("jetson_nano"), batch_size=2, optimizer="sgd")
@@ -374,7 +374,7 @@ def test_optimizer_state_follows_the_momentum(make_scenario):
 
 
 def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
 
     auto = {"bn_mode": "auto"}
     assert RunEnvironment(make_scenario(train=auto)).bn_mode == "train"  # from the factory's initialisation
@@ -385,7 +385,7 @@ def test_bn_mode_auto_freezes_statistics_only_from_trained_weights(make_scenario
 
 
 def test_bn_mode_default_trains_batch_statistics_pretrained_or_not(make_scenario):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
 
     pretrained = RunEnvironment(make_scenario(model={"name": "small_cnn", "pretrain": {"classes": [0, 1]}}))
     assert pretrained.bn_mode == "train" and pretrained.cost("jetson_nano").bn_mode == "train"

@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedelastic.costmodel import CostModel
 from fedelastic.devices import get_profile
-from fedelastic.fl.runner import InProcessGrid
+from fedelastic.fl.grids import InProcessGrid
 from fedelastic.flower import PartialAwareFedAvg, device_comm_mod, price_transfer
 
 GLOBAL = {
@@ -139,7 +139,7 @@ def test_comm_mod_leaves_messages_without_arrays_alone():
 
 @pytest.mark.parametrize("device", ["raspberry_pi_4", "nrf52840", "jetson_nano"])
 def test_price_transfer_is_the_cost_models_communication(device, make_scenario):
-    from fedelastic.fl.env import environment
+    from fedelastic.environment import environment
 
     env = environment(make_scenario())
     cost = CostModel(env.info, get_profile(device), batch_size=16)

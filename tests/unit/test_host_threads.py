@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedelastic.fl.env import RunEnvironment
+from fedelastic.environment import RunEnvironment
 from fedelastic.pretrain import pretrain
 from fedelastic.training import torch_threads
 

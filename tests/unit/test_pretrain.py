@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import fedelastic.pretrain as pretrain_mod
+from fedelastic.environment import RunEnvironment
 from fedelastic.errors import ConfigError
-from fedelastic.fl.env import RunEnvironment
 from fedelastic.pretrain import initial_state
 from tests.support import small_scenario_dict
 

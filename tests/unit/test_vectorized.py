@@ -213,8 +213,8 @@ def test_what_it_cannot_vectorise_is_refused_naming_the_key(case, key):
 
 def test_a_scenario_cohort_matches_train_partition(make_scenario):
     # the Flower client's own entry point, client by client, against one vectorised call
+    from fedelastic.environment import RunEnvironment
     from fedelastic.fl.client import train_partition
-    from fedelastic.fl.env import RunEnvironment
     from fedelastic.training import CohortJob
     from fedelastic.vectorized import train_partitions_vmap
 
@@ -303,8 +303,8 @@ def recording(strategies):
     ],
 )
 def test_a_scenario_is_checked_before_training(make_scenario, train, key):
+    from fedelastic.environment import RunEnvironment
     from fedelastic.errors import ConfigError
-    from fedelastic.fl.env import RunEnvironment
     from fedelastic.vectorized import check_vectorizable
 
     env = RunEnvironment(make_scenario(train=train))

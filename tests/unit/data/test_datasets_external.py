@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+from fedelastic.environment import RunEnvironment
 from fedelastic.errors import ConfigError
-from fedelastic.fl.env import RunEnvironment
 from fedelastic.scenario import parse_scenario
 
 datasets = pytest.importorskip("datasets", reason="the optional 'hf' extra is not installed")
@@ -186,7 +186,7 @@ def test_a_bad_column_name_is_a_one_line_error(tmp_path, hf_dataset):
 def test_no_network_gives_a_one_line_error(tmp_path):
     # a fresh process, as a user's: datasets reads its offline switches when it is imported
     code = (
-        "from fedelastic.fl.env import RunEnvironment\n"
+        "from fedelastic.environment import RunEnvironment\n"
         "from fedelastic.scenario import parse_scenario\n"
         "raw = {'name': 'n', 'fleet': {'raspberry_pi_4': 2}, 'data': {'dataset': 'uoft-cs/cifar10', 'partitioner': 'iid'}}\n"
         "RunEnvironment(parse_scenario(raw, src='hub.toml')).data\n"
@@ -224,7 +224,7 @@ def test_other_processes_read_the_cached_partition_without_importing_datasets(tm
     parts = env.data.partitions  # the driver partitions once
     code = (
         "import json, sys\n"
-        "from fedelastic.fl.env import RunEnvironment\n"
+        "from fedelastic.environment import RunEnvironment\n"
         "from fedelastic.scenario import parse_scenario\n"
         f"raw = json.loads({json.dumps(json.dumps(env.scenario.to_dict()))})\n"
         "raw.pop('source')\n"

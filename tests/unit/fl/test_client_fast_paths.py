@@ -243,8 +243,8 @@ def test_stacked_sums_refuse_a_shape_as_the_loop_does():
 
 
 def test_reply_figures_are_the_cost_models_own(make_scenario):
+    from fedelastic.environment import environment
     from fedelastic.fl.client import round_figures
-    from fedelastic.fl.env import environment
 
     env = environment(make_scenario())
     info = env.info

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
+from fedelastic.environment import environment
 from fedelastic.errors import ConfigError
 from fedelastic.fl.cohort import CohortGrid
-from fedelastic.fl.env import environment
 from fedelastic.fl.runner import run_scenario
 from fedelastic.training import seed_torch
 from tests.support import assert_same_run, tables_and_model, user_models
@@ -243,7 +243,7 @@ def test_fast_array_records_are_flowers_own():
 
 
 def test_the_environments_strategy_cache_stays_bounded_under_per_client_rhos(make_scenario):
-    from fedelastic.fl import env as env_module
+    from fedelastic import environment as env_module
     from fedelastic.selection import make_strategy
 
     sc = make_scenario(train={"strategy": "elastic_tensor", "options": {"rho": 0.5}})

@@ -531,7 +531,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
     before any client runs: never while the driver's thread still builds them, nor at the empty
     send of Flower's evaluate step, while the driver evaluates the model."""
     import fedelastic.fl.cohort as cohort
-    import fedelastic.fl.runner as runner
+    import fedelastic.fl.grids as grids
     import fedelastic.results as results
 
     events: list[str] = []
@@ -550,7 +550,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
 
     logged(cohort.CohortGrid, "_pack", "pack")
     logged(results.Recorder, "hand_over", "hand_over")
-    logged(runner.InProcessGrid, "_call", "call")
+    logged(grids.InProcessGrid, "_call", "call")
     deadline = {} if policy == "wait_all" else {"deadline_quantile": 0.6}
     sim = {"node_mode": node_mode, "write_every_s": 0}  # each round handed over
     run_scenario(make_scenario(server={"rounds": 4, "policy": policy, **deadline}, simulation=sim))

@@ -39,7 +39,7 @@ def test_bias_and_norm_strategy_from_scratch_warns(make_scenario):
 
 
 def test_a_strategy_that_trains_most_of_the_model_does_not_warn(make_scenario):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
     from fedelastic.fl.untrained import trained_shares
     from fedelastic.pretrain import initial_state
 

@@ -5,8 +5,7 @@ import warnings
 
 import pytest
 
-from fedelastic.fl import raypool
-from fedelastic.runtime import patches
+from fedelastic.runtime import backend, patches
 from fedelastic.runtime.dispatch import fast_dispatch
 
 
@@ -23,7 +22,7 @@ def _patched_names() -> tuple:
     from flwr.server.superlink.fleet.vce import vce_api
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
-    with fast_dispatch(), raypool.resilient_actors(retries=1, timeout_s=1.0, stop=raypool._SETTINGS.stop):
+    with fast_dispatch(), backend.resilient_actors(retries=1, timeout_s=1.0, stop=backend._SETTINGS.stop):
         return vce_api.add_messages_to_queue, vce_api.Queue, RayBackend.process_message, RayBackend.build
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..costmodel import CostModel
-from ..data import (
+from .costmodel import CostModel
+from .data import (
     ArrayDataset,
     FederatedData,
     carve_validation,
@@ -26,15 +26,15 @@ from ..data import (
     partition,
     train_test_split,
 )
-from ..data import transform as apply_transform
-from ..data.shifts import Shift, apply_shift
-from ..data.stream import Stream
-from ..devices import DeviceProfile, assign_fleet, get_profile
-from ..errors import ConfigError
-from ..modelinfo import ModelInfo, describe
-from ..models import build_model
-from ..scenario import Scenario
-from ..selection import SelectionStrategy, make_strategy
+from .data import transform as apply_transform
+from .data.shifts import Shift, apply_shift
+from .data.stream import Stream
+from .devices import DeviceProfile, assign_fleet, get_profile
+from .errors import ConfigError
+from .modelinfo import ModelInfo, describe
+from .models import build_model
+from .scenario import Scenario
+from .selection import SelectionStrategy, make_strategy
 
 
 class RunEnvironment:
@@ -45,7 +45,7 @@ class RunEnvironment:
         self._costs: dict[str, CostModel] = {}
         self._profiles: dict[str, DeviceProfile] = {}
         self._strategies: dict[float | None, tuple[type[SelectionStrategy], object]] = {}  # see strategy()
-        self.figures: dict[tuple, tuple] = {}  # reply figures worked out once (client.round_figures)
+        self.figures: dict[tuple, tuple] = {}  # reply figures worked out once (fl.client.round_figures)
 
     @cached_property
     def external(self) -> FederatedData | None:
@@ -209,19 +209,6 @@ class RunEnvironment:
         return strategy
 
 
-def warm_worker(scenario: Scenario, registered: dict, info: ModelInfo | None = None) -> None:
-    """Build in a Ray worker, before its first client call, what every call needs: what the
-    driver's code registered (:func:`fedelastic.plugins.registered`), the data and the client model.
-
-    ``info`` is the driver's model description, used instead of describing the model again here
-    (the same object the worker would build: the description is deterministic).
-    """
-    from .. import plugins
-
-    plugins.adopt(registered)
-    warm_up(scenario, info)
-
-
 def freeze_heap() -> None:
     """``gc.freeze()``: what the process holds once a run is set up (modules, data, model; ~230k
     objects in an in-process run) leaves the collector's generations.
@@ -237,10 +224,8 @@ def freeze_heap() -> None:
 
 def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
     """Build what every client call needs (data, model, its description, the strategy's module and
-    config, the cohort runtime) while the run starts; ``info``: a description already made (the
-    driver's), used instead of describing the model again."""
-    from . import cohort  # noqa: F401 (else imported by the first cohort call, in round 1)
-
+    config) while the run starts; ``info``: a description already made (the driver's), used
+    instead of describing the model again."""
     env = environment(scenario)
     if info is not None:
         env.__dict__.setdefault("info", info)  # cached_property's slot
