@@ -73,53 +73,101 @@ def _defined_in(obj: Any) -> str | None:
     return getattr(sys.modules.get(getattr(obj, "__module__", "")), "__file__", None)
 
 
-def register_factory(table: dict[str, Factory], name: str, factory: Factory | None, *, where: str):
-    """Put ``factory`` in ``table`` under ``name``, for ``register_model`` and ``register_dataset``
-    (``where`` names it in errors); without ``factory``, a decorator that does.
+class Registry(dict[str, Any]):
+    """One extension point's table, name -> a class or a factory: the five registries (strategies,
+    models, datasets, policies, aggregators) are each one of these, and a plain dict besides.
 
-    ``factory`` is a callable or a ``module:callable`` / ``file.py:callable`` string. Registering the
-    same factory again (:func:`same_definition`) is harmless; a name another factory has (a
-    built-in's included) is a ConfigError, as is a name that is empty or holds ``:``.
+    ``kind`` names it in :func:`registered`; ``where`` names the registering function in errors.
+    A ``carried`` registry's user entries go to Ray's workers with the run (:func:`registered`,
+    :func:`adopt`: what clients use); ``load`` imports the built-ins before the table is read (the
+    strategies of ``strategies/``); the entries present once they are loaded are the shipped ones.
     """
-    if factory is None:
 
-        def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-            register_factory(table, name, f, where=where)
-            return f
+    def __init__(
+        self, kind: str, entries: dict[str, Any] | None = None, *, where: str, carried: bool = False,
+        load: Callable[[], None] | None = None,
+    ):  # fmt: skip
+        super().__init__(entries or {})
+        self.kind, self.where, self.load = kind, where, load or (lambda: None)
+        self.shipped = dict(self)
+        if carried:
+            _CARRIED[kind] = self
+            self.adopt(_PENDING.pop(kind, {}))
 
-        return decorate
-    if not isinstance(name, str) or not name.strip() or ":" in name:
-        raise ConfigError(where, "name", "a non-empty name without ':'", name)
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise ConfigError(where, name, "a callable or 'package.module:callable' / 'file.py:callable'", factory)
-    claim(table, name, factory, where=where, key="name")
-    return factory
+    def claim(self, name: str, value: Any, *, key: str) -> None:
+        """``self[name] = value``, unless another definition has ``name``: a ConfigError naming ``key``."""
+        if name in self and not same_definition(self[name], value):
+            taken = self[name]
+            qualname = getattr(taken, "__qualname__", None)
+            has = f"{taken.__module__}.{qualname}" if isinstance(qualname, str) else repr(taken)
+            raise ConfigError(self.where, key, f"a name not registered yet ({has} has it)", name)
+        self[name] = value
+
+    def add_factory(self, name: str, factory: Factory | None = None):
+        """Put ``factory`` under ``name`` (``register_model``, ``register_dataset``); without
+        ``factory``, a decorator that does.
+
+        ``factory`` is a callable or a ``module:callable`` / ``file.py:callable`` string. Registering the
+        same factory again (:func:`same_definition`) is harmless; a name another factory has (a
+        built-in's included) is a ConfigError, as is a name that is empty or holds ``:``.
+        """
+        if factory is None:
+
+            def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+                self.add_factory(name, f)
+                return f
+
+            return decorate
+        if not isinstance(name, str) or not name.strip() or ":" in name:
+            raise ConfigError(self.where, "name", "a non-empty name without ':'", name)
+        if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+            raise ConfigError(self.where, name, "a callable or 'package.module:callable' / 'file.py:callable'", factory)
+        self.claim(name, factory, key="name")
+        return factory
+
+    def add_class(self, cls: Any, base: type, *, key: str, check: Callable[[Any], None] = lambda cls: None) -> str:
+        """Register class ``cls`` under its own ``name`` (``register_policy``, say); returns the name.
+        ``cls`` must subclass ``base`` and set a ``name`` of its own, the value of the scenario key
+        ``key``; ``check(cls)`` then raises what else is wrong with it."""
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(self.where, "class", f"a subclass of {base.__module__}.{base.__qualname__}", cls)
+        name = vars(cls).get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(self.where, f"{cls.__name__}.name", f"a non-empty string of its own (the {key} value)", name)
+        check(cls)
+        self.claim(name, cls, key=f"{cls.__name__}.name")
+        return name
+
+    def loaded(self) -> None:
+        """The built-ins are in (``load`` is done): what the table holds now is what fedelastic ships."""
+        self.shipped = dict(self)
+
+    def user_entries(self) -> dict[str, Any]:
+        """The entries the user's code added (not shipped, or shipped under another value)."""
+        return {k: v for k, v in self.items() if k not in self.shipped or self.shipped[k] != v}
+
+    def adopt(self, entries: dict[str, Any]) -> None:
+        """Add entries carried from the driver (:meth:`user_entries`), unless this process knows the name already."""
+        if entries:
+            self.load()
+        for name, value in entries.items():
+            self.setdefault(name, value)
+
+    def resolve(self, name: str, *, context: str, key: str, returns: str, prefix: str) -> Callable[..., Any]:
+        """The factory ``name`` refers to: an entry, or a ``module:callable`` / ``file.py:callable``."""
+        target = self.get(name, name)
+        if callable(target):
+            return target
+        if ":" not in target:
+            what = {"models": "model", "datasets": "dataset"}.get(self.kind, self.kind)
+            raise ConfigError(
+                context, key, f"a registered {what} {sorted(self)}, 'package.module:callable' or 'file.py:callable'", name
+            )
+        return load_callable(target, name=name, context=context, key=key, returns=returns, prefix=prefix)
 
 
-def class_name(cls: Any, base: type, *, where: str, key: str) -> str:
-    """The ``name`` of a class registered with ``where`` (``register_policy``, say): ``cls`` must
-    subclass ``base`` and set a ``name`` of its own, the value of the scenario key ``key``."""
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(where, "class", f"a subclass of {base.__module__}.{base.__qualname__}", cls)
-    name = vars(cls).get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(where, f"{cls.__name__}.name", f"a non-empty string of its own (the {key} value)", name)
-    return name
-
-
-def claim(table: dict[str, Any], name: str, value: Any, *, where: str, key: str) -> None:
-    """``table[name] = value``, unless another definition has ``name``: a ConfigError naming ``key``."""
-    if name in table and not same_definition(table[name], value):
-        taken = table[name]
-        qualname = getattr(taken, "__qualname__", None)
-        has = f"{taken.__module__}.{qualname}" if isinstance(qualname, str) else repr(taken)
-        raise ConfigError(where, key, f"a name not registered yet ({has} has it)", name)
-    table[name] = value
-
-
-def user_entries(table: dict[str, Factory], shipped: dict[str, Factory]) -> dict[str, Factory]:
-    """The entries of ``table`` that the user's code added (not those in ``shipped``)."""
-    return {k: v for k, v in table.items() if k not in shipped or shipped[k] != v}
+_CARRIED: dict[str, Registry] = {}  # the registries whose user entries go to Ray's workers, by kind
+_PENDING: dict[str, dict[str, Any]] = {}  # entries adopted before their registry's module was imported
 
 
 def registered() -> dict[str, dict[str, Any]]:
@@ -128,20 +176,17 @@ def registered() -> dict[str, dict[str, Any]]:
     workers, where :func:`adopt` registers it; Ray pickles a class or function by reference when
     its module is importable there, by value when it is not (``__main__``, a function's locals).
     """
-    from . import models, selection
-    from .data import registry
-
-    return {"strategies": selection.plugins(), "models": models.user_entries(), "datasets": registry.user_datasets()}
+    return {kind: registry.user_entries() for kind, registry in _CARRIED.items()}
 
 
 def adopt(entries: dict[str, dict[str, Any]]) -> None:
-    """Register what :func:`registered` gathered in the driver, unless this process knows the name already."""
-    from . import models, selection
-    from .data import registry
-
-    selection.adopt(entries.get("strategies", {}))
-    models.adopt(entries.get("models", {}))
-    registry.adopt(entries.get("datasets", {}))
+    """Register what :func:`registered` gathered in the driver, unless this process knows the name
+    already (a registry not imported yet takes its entries when it is)."""
+    for kind, table in entries.items():
+        if kind in _CARRIED:
+            _CARRIED[kind].adopt(table)
+        else:
+            _PENDING.setdefault(kind, {}).update(table)
 
 
 def plugin_file(path: str, context: str = "<scenario>") -> Path:

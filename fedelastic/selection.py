@@ -24,7 +24,7 @@ from .config import from_dict
 from .costmodel import CostModel
 from .errors import ConfigError
 from .modelinfo import ModelInfo
-from .plugins import same_definition
+from .plugins import Registry, same_definition
 
 PROBES = ("importance", "fisher")
 #: how :attr:`SelectionStrategy.empty_note` starts when its selection was carried from an earlier round
@@ -185,7 +185,7 @@ class SelectionStrategy:
             self.empty_note = note if note.startswith(CARRIED) else CARRIED + note
 
 
-REGISTRY: dict[str, type[SelectionStrategy]] = {}
+REGISTRY = Registry("strategies", where="<register_strategy>", carried=True, load=lambda: _load())
 
 
 def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
@@ -204,30 +204,13 @@ def register(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     if cls.name in REGISTRY and not same_definition(REGISTRY[cls.name], cls):
         raise ConfigError(
             where, f"{cls.__name__}.name", f"a name not registered yet ({REGISTRY[cls.name].__module__} has it)", cls.name
-        )
+        )  # (the module alone, not Registry.claim's qualified name: messages users have seen)
     if cls.probe is not None and cls.probe not in PROBES:
         raise ConfigError(where, f"{cls.__name__}.probe", f"None or one of {PROBES}", cls.probe)
     if not (dataclasses.is_dataclass(cls.config_cls) and cls.config_cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise ConfigError(where, f"{cls.__name__}.config_cls", "a frozen dataclass", cls.config_cls)
     REGISTRY[cls.name] = cls
     return cls
-
-
-def plugins() -> dict[str, type[SelectionStrategy]]:
-    """Strategies registered by the user's own code (a notebook, a script), not shipped with fedelastic.
-
-    The client app carries them to Ray workers (by reference when their module is importable
-    there, by value when it is not, e.g. ``__main__``), where :func:`adopt` registers them.
-    """
-    own = ("fedelastic", "strategies")
-    return {name: cls for name, cls in REGISTRY.items() if cls.__module__.split(".")[0] not in own}
-
-
-def adopt(classes: dict[str, type[SelectionStrategy]]) -> None:
-    """Register strategies carried from the driver, unless this process already has that name."""
-    for name, cls in classes.items():
-        if name not in REGISTRY:
-            register(cls)
 
 
 _loaded = False
@@ -251,6 +234,7 @@ def _load() -> None:
     finally:
         _loading.clear()
     _loaded = True
+    REGISTRY.loaded()  # what a user registers from here on is carried to Ray's workers
 
 
 def available() -> list[str]:

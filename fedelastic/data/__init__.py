@@ -19,27 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from .arrays import ArrayDataset as ArrayDataset
 from .registry import DATASETS as DATASETS  # re-exported: the plug-in point
 from .registry import build_dataset
 from .registry import register_dataset as register_dataset
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def subset(self, idx: np.ndarray) -> ArrayDataset:
-        return ArrayDataset(self.x[idx], self.y[idx])
-
-    @property
-    def num_classes(self) -> int:
-        return int(self.y.max()) + 1
 
 
 @lru_cache(maxsize=4)

@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..plugins import load_callable, register_factory, user_entries
+from ..plugins import Registry
+from .arrays import ArrayDataset
 
-DATASETS: dict[str, str | Callable[..., Any]] = {
+DATASETS = Registry("datasets", {
     "digits": "fedelastic.data:load_digits_dataset",
     "synth_digits": "fedelastic.data.synth:synth_digits",
-}
-SHIPPED = dict(DATASETS)  # the entries fedelastic ships
+}, where="<register_dataset>", carried=True)  # fmt: skip
+SHIPPED = DATASETS.shipped  # the entries fedelastic ships
 _PREFIX = "fedelastic_user_dataset_"  # the module name a dataset file is loaded under, before its path's hash
 
 
@@ -40,18 +41,12 @@ def register_dataset(name: str, factory: str | Callable[..., Any] | None = None)
     Without ``factory``, a decorator: ``@register_dataset("mine")``. Registering the same factory
     again is harmless; a name another factory has (a built-in's included) is a ConfigError.
     """
-    return register_factory(DATASETS, name, factory, where="<register_dataset>")
+    return DATASETS.add_factory(name, factory)
 
 
 def user_datasets() -> dict[str, str | Callable[..., Any]]:
     """The entries a user added to :data:`DATASETS`."""
-    return user_entries(DATASETS, SHIPPED)
-
-
-def adopt(entries: dict[str, str | Callable[..., Any]]) -> None:
-    """Add datasets carried from the driver (see :func:`user_datasets`), unless already known here."""
-    for name, factory in entries.items():
-        DATASETS.setdefault(name, factory)
+    return DATASETS.user_entries()
 
 
 def is_plugin(name: str) -> bool:
@@ -61,14 +56,7 @@ def is_plugin(name: str) -> bool:
 
 def resolve_dataset(name: str, *, context: str = "<scenario>", key: str = "data.dataset") -> Callable[..., Any]:
     """The factory ``name`` refers to (see the module doc)."""
-    target = DATASETS.get(name, name)
-    if callable(target):
-        return target
-    if ":" not in target:
-        raise ConfigError(
-            context, key, f"a registered dataset {sorted(DATASETS)}, 'package.module:callable' or 'file.py:callable'", name
-        )
-    return load_callable(target, name=name, context=context, key=key, returns="a dataset (x, y)", prefix=_PREFIX)
+    return DATASETS.resolve(name, context=context, key=key, returns="a dataset (x, y)", prefix=_PREFIX)
 
 
 def build_dataset(name: str, *, context: str = "<scenario>", size: int = 0):
@@ -100,8 +88,6 @@ def check_finite(x: np.ndarray, context: str, what: str, got: str) -> None:
 
 def as_dataset(out: Any, name: str, context: str = "<scenario>"):
     """``out`` (an ArrayDataset or ``(x, y)``) as an ArrayDataset, or a ConfigError naming what is wrong."""
-    from . import ArrayDataset
-
     def refuse(what: str) -> ConfigError:
         return ConfigError(context, "data.dataset", f"a factory returning {what}", name)
 

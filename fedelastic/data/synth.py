@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import ArrayDataset
+
 VERSION = 1  # bump when the generator changes: cached sets are keyed by it
 BLOCK = 2_000
 GLYPH = 64  # glyphs are rendered into GLYPH x GLYPH masks, then sampled down to SIZE x SIZE
@@ -190,7 +192,5 @@ def load(num_samples: int = DEFAULT_SAMPLES, seed: int = 0) -> tuple[np.ndarray,
 def synth_digits(size: int = 0):
     """The ``synth_digits`` dataset entry: ``size`` samples of :func:`load` (0: :data:`DEFAULT_SAMPLES`),
     scaled to [0, 1]."""
-    from . import ArrayDataset
-
     x, y = load(size or DEFAULT_SAMPLES)
     return ArrayDataset(x.astype(np.float32) / np.float32(255.0), y)

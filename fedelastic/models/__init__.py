@@ -18,11 +18,10 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..plugins import load_callable, plugin_file, register_factory
-from ..plugins import user_entries as _user_entries
+from ..plugins import Registry, plugin_file
 
 # name -> a factory, or "module:function" imported lazily so big definitions cost nothing until used
-MODELS: dict[str, str | Callable[..., nn.Module]] = {
+MODELS = Registry("models", {
     "small_cnn": "fedelastic.models.small:small_cnn",
     "mcu_net": "fedelastic.models.small:mcu_net",
     "resnet50": "fedelastic.models.resnet:resnet50",
@@ -30,9 +29,8 @@ MODELS: dict[str, str | Callable[..., nn.Module]] = {
     "mobilenetv2": "fedelastic.models.mobilenetv2:mobilenetv2",
     "vit_b16": "fedelastic.models.vit:vit_b16",
     "vit_tiny": "fedelastic.models.vit:vit_tiny",
-}
+}, where="<register_model>", carried=True)  # fmt: skip
 BUILTIN = MODELS  # the same table under its earlier name (``BUILTIN["mine"] = "pkg.mod:factory"`` still works)
-_SHIPPED = dict(MODELS)
 
 
 def register_model(name: str, factory: str | Callable[..., nn.Module] | None = None):
@@ -41,30 +39,17 @@ def register_model(name: str, factory: str | Callable[..., nn.Module] | None = N
     Without ``factory``, a decorator: ``@register_model("mine")``. Registering the same factory
     again is harmless; a name another factory has (a built-in's included) is a ConfigError.
     """
-    return register_factory(MODELS, name, factory, where="<register_model>")
+    return MODELS.add_factory(name, factory)
 
 
 def user_entries() -> dict[str, str | Callable[..., nn.Module]]:
     """The entries the user's code added to :data:`MODELS`."""
-    return _user_entries(MODELS, _SHIPPED)
-
-
-def adopt(entries: dict[str, str | Callable[..., nn.Module]]) -> None:
-    """Add models carried from the driver (see :func:`user_entries`), unless already known here."""
-    for name, target in entries.items():
-        MODELS.setdefault(name, target)
+    return MODELS.user_entries()
 
 
 def resolve_factory(name: str, *, context: str = "<scenario>", key: str = "model.name") -> Callable[..., nn.Module]:
     """Return the factory for a registered name or a ``module:callable`` path."""
-    target = MODELS.get(name, name)
-    if callable(target):
-        return target
-    if ":" not in target:
-        raise ConfigError(
-            context, key, f"a registered model {sorted(MODELS)}, 'package.module:callable' or 'file.py:callable'", name
-        )
-    return load_callable(target, name=name, context=context, key=key, returns="an nn.Module", prefix=_PREFIX)
+    return MODELS.resolve(name, context=context, key=key, returns="an nn.Module", prefix=_PREFIX)
 
 
 _PREFIX = "fedelastic_user_model_"  # the module name a model file is loaded under, before its path's hash

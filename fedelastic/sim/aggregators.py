@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from ..plugins import claim, class_name
+from ..plugins import Registry
 from .aggregate import ClientUpdate, aggregate_partial
 
 
@@ -62,7 +62,7 @@ class Aggregator:
         pass
 
 
-AGGREGATORS: dict[str, type[Aggregator]] = {"fedavg": Aggregator}
+AGGREGATORS = Registry("aggregators", {"fedavg": Aggregator}, where="<register_aggregator>")
 
 
 def register_aggregator(cls: type[Aggregator]) -> type[Aggregator]:
@@ -72,12 +72,12 @@ def register_aggregator(cls: type[Aggregator]) -> type[Aggregator]:
     names to numbers. Registering the same class again (a re-run notebook cell) is harmless; a
     name another class has is a ConfigError, as is anything else.
     """
-    where = "<register_aggregator>"
-    name = class_name(cls, Aggregator, where=where, key="server.aggregator")
-    defaults = cls.defaults
-    if not (isinstance(defaults, dict) and all(isinstance(k, str) and _number(v) for k, v in defaults.items())):
-        raise ConfigError(where, f"{cls.__name__}.defaults", "a dict of option name -> number", defaults)
-    claim(AGGREGATORS, name, cls, where=where, key=f"{cls.__name__}.name")
+    def check(cls: type[Aggregator]) -> None:
+        defaults = cls.defaults
+        if not (isinstance(defaults, dict) and all(isinstance(k, str) and _number(v) for k, v in defaults.items())):
+            raise ConfigError(AGGREGATORS.where, f"{cls.__name__}.defaults", "a dict of option name -> number", defaults)
+
+    AGGREGATORS.add_class(cls, Aggregator, key="server.aggregator", check=check)
     return cls
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from ..errors import ConfigError
-from ..plugins import claim, class_name
+from ..plugins import Registry
 from .clock import Trip, sync_round
 from .fleet import deadline_rho, deadline_rho_steps, deadline_steps
 
@@ -71,7 +71,7 @@ class Policy:
         return False
 
 
-POLICIES: dict[str, type[Policy]] = {}
+POLICIES = Registry("policies", where="<register_policy>")
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
@@ -81,11 +81,11 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     Registering the same class again (a re-run notebook cell) is harmless; a name another class has
     is a ConfigError, as is anything else.
     """
-    where = "<register_policy>"
-    name = class_name(cls, Policy, where=where, key="server.policy")
-    if cls.deadline not in DEADLINES:
-        raise ConfigError(where, f"{cls.__name__}.deadline", f"one of {DEADLINES}", cls.deadline)
-    claim(POLICIES, name, cls, where=where, key=f"{cls.__name__}.name")
+    def check(cls: type[Policy]) -> None:
+        if cls.deadline not in DEADLINES:
+            raise ConfigError(POLICIES.where, f"{cls.__name__}.deadline", f"one of {DEADLINES}", cls.deadline)
+
+    POLICIES.add_class(cls, Policy, key="server.policy", check=check)
     return cls
 
 
