@@ -1,14 +1,18 @@
-"""Generate the scenario and profile key references from the code's own help text.
+"""Generate the references and the package picture from the code itself.
 
 ``python -m fedelastic.docgen`` writes ``docs/reference/scenario-keys.md`` (every scenario and
-``[compare]`` key, from the config dataclasses' ``field(help=...)``) and
+``[compare]`` key, from the config dataclasses' ``field(help=...)``),
 ``docs/reference/profile-keys.md`` (every device-profile key, from the schema in
-:mod:`fedelastic.devices`). ``--check`` writes nothing and exits 1 when a file is not current.
+:mod:`fedelastic.devices`), ``docs/reference/results.md`` (every column of the results tables, from
+the record fields' help in :mod:`fedelastic.sim.records`) and ``docs/explanation/packages.md`` (the
+packages and their imports, read from the source by :func:`import_graph`). ``--check`` writes
+nothing and exits 1 when a file is not current.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import sys
 import types
@@ -157,10 +161,124 @@ def profile_keys() -> str:
     return "\n".join(lines) + "\n"
 
 
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, read from the source of ``package`` (a
+    folder holding ``__init__.py``; module names start with its folder name).
+
+    Every import statement counts, wherever it is: at the top, inside a function (a lazy import is
+    still a dependency, and a cycle through one only waits for the call that closes it) or under
+    ``TYPE_CHECKING`` (the types are part of the interface). ``from . import x`` names the
+    submodule ``x`` when there is one, else the package.
+    """
+    files = {".".join(f.relative_to(package.parent).with_suffix("").parts): f for f in package.rglob("*.py")}
+    modules = {name.removesuffix(".__init__"): f for name, f in files.items()}
+    graph: dict[str, set[str]] = {}
+    for name, path in sorted(modules.items()):
+        is_package = path.name == "__init__.py"
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module or ""
+                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for target in found:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target != name:
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (each a cycle or
+    several), sorted; Tarjan's algorithm, iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+def packages_page(package: Path) -> str:
+    """The package picture (Markdown with a Mermaid graph): each subpackage, the root's modules as one
+    box, and an arrow for each pair that imports, labelled with how many imports cross it."""
+    graph = import_graph(package)
+    subpackages = {m for m in graph if "." in m and any(o.startswith(m + ".") for o in graph)}
+
+    def box(module: str) -> str:
+        top = ".".join(module.split(".")[:2])
+        return top if top in subpackages else package.name
+
+    counts: dict[tuple[str, str], int] = {}
+    for source, targets in graph.items():
+        for target in targets:
+            pair = (box(source), box(target))
+            if pair[0] != pair[1]:
+                counts[pair] = counts.get(pair, 0) + 1
+    boxes = sorted({box(m) for m in graph})
+    ids = {b: b.replace(".", "_") for b in boxes}
+    sizes = {b: sum(box(m) == b for m in graph) for b in boxes}
+    lines = [
+        HEADER,
+        "# The packages and their imports",
+        "",
+        "Drawn from the source by `fedelastic.docgen.import_graph` (every import counts: top-level, inside a",
+        "function, under `TYPE_CHECKING`). A box is a subpackage (the root's own modules are one box); an",
+        "arrow `A --> B` means modules of A import modules of B, labelled with how many module pairs do.",
+        "Between modules there is no cycle, and only `fedelastic.fl` (the Flower and Ray adapters) imports",
+        "`fedelastic.runtime` (`tests/unit/test_imports.py`).",
+        "",
+        "```mermaid",
+        "graph TD",
+    ]
+    lines += [f'    {ids[b]}["{b} ({sizes[b]} modules)"]' for b in boxes]
+    lines += [f"    {ids[a]} -->|{n}| {ids[b]}" for (a, b), n in sorted(counts.items())]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
 def generated(root: Path) -> dict[Path, str]:
     """Each generated file under ``root`` with its current text."""
     reference = root / "docs" / "reference"
-    return {reference / "scenario-keys.md": scenario_keys(), reference / "profile-keys.md": profile_keys()}
+    return {
+        reference / "scenario-keys.md": scenario_keys(),
+        reference / "profile-keys.md": profile_keys(),
+        root / "docs" / "explanation" / "packages.md": packages_page(Path(__file__).resolve().parent),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
