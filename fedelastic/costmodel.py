@@ -92,19 +92,6 @@ class MemoryBreakdown:
         )
 
 
-@dataclass(frozen=True)
-class Emulated:
-    """Emulated figures of some training work on a device."""
-
-    train_time_s: float
-    comm_time_s: float
-    energy_j: float
-    peak_memory_bytes: float
-    bytes_up: float
-    bytes_down: float
-    macs: float
-
-
 class CostModel:
     """Prices selections of ``info`` on ``device`` at ``batch_size``.
 
@@ -585,22 +572,25 @@ class CostModel:
     def energy_j(
         self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
     ) -> float:
-        """Energy: power x time per state, plus the optional per-MAC and per-byte terms."""
-        d = self.device
-        energy = (
-            d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
-        )
-        if d.energy_per_mac_j is not None:
-            energy += d.energy_per_mac_j.value * macs
-        if d.energy_per_byte_j is not None:
-            energy += d.energy_per_byte_j.value * moved_bytes
-        return float(energy)
+        """Energy on this device (:func:`device_energy_j`)."""
+        return device_energy_j(self.device, train_time_s, up_s, down_s, macs, moved_bytes)
 
-    def round_figures(self, train_time_s: float, macs: float, ratios: np.ndarray, peak_memory_bytes: float) -> Emulated:
-        """Emulated figures of one round: local training already priced, plus communication."""
-        d = self.device
-        up, down = self.bytes_up(ratios), self.bytes_down()
-        up_s = d.latency_s.value + 8 * up / d.uplink_bit_per_s.value
-        down_s = d.latency_s.value + 8 * down / d.downlink_bit_per_s.value
-        energy = self.energy_j(train_time_s, up_s, down_s, macs, up + down)
-        return Emulated(train_time_s, up_s + down_s, energy, peak_memory_bytes, up, down, macs)
+
+def device_energy_j(
+    d: DeviceProfile, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
+) -> float:
+    """Energy: power x time per state (training, sending, receiving), plus the optional per-MAC and per-byte terms."""
+    energy = d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
+    if d.energy_per_mac_j is not None:
+        energy += d.energy_per_mac_j.value * macs
+    if d.energy_per_byte_j is not None:
+        energy += d.energy_per_byte_j.value * moved_bytes
+    return float(energy)
+
+
+def link_times_s(
+    bytes_down: float, bytes_up: float, down_bps: float, up_bps: float, latency_s: float
+) -> tuple[float, float]:
+    """(download, upload) seconds: one latency each plus the bits over the link. The one link formula
+    (the engine's :meth:`fedelastic.sim.fleet.Fleet.comm_s`, :func:`fedelastic.flower.price_transfer`)."""
+    return latency_s + 8 * bytes_down / down_bps, latency_s + 8 * bytes_up / up_bps

@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 from flwr.supercore import log
 
+from .costmodel import device_energy_j, link_times_s
 from .devices import DeviceProfile, get_profile
 from .sim.aggregate import ClientUpdate, aggregate_partial
 
@@ -103,15 +104,15 @@ class PartialAwareFedAvg(FedAvg):
 def price_transfer(profile: DeviceProfile, bytes_up: float, bytes_down: float) -> dict[str, float]:
     """Time and energy of sending ``bytes_up`` and receiving ``bytes_down`` on the device's link.
 
-    The same pricing as a fedelastic run (:meth:`fedelastic.costmodel.CostModel.round_figures`):
-    each direction costs the link latency plus bits / bitrate, at the radio's transmit or receive
-    power, plus the profile's optional energy per byte moved.
+    The same pricing as a fedelastic run's engine, by the same functions
+    (:func:`fedelastic.costmodel.link_times_s`, :func:`fedelastic.costmodel.device_energy_j`): each
+    direction costs the link latency plus bits / bitrate, at the radio's transmit or receive power,
+    plus the profile's optional energy per byte moved.
     """
-    up_s = profile.latency_s.value + 8 * bytes_up / profile.uplink_bit_per_s.value
-    down_s = profile.latency_s.value + 8 * bytes_down / profile.downlink_bit_per_s.value
-    energy = profile.power_transmit_w.value * up_s + profile.power_receive_w.value * down_s
-    if profile.energy_per_byte_j is not None:
-        energy += profile.energy_per_byte_j.value * (bytes_up + bytes_down)
+    down_s, up_s = link_times_s(
+        bytes_down, bytes_up, profile.downlink_bit_per_s.value, profile.uplink_bit_per_s.value, profile.latency_s.value
+    )
+    energy = device_energy_j(profile, 0.0, up_s, down_s, 0.0, bytes_up + bytes_down)
     return {"up_s": up_s, "down_s": down_s, "energy_j": energy}
 
 

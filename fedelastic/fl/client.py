@@ -4,13 +4,12 @@ ClientApp that calls this is :mod:`fedelastic.fl.clientapp`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from ..costmodel import CostModel, Emulated
+from ..costmodel import CostModel
 from ..environment import RunEnvironment, environment
 from ..quant import device_numerics
 from ..scenario import Scenario
@@ -163,8 +162,8 @@ def prepare_job(env: RunEnvironment, pid: int, config: ConfigRecord, state: Arra
 
 def round_figures(
     env: RunEnvironment, cost: CostModel, result: LocalResult, ratios: np.ndarray
-) -> tuple[Emulated, float, float]:
-    """(``cost.round_figures``, the time's error band, the share of parameters trained) of a result.
+) -> tuple[float, float, float]:
+    """(the bytes sent up, the train time's error band, the share of parameters trained) of a result.
 
     All three are pure functions of the cost model and the key's numbers (``cost.device`` is a
     fixed profile), and in a round most clients of a device train alike (the same selections and
@@ -177,9 +176,8 @@ def round_figures(
     key = (cost, result.train_time_s, result.macs, result.peak_memory_bytes, ratios.dtype.str, ratios.tobytes())
     known = env.figures.get(key)
     if known is None:
-        figures = cost.round_figures(result.train_time_s, result.macs, ratios, result.peak_memory_bytes)
         trained = float((ratios * env.info.tensor_numel).sum() / env.info.num_params)
-        known = (figures, cost.time_band_s(figures.train_time_s), trained)
+        known = (cost.bytes_up(ratios), cost.time_band_s(result.train_time_s), trained)
         if len(env.figures) >= 4096:
             env.figures.clear()
         env.figures[key] = known
@@ -187,14 +185,19 @@ def round_figures(
 
 
 def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> RecordDict:
-    """What a client sends back after training: its update, masks, figures and strategy state."""
+    """What a client sends back after training: its update, masks, figures and strategy state.
+
+    The figures are what the client measured or emulated on its own device (train time, MACs, peak
+    memory, the bytes it moved); what depends on the fleet (link times, energy, idle) the server's
+    engine prices (:class:`fedelastic.sim.engine.RoundEngine`).
+    """
     scenario, pid = env.scenario, job.pid
     cost = env.cost(env.devices[pid])
     ratios = result.ratios if result.ratios is not None else np.zeros(env.info.num_tensors)
-    figures, band, trained_params = round_figures(env, cost, result, ratios)
+    bytes_up, band, trained_params = round_figures(env, cost, result, ratios)
+    bytes_down = cost.bytes_down()
     if scenario.stream is not None and not scenario.stream.federated:  # a fleet of one: nothing is sent
-        energy = cost.energy_j(result.train_time_s, 0.0, 0.0, result.macs, 0.0)
-        figures = replace(figures, comm_time_s=0.0, energy_j=energy, bytes_up=0.0, bytes_down=0.0)
+        bytes_up = bytes_down = 0.0
     metrics = {
         "num-examples": result.num_examples,
         "partition-id": pid,
@@ -203,18 +206,16 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
         "selections": result.selections,
         "train-loss": result.train_loss,
         "fraction-params-trained": trained_params,
-        "emulated-train-time-s": figures.train_time_s,
+        "emulated-train-time-s": result.train_time_s,
         "emulated-train-time-band-s": band,
         "emulated-overhead-time-s": result.overhead_time_s,
         "emulated-probe-time-s": result.probe_time_s,  # included in the overhead
         "probes": result.probes,
-        "emulated-comm-time-s": figures.comm_time_s,
-        "emulated-energy-j": figures.energy_j,
-        "emulated-peak-memory-bytes": figures.peak_memory_bytes,
+        "emulated-peak-memory-bytes": result.peak_memory_bytes,
         "emulated-probe-peak-memory-bytes": result.probe_peak_memory_bytes,
-        "emulated-bytes-up": figures.bytes_up,
-        "emulated-bytes-down": figures.bytes_down,
-        "emulated-macs": figures.macs,
+        "emulated-bytes-up": bytes_up,
+        "emulated-bytes-down": bytes_down,
+        "emulated-macs": result.macs,
         "host-wall-s": result.host_wall_s,
         "too-slow": 0,
     }
@@ -254,8 +255,6 @@ def client_train(scenario: Scenario, msg: Message, context: Context) -> Message:
 def too_slow_content(env: RunEnvironment, pid: int) -> RecordDict:
     """The deadline leaves this device no time for even a forward pass: it says so and sends no update."""
     cost = env.cost(env.devices[pid])
-    nothing = np.zeros(env.info.num_tensors)
-    figures = cost.round_figures(0.0, 0.0, nothing, 0.0)
     metrics = dict.fromkeys(METRIC_KEYS, 0.0)
     metrics.update(
         {
@@ -263,9 +262,7 @@ def too_slow_content(env: RunEnvironment, pid: int) -> RecordDict:
             "partition-id": pid,
             "fits": 1,
             "train-loss": float("nan"),
-            "emulated-comm-time-s": figures.comm_time_s,
-            "emulated-energy-j": figures.energy_j,
-            "emulated-bytes-down": figures.bytes_down,
+            "emulated-bytes-down": cost.bytes_down(),
             "too-slow": 1,
         }
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..costmodel import link_times_s
 from ..errors import ConfigError
 
 # ---- deadline budgets ------------------------------------------------------------------------
@@ -435,13 +436,6 @@ def load_network_trace(path: str | Path, num_clients: int, *, src: str | None = 
     )
 
 
-def comm_times_s(
-    bytes_down: float, bytes_up: float, down_bps: float, up_bps: float, latency_s: float
-) -> tuple[float, float]:
-    """(download, upload) seconds: one latency each plus the bits over the link."""
-    return latency_s + 8 * bytes_down / down_bps, latency_s + 8 * bytes_up / up_bps
-
-
 # ---- a run's fleet ---------------------------------------------------------------------------
 
 
@@ -486,7 +480,7 @@ class Fleet:
         if stream is not None and not stream.federated:  # a fleet of one: nothing is sent
             return 0.0, 0.0
         latency = self.profiles[pid].latency_s.value
-        return comm_times_s(bytes_down, bytes_up, self.down_bps[pid], self.up_bps[pid], latency)
+        return link_times_s(bytes_down, bytes_up, self.down_bps[pid], self.up_bps[pid], latency)
 
     def full_comm_s(self, pid: int) -> float:
         cost = self.costs[pid]

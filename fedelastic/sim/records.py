@@ -15,7 +15,9 @@ import numpy as np
 NAN = float("nan")
 
 # The wire: every client's reply carries exactly these metric keys (Flower aborts on keys that differ
-# between clients); a ClientRecord is made from them (fedelastic.sim.engine.RoundEngine.record).
+# between clients); a ClientRecord is made from them (fedelastic.sim.engine.RoundEngine.record). A
+# client reports only what it measured or emulated on its device; the engine prices the link times,
+# energy and idle wait, which depend on the fleet.
 METRIC_KEYS = (
     "num-examples",
     "partition-id",
@@ -29,8 +31,6 @@ METRIC_KEYS = (
     "emulated-overhead-time-s",
     "emulated-probe-time-s",
     "probes",
-    "emulated-comm-time-s",
-    "emulated-energy-j",
     "emulated-peak-memory-bytes",
     "emulated-probe-peak-memory-bytes",
     "emulated-bytes-up",

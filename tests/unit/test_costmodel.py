@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedelastic.costmodel import CostModel
+from fedelastic.costmodel import CostModel, link_times_s
 from fedelastic.devices import LayerTiming, MeasuredTable, Quantity, get_profile
 from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
@@ -218,13 +218,13 @@ def test_energy_and_communication():
     dev = get_profile("raspberry_pi_4")
     cost = CostModel(info, dev, batch_size=2)
     ratios = np.array([0, 0, 1, 1.0])
-    fig = cost.round_figures(train_time_s=2.0, macs=0.0, ratios=ratios, peak_memory_bytes=1.0)
-    assert fig.bytes_up == 8 * 4 and fig.bytes_down == 23 * 4
+    assert cost.bytes_up(ratios) == 8 * 4 and cost.bytes_down() == 23 * 4
     up_s = dev.latency_s.value + 8 * 32 / dev.uplink_bit_per_s.value
     down_s = dev.latency_s.value + 8 * 92 / dev.downlink_bit_per_s.value
-    assert fig.comm_time_s == pytest.approx(up_s + down_s)
+    got = link_times_s(92, 32, dev.downlink_bit_per_s.value, dev.uplink_bit_per_s.value, dev.latency_s.value)
+    assert got == pytest.approx((down_s, up_s))
     expected = dev.power_train_w.value * 2.0 + dev.power_transmit_w.value * up_s + dev.power_receive_w.value * down_s
-    assert fig.energy_j == pytest.approx(expected)
+    assert cost.energy_j(2.0, up_s, down_s) == pytest.approx(expected)
 
 
 # ---- BatchNorm mode, per-sample norms, probes, selector work, optimizer ---------------------------

@@ -8,7 +8,6 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRe
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedelastic.costmodel import CostModel
 from fedelastic.devices import get_profile
 from fedelastic.fl.grids import InProcessGrid
 from fedelastic.flower import PartialAwareFedAvg, device_comm_mod, price_transfer
@@ -138,13 +137,14 @@ def test_comm_mod_leaves_messages_without_arrays_alone():
 
 
 @pytest.mark.parametrize("device", ["raspberry_pi_4", "nrf52840", "jetson_nano"])
-def test_price_transfer_is_the_cost_models_communication(device, make_scenario):
-    from fedelastic.environment import environment
-
-    env = environment(make_scenario())
-    cost = CostModel(env.info, get_profile(device), batch_size=16)
-    ratios = np.linspace(0, 1, env.info.num_tensors)
-    figures = cost.round_figures(0.0, 0.0, ratios, 0.0)
-    price = price_transfer(get_profile(device), figures.bytes_up, figures.bytes_down)
-    assert price["up_s"] + price["down_s"] == pytest.approx(figures.comm_time_s)
-    assert price["energy_j"] == pytest.approx(figures.energy_j)
+def test_price_transfer_is_the_cost_models_communication(device):
+    profile = get_profile(device)
+    up, down = 12_345.0, 67_890.0
+    price = price_transfer(profile, up, down)
+    # by hand: a latency and the bits over the link each way, at the radio's power, plus the per-byte energy
+    up_s = profile.latency_s.value + 8 * up / profile.uplink_bit_per_s.value
+    down_s = profile.latency_s.value + 8 * down / profile.downlink_bit_per_s.value
+    per_byte = profile.energy_per_byte_j.value * (up + down) if profile.energy_per_byte_j is not None else 0.0
+    energy = profile.power_transmit_w.value * up_s + profile.power_receive_w.value * down_s + per_byte
+    assert (price["up_s"], price["down_s"]) == pytest.approx((up_s, down_s))
+    assert price["energy_j"] == pytest.approx(energy)
