@@ -1,7 +1,7 @@
 """Names of the results tables' columns, for the code that reads the tables or their rows back
 (the command's progress lines, the terminal summary, the HTML report, comparisons, the Flower App's log).
 
-Every name is a field of the schema in :mod:`fedelastic.sim.records` (``tests/test_columns.py``
+Every name is a field of the schema in :mod:`fedelastic.sim.records` (``tests/unit/sim/test_columns.py``
 checks it, and that every ``RoundCol.X`` / ``ClientCol.X`` the package reads exists): a renamed field
 fails that test, not a user's report. Read a column as ``rounds[RoundCol.TEST_ACCURACY]`` or a
 row's figure as ``row[RoundCol.SIM_TIME_S]``. Add a name here when a reader needs one.
