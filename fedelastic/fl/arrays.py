@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from ..runtime import patches
+
 _NPY = "numpy.ndarray"  # flwr's SType.NUMPY
 _MAGIC = b"\x93NUMPY"
 _MAX_CACHE = 4096
@@ -181,7 +183,8 @@ def _fast_records_match() -> bool:
 
 
 _FAST = False
-_FAST = _fast_records_match()
+# a registered patch (runtime/patches.py): on only for the tested Flower and without FEDELASTIC_PATCHES=0
+_FAST = patches.active("flwr") and _fast_records_match()
 
 
 def record_from_numpy(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

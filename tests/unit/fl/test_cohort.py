@@ -11,6 +11,7 @@ from fedelastic.environment import environment
 from fedelastic.errors import ConfigError
 from fedelastic.fl.cohort import CohortGrid
 from fedelastic.fl.runner import run_scenario
+from fedelastic.runtime import patches
 from fedelastic.training import seed_torch
 from tests.support import assert_same_run, tables_and_model, user_models
 
@@ -234,7 +235,7 @@ def test_fast_array_records_are_flowers_own():
 
     from fedelastic.fl import arrays
 
-    assert arrays._FAST  # this Flower's constructors were matched at import
+    assert arrays._FAST == patches.active("flwr")  # this Flower's constructors were matched at import (a patch)
     sample = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2, 1, 3), np.float64)}
     ours = arrays.record_from_numpy(sample)
     theirs = ArrayRecord({k: arrays.Array(v) for k, v in sample.items()})  # Flower's own, from the arrays
@@ -278,7 +279,7 @@ def test_fast_metric_records_are_flowers_own(values):
 
     from fedelastic.fl import arrays
 
-    assert arrays._FAST  # this Flower's constructors were matched at import
+    assert arrays._FAST == patches.active("flwr")  # this Flower's constructors were matched at import (a patch)
     ours, theirs = arrays.metric_record(dict(values)), MetricRecord(dict(values))
     _same_record(ours, theirs)
     assert all(a is b or a == b for a, b in zip(ours.values(), theirs.values()))
