@@ -28,7 +28,7 @@ from .clock import EXTRA, LATE, NO_UPDATE, Arrival, Trip
 from .clock import run_async as clock_run_async
 from .fleet import Fleet, deadline_from_quantile
 from .policies import Assignment, Async, Policy, make_policy
-from .records import COUNTED, FAILED, REJECTED, ClientRecord, RoundSummary, idle_rows, summarize
+from .records import COUNTED, FAILED, REJECTED, ClientRecord, RoundSummary, idle_rows, reported, summarize
 
 _CHECKED_MAX = (
     1 << 22
@@ -193,7 +193,7 @@ class RoundEngine:
         staleness: int,
         error: str = "",
     ) -> ClientRecord:
-        """The client's row."""
+        """The client's row: the figures it reported (:func:`~fedelastic.sim.records.reported`), and the engine's."""
         m, pid = reply.metrics, trip.partition_id
         profile = self.fleet.profiles[pid]
         a = self.assignments.get(pid, Assignment())
@@ -204,26 +204,12 @@ class RoundEngine:
         counted = status == COUNTED
         return ClientRecord(
             rnd, pid, self.devices[pid], profile.device_class, self.sc.train.strategy, bool(m["fits"]),
-            num_examples=int(m["num-examples"]),
-            steps=int(m["steps"]),
-            selections=int(m["selections"]),
-            train_loss=m["train-loss"],
-            fraction_params_trained=m["fraction-params-trained"],
+            **reported(m),
             emulated_train_time_s=trip.train_s,
-            emulated_train_time_band_s=m["emulated-train-time-band-s"],
-            emulated_overhead_time_s=m["emulated-overhead-time-s"],
-            emulated_probe_time_s=m["emulated-probe-time-s"],
-            probes=int(m["probes"]),
             emulated_comm_time_s=trip.down_s + trip.up_s,
             emulated_energy_j=energy,
             emulated_idle_energy_j=idle,
-            emulated_peak_memory_bytes=m["emulated-peak-memory-bytes"],
-            emulated_probe_peak_memory_bytes=m["emulated-probe-peak-memory-bytes"],
             device_memory_bytes=profile.memory_train_bytes.value,
-            emulated_bytes_up=m["emulated-bytes-up"],
-            emulated_bytes_down=m["emulated-bytes-down"],
-            emulated_macs=m["emulated-macs"],
-            host_wall_s=m["host-wall-s"],
             policy=self.policy.name,
             status=status,
             counted=counted,

@@ -81,3 +81,20 @@ def test_check_reports_a_stale_file(tmp_path, capsys):
     assert not (tmp_path / "docs").exists()  # --check writes nothing
     assert docgen.main(["--root", str(tmp_path)]) == 0
     assert docgen.main(["--root", str(tmp_path), "--check"]) == 0
+
+
+def test_every_results_column_has_a_row_with_its_help():
+    from fedelastic.sim.records import client_columns, round_columns
+
+    text = docgen.results_columns()
+    for name in client_columns() + round_columns(validation=True):
+        assert f"| `{name}` | " in text, name
+    assert "| `emulated_comm_time_s` | download and upload time on the client's links (priced by the engine) |" in text
+    assert "| `val_loss` | loss on the validation shares" in text and "| `summary` |" not in text  # flattened
+
+
+def test_the_results_page_keeps_its_hand_written_text():
+    page = "intro\n" + docgen.BEGIN_COLUMNS + "\nold tables\n" + docgen.END_COLUMNS + "\noutro\n"
+    new = docgen.results_page(page)
+    assert new.startswith("intro\n" + docgen.BEGIN_COLUMNS) and new.endswith(docgen.END_COLUMNS + "\noutro\n")
+    assert "old tables" not in new and "## Columns of `rounds.*`" in new

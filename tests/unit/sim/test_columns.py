@@ -135,3 +135,17 @@ def test_the_progress_lines_read_a_round_record(capsys):
     finally:
         logging.getLogger("flwr").removeHandler(handler)
     assert seen == ["[fedelastic] round 2: test accuracy 0.7500, simulated time 11.0 s, energy 7.0 J"]
+
+
+def test_a_rows_reported_figures_are_copied_from_the_reply():
+    from fedelastic.sim.records import METRIC_KEYS, reported
+
+    metrics = {key: float(i) + 0.5 for i, key in enumerate(METRIC_KEYS)}
+    got = reported(metrics)
+    # by hand: the counts are ints (truncated), the other figures copied as they are; what the engine
+    # prices (comm time, energy) and what it takes from the clock (train time) are not copied
+    assert got["num_examples"] == int(metrics["num-examples"]) and isinstance(got["num_examples"], int)
+    assert got["steps"] == int(metrics["steps"]) and got["probes"] == int(metrics["probes"])
+    assert got["emulated_macs"] == metrics["emulated-macs"] and got["host_wall_s"] == metrics["host-wall-s"]
+    assert not {"emulated_comm_time_s", "emulated_energy_j", "emulated_train_time_s", "emulated_idle_energy_j"} & set(got)
+    assert len(got) == 15
