@@ -104,10 +104,10 @@ def main() -> None:
 
     spent: dict[str, list[float]] = {}
     if args.timers:
-        from fedelastic.fl.server import PartialFedAvg
+        from fedelastic.fl.server import EngineStrategy
 
         for name in ("configure_train", "aggregate_train", "evaluate"):
-            _timed(PartialFedAvg, name, spent.setdefault(name, []), t)
+            _timed(EngineStrategy, name, spent.setdefault(name, []), t)
     api.run(sc, progress=progress)
     rounds = args.rounds
     import fedelastic

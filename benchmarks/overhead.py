@@ -79,7 +79,7 @@ def worker_bare(sc) -> dict:
 
     from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
-    from fedelastic.fl.server import PartialFedAvg
+    from fedelastic.fl.server import EngineStrategy
     from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
 
@@ -90,7 +90,7 @@ def worker_bare(sc) -> dict:
     model = env.new_model()
     glob = {k: v.detach().numpy().copy() for k, v in state.items()}
     # the server's own seeded sampling (availability draws, clients_per_round); nodes = partitions
-    sampler = PartialFedAvg(env, {p: p for p in range(sc.num_clients)}, None, None)
+    sampler = EngineStrategy(env, {p: p for p in range(sc.num_clients)}, None, None)
     strategy_state: dict[int, dict] = {}  # what the client keeps in its Context across rounds
     startup = time.perf_counter() - t0
     rounds, cpu, train_s, agg_s, losses = [], [], [], [], {}
@@ -134,10 +134,10 @@ def worker_fl(sc) -> dict:
     timers = Timers()
     timers.wrap(server, "wait_for_nodes", "server.wait_for_nodes")
     timers.wrap(server, "discover_partitions", "server.discover_partitions (query all nodes)")
-    timers.wrap(server.PartialFedAvg, "configure_train", "server.configure_train")
-    timers.wrap(server.PartialFedAvg, "aggregate_train", "server.aggregate_train (incl. deserialise + record)")
+    timers.wrap(server.EngineStrategy, "configure_train", "server.configure_train")
+    timers.wrap(server.EngineStrategy, "aggregate_train", "server.aggregate_train (incl. deserialise + record)")
     timers.wrap(aggregators, "aggregate_partial", "server.aggregate_partial")
-    timers.wrap(server.PartialFedAvg, "evaluate", "server.evaluate (test set + record)")
+    timers.wrap(server.EngineStrategy, "evaluate", "server.evaluate (test set + record)")
     if sc.simulation.backend == "ray":
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 

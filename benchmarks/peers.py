@@ -150,7 +150,7 @@ class Workload:
         )
 
     def cohort(self, rnd: int) -> list[int]:
-        """Round ``rnd``'s clients, ascending: fedelastic's server draw (``PartialFedAvg.sample``)."""
+        """Round ``rnd``'s clients, ascending: fedelastic's server draw (``EngineStrategy.sample``)."""
         rng = np.random.default_rng([SEED, rnd, 0x5A])
         rng.random(self.clients)  # the availability draws (all available)
         if self.per_round >= self.clients:
@@ -448,10 +448,10 @@ def worker_fedelastic(
     from fedelastic import api
 
     timers = Timers(since=float("inf"))  # counts from round 1 (progress sets since)
-    timers.wrap(server.PartialFedAvg, "configure_train", "server: configure_train (sample, price, messages)")
-    timers.wrap(server.PartialFedAvg, "aggregate_train", "server: aggregate_train (all of it)")
+    timers.wrap(server.EngineStrategy, "configure_train", "server: configure_train (sample, price, messages)")
+    timers.wrap(server.EngineStrategy, "aggregate_train", "server: aggregate_train (all of it)")
     timers.wrap(server, "aggregate_partial", "server: aggregate_partial (the FedAvg arithmetic)")
-    timers.wrap(server.PartialFedAvg, "evaluate", "server: evaluate (test set, round row; progress)")
+    timers.wrap(server.EngineStrategy, "evaluate", "server: evaluate (test set, round row; progress)")
     timers.wrap(results.Recorder, "add_clients", "server: write client rows")
     timers.wrap(results.Recorder, "add_round", "server: write round row")
     timers.wrap(checkpoint, "save_checkpoint", "server: save checkpoint")

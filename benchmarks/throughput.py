@@ -71,7 +71,7 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
 
     from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
-    from fedelastic.fl.server import PartialFedAvg
+    from fedelastic.fl.server import EngineStrategy
     from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
     from fedelastic.training import seed_everything
@@ -81,7 +81,7 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
     state = initial_state(env)
     model = env.new_model()
     glob = {k: v.detach().numpy().copy() for k, v in state.items()}
-    sampler = PartialFedAvg(env, {p: p for p in range(sc.num_clients)}, None, None)  # the server's seeded sampling
+    sampler = EngineStrategy(env, {p: p for p in range(sc.num_clients)}, None, None)  # the server's seeded sampling
     t = sc.train
     warm = env.new_model()  # torch's first step imports and sets up much (torch._dynamo): not counted as training
     x0, y0 = torch.from_numpy(env.data.client(0).x), torch.from_numpy(env.data.client(0).y)

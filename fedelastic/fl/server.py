@@ -1,11 +1,11 @@
 """The server side in Flower: a thin strategy around the round engine (:mod:`fedelastic.sim.engine`).
 
 * Nodes are sorted by partition id (asked once with a query message); replies are sorted by it.
-* :meth:`PartialFedAvg.configure_train` encodes the engine's plan (the sampled clients, each
-  one's rho and step cap) into Flower messages; :meth:`PartialFedAvg.aggregate_train` decodes the
+* :meth:`EngineStrategy.configure_train` encodes the engine's plan (the sampled clients, each
+  one's rho and step cap) into Flower messages; :meth:`EngineStrategy.aggregate_train` decodes the
   replies (arrays, masks, figures, NaN/inf checks) into the engine's ``settle``, which closes the
   round on the simulated clock and aggregates with the run's aggregator (``server.aggregator``).
-* :meth:`PartialFedAvg.evaluate` evaluates the global model and hands the round's row to the
+* :meth:`EngineStrategy.evaluate` evaluates the global model and hands the round's row to the
   callbacks (:mod:`fedelastic.sim.callbacks`): the results writer, the checkpoint, progress,
   user callbacks; any of them may stop the run.
 * ``policy = "async"`` runs the engine's FedBuff loop, its clients reached the same way.
@@ -114,7 +114,7 @@ def _warn(*args) -> None:
     log(WARNING, *args)
 
 
-class PartialFedAvg(FedAvg):
+class EngineStrategy(FedAvg):
     """The Flower strategy around the :class:`~fedelastic.sim.engine.RoundEngine`.
 
     It encodes each round's :class:`~fedelastic.sim.engine.Plan` into Flower messages and decodes
@@ -399,7 +399,7 @@ def server_main(
     timeout = scenario.simulation.timeout_s
     nodes = wait_for_nodes(grid, scenario.num_clients, timeout)
     mapping = discover_partitions(grid, nodes, max(timeout, 300.0))  # includes the workers' start-up
-    strategy = PartialFedAvg(env, mapping, recorder, progress, checkpoint=checkpoint, callbacks=callbacks)
+    strategy = EngineStrategy(env, mapping, recorder, progress, checkpoint=checkpoint, callbacks=callbacks)
     strategy.callbacks.on_run_start(strategy)
     recorder.write_behind(scenario.simulation.write_every_s)
     freeze_heap()  # the run is set up: full collections walk only what the rounds make

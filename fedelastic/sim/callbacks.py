@@ -32,7 +32,7 @@ OUTCOMES = ("completed", "stopped", "diverged", "failed")
 
 
 class Run(Protocol):
-    """What a callback reads of its run: the server strategy (:class:`fedelastic.fl.server.PartialFedAvg`),
+    """What a callback reads of its run: the server strategy (:class:`fedelastic.fl.server.EngineStrategy`),
     whose ``engine`` holds the clock and the fleet and whose ``detector`` watches for divergence."""
 
     @property
