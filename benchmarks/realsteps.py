@@ -209,7 +209,7 @@ def et_pairs() -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--claims", default="et,tinytrain,sparse")
+    ap.add_argument("--claims", default="et,tinytrain,sparse", help="comma-separated: et, tinytrain, sparse")
     ap.add_argument("--models", default=",".join(ET_MODELS), help="the ElasticTrainer models to time")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "realsteps.json"))
@@ -227,20 +227,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
     start = time.time()
-    if "et" in claims:
-        for name in args.models.split(","):
-            options, sels, cost, kept = et_selections(name)
-            res = run_model(name, "et", options, sels, cost, et_pairs(), args.repeats, args.device)
-            res["importance_kept"] = kept
+    jobs = {"tinytrain": (tinytrain_selections, "mobilenetv2", [("tinytrain", "full")]),
+            "sparse": (sparse_selections, "mcu_net", [("sparse_update", "full")])}  # fmt: skip
+    for claim in claims:
+        for name in args.models.split(",") if claim == "et" else [jobs[claim][1]]:
+            try:  # one claim's failure (say, on a new GPU stack) is recorded, the others still run
+                if claim == "et":
+                    options, sels, cost, kept = et_selections(name)
+                    res = run_model(name, claim, options, sels, cost, et_pairs(), args.repeats, args.device)
+                    res["importance_kept"] = kept
+                else:
+                    options, sels, cost = jobs[claim][0]()
+                    res = run_model(name, claim, options, sels, cost, jobs[claim][2], args.repeats, args.device)
+            except Exception as exc:  # noqa: BLE001
+                print(f"[{claim}/{name}] failed: {exc!r}", flush=True)
+                res = {"claim": claim, "model": name, "error": repr(exc), "pairs": []}
             out["results"].append(res)
-    if "tinytrain" in claims:
-        options, sels, cost = tinytrain_selections()
-        out["results"].append(run_model("mobilenetv2", "tinytrain", options, sels, cost, [("tinytrain", "full")],
-                                        args.repeats, args.device))  # fmt: skip
-    if "sparse" in claims:
-        options, sels, cost = sparse_selections()
-        out["results"].append(run_model("mcu_net", "sparse", options, sels, cost, [("sparse_update", "full")],
-                                        args.repeats, args.device))  # fmt: skip
     out["wall_s"] = time.time() - start
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -38,14 +38,16 @@ def test_paired_ratio_by_hand():
 def test_emulated_speedup_on_the_measured_host_profile_is_within_10_percent_of_real(tmp_path):
     """A selection's speedup as the host profile prices it, against the same selection's real steps.
 
-    Both clocks are thread CPU time with one torch thread; the real speedup is the geometric mean of
-    41 interleaved per-round ratios, so drift on a shared host hits both configurations alike.
+    Both clocks are thread CPU time with one torch thread; the real speedup is the median of 81
+    interleaved per-round ratios, so drift on a shared host hits both configurations alike. The
+    profile's medians of 10 passes keep its noise (and so the selection's) small; with 5 passes one
+    run in four landed outside 10% on the loaded 2-core host (real 1.69x against 2.00x).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         opts = {"num_classes": 10, "input_size": 32}
-        profile, _, _ = measure_profile("mcu_net", tmp_path / "host.toml", batch_size=8, repeats=5, warmup=2,
+        profile, _, _ = measure_profile("mcu_net", tmp_path / "host.toml", batch_size=8, repeats=10, warmup=2,
                                         threads=1, clock="cpu", **opts)  # fmt: skip
         torch.manual_seed(0)
         model, shape = build_with_input("mcu_net", **opts)
@@ -60,8 +62,8 @@ def test_emulated_speedup_on_the_measured_host_profile_is_within_10_percent_of_r
         emulated = cost.step_time_s(full.ratios) / cost.step_time_s(sel.ratios)
         gen = torch.Generator().manual_seed(0)
         x, y = torch.randn(8, *shape, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        samples = realsteps.time_interleaved(model, info, {"full": full, "sel": sel}, x, y, repeats=41, warmup=3)
-        real = realsteps.paired_ratio(samples["full"], samples["sel"])["ratio"]
+        samples = realsteps.time_interleaved(model, info, {"full": full, "sel": sel}, x, y, repeats=81, warmup=3)
+        real = realsteps.paired_ratio(samples["full"], samples["sel"])["median"]
     finally:
         torch.set_num_threads(threads)
     print(f"mcu_net rho 0.5: real {real:.3f}x, emulated {emulated:.3f}x")
