@@ -140,6 +140,15 @@ def h100_pairs() -> list[dict]:
     return pairs
 
 
+def per_seed_mean(group: dict):
+    """``mean(strategy, key)``: the mean of ``key`` of one strategy over a (model, rho) group's draws."""
+
+    def mean(strat: str, k: str) -> float:
+        return float(np.mean([r[strat][k] for r in group["per_seed"]]))
+
+    return mean
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -150,39 +159,33 @@ def main(argv: list[str] | None = None) -> None:
     h100 = h100_pairs()
     doc = {"date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "wall_s": time.time() - start, "tx2": models, "h100": h100}
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print("| model | rho | tensors / layers (tensor) | tensors / layers (layer) | step ms model (tensor / layer) | "
-          "step ms TX2 trace (tensor / layer) | reduction, trace [min, max] | importance kept by layer |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for m in models:
-        for rho, g in m["rhos"].items():
-            s = g["per_seed"]
+    def idealised(m: dict, rho: str, g: dict, mean) -> str:
+        return (f"{mean('elastic_tensor', 'tensors'):.0f} / {mean('elastic_tensor', 'layers'):.0f} | "
+                f"{mean('elastic_layer', 'tensors'):.0f} / {mean('elastic_layer', 'layers'):.0f} | "
+                f"{mean('elastic_tensor', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
+                f"{mean('elastic_tensor', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
+                f"{100 * g['reduction_trace']:+.1f}% [{100 * g['reduction_trace_min']:+.1f}, {100 * g['reduction_trace_max']:+.1f}] | "
+                f"{g['importance_ratio']:.3f}")  # fmt: skip
 
-            def mean(strat: str, k: str, s: list = s) -> float:
-                return float(np.mean([r[strat][k] for r in s]))
+    def artifact(m: dict, rho: str, g: dict, mean) -> str:
+        return (f"{mean('elastic_artifact', 'tensors'):.0f} | "
+                f"{mean('elastic_artifact', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
+                f"{100 * g['artifact_overrun_model']:+.1f}% | {100 * g['artifact_reduction_model']:+.1f}% | "
+                f"{mean('elastic_artifact', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
+                f"{100 * g['artifact_reduction_trace']:+.1f}% [{100 * g['artifact_reduction_trace_min']:+.1f}, "
+                f"{100 * g['artifact_reduction_trace_max']:+.1f}] | {g['artifact_importance_ratio']:.3f}")  # fmt: skip
 
-            print(f"| {m['model']} | {rho} | {mean('elastic_tensor', 'tensors'):.0f} / {mean('elastic_tensor', 'layers'):.0f} | "
-                  f"{mean('elastic_layer', 'tensors'):.0f} / {mean('elastic_layer', 'layers'):.0f} | "
-                  f"{mean('elastic_tensor', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
-                  f"{mean('elastic_tensor', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
-                  f"{100 * g['reduction_trace']:+.1f}% [{100 * g['reduction_trace_min']:+.1f}, {100 * g['reduction_trace_max']:+.1f}] | "
-                  f"{g['importance_ratio']:.3f} |")  # fmt: skip
-    print("\nAgainst the artifact-style ElasticTrainer (elastic_artifact: its 1:2 prior and grid DP):")
-    print("| model | rho | tensors (artifact) | step ms, model (artifact / layer) | artifact's step over rho x full (model) | "
-          "reduction, model | step ms, TX2 trace (artifact / layer) | reduction, trace [min, max] | importance, layer / artifact |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for m in models:
-        for rho, g in m["rhos"].items():
-            s = g["per_seed"]
-
-            def amean(strat: str, k: str, s: list = s) -> float:
-                return float(np.mean([r[strat][k] for r in s]))
-
-            print(f"| {m['model']} | {rho} | {amean('elastic_artifact', 'tensors'):.0f} | "
-                  f"{amean('elastic_artifact', 'step_ms_model'):.0f} / {amean('elastic_layer', 'step_ms_model'):.0f} | "
-                  f"{100 * g['artifact_overrun_model']:+.1f}% | {100 * g['artifact_reduction_model']:+.1f}% | "
-                  f"{amean('elastic_artifact', 'step_ms_trace'):.0f} / {amean('elastic_layer', 'step_ms_trace'):.0f} | "
-                  f"{100 * g['artifact_reduction_trace']:+.1f}% [{100 * g['artifact_reduction_trace_min']:+.1f}, "
-                  f"{100 * g['artifact_reduction_trace_max']:+.1f}] | {g['artifact_importance_ratio']:.3f} |")  # fmt: skip
+    tables = [
+        ("tensors / layers (tensor) | tensors / layers (layer) | step ms model (tensor / layer) | step ms TX2 trace "
+         "(tensor / layer) | reduction, trace [min, max] | importance kept by layer", idealised),
+        ("tensors (artifact) | step ms, model (artifact / layer) | artifact's step over rho x full (model) | reduction, "
+         "model | step ms, TX2 trace (artifact / layer) | reduction, trace [min, max] | importance, layer / artifact", artifact),
+    ]  # fmt: skip
+    for header, cells in tables:
+        print(f"\n| model | rho | {header} |\n" + "|---" * (header.count("|") + 3) + "|")
+        for m in models:
+            for rho, g in m["rhos"].items():
+                print(f"| {m['model']} | {rho} | {cells(m, rho, g, per_seed_mean(g))} |")
     print("\nbackward ms per step kept, by op kind (TX2 trace, seed 0):")
     for m in models:
         for rho, g in m["rhos"].items():
