@@ -155,7 +155,8 @@ def solve(
     elif solver == "grid":
         sub = select_grid(*args, resolution=resolution)
     elif solver == "artifact_dp":
-        sub = select_artifact_dp(*args, resolution=resolution, artifact_grid=artifact_grid)
+        sub = select_artifact_dp(*args, resolution=resolution, artifact_grid=artifact_grid, ops=ops)
+        ops = None  # counted
     elif solver == "greedy":
         sub = select_greedy_ratio(*args)
     else:
@@ -169,14 +170,13 @@ def solve(
 def solver_ops(n: int, solver: str, resolution: int) -> float:
     """Elementary operations of one solve over ``n`` units (priced on the device as selector work).
 
-    'exact' is not priced here: :func:`~fedelastic.selector.select_exact` counts what it performs.
+    'exact' and 'artifact_dp' are not priced here: :func:`~fedelastic.selector.select_exact` and
+    :func:`~fedelastic.selector.select_artifact_dp` count what they perform.
     """
-    if solver == "exact":
-        raise ValueError("the exact solver's operations are counted as it runs (select_exact's ops)")
+    if solver in ("exact", "artifact_dp"):
+        raise ValueError(f"the {solver} solver's operations are counted as it runs (its ops argument)")
     if solver == "grid":  # one vectorised knapsack update (add, compare, select, record) per unit and cell
         return 4.0 * n * (resolution + 1)
-    if solver == "artifact_dp":  # every (row, predecessor) pair updates a capacity vector
-        return 3.0 * n * (n + 1) / 2 * (resolution + 1)
     return 6.0 * n * n  # greedy: one pass over the units per pick
 
 
