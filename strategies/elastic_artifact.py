@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedelastic.config import field
+from fedelastic.errors import ConfigError
 from fedelastic.selection import SelectionContext, register
 
 from .budget import BudgetedStrategy, ElasticConfig, Solver, require_importance
@@ -65,4 +66,9 @@ class ElasticArtifact(BudgetedStrategy):
 
     def prior(self, ctx: SelectionContext) -> tuple[float, np.ndarray, np.ndarray, float]:
         dw, dx = ctx.cost.t_dw.copy(), ctx.cost.t_dx.copy()
-        return artifact_budget(self.config.rho, dw, dx), dw, dx, 0.0
+        budget = artifact_budget(self.config.rho, dw, dx)
+        if budget <= 0 and self.config.infeasible == "error":
+            raise ConfigError(f"<strategy {self.name}>", "train.options.rho",
+                              "more than the artifact's forward share 1/3 (its prior leaves no backward time)",
+                              self.config.rho)  # fmt: skip
+        return budget, dw, dx, 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedelastic.errors import ConfigError
 from fedelastic.selection import SelectionContext, make_strategy
 from fedelastic.selector import select_artifact_dp
 from fedelastic.strategies.elastic_artifact import artifact_budget
@@ -40,3 +41,13 @@ def test_elastic_artifact_selects_on_its_prior_not_the_cost_model():
         expected = select_artifact_dp(importance, dw, dx, budget, resolution=1000, artifact_grid=True)
         np.testing.assert_array_equal(sel.mask, expected)
         assert ctx.ops > 0  # the DP's counted work is charged
+
+
+def test_elastic_artifact_below_its_forward_share():
+    """rho 0.3 is below the prior's 1/3: nothing trains, or a ConfigError naming rho when asked."""
+    _, info, cost = _setup("small_cnn", "jetson_nano")
+    ctx = SelectionContext(info, cost, 0, np.random.default_rng(0))
+    ctx.importance = np.ones(info.num_tensors)
+    assert not make_strategy("elastic_artifact", {"rho": 0.3}).select(ctx).mask.any()
+    with pytest.raises(ConfigError, match="rho"):
+        make_strategy("elastic_artifact", {"rho": 0.3, "infeasible": "error"}).select(ctx)
