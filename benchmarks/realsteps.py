@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--claims", default="et,tinytrain,sparse", help="comma-separated: et, tinytrain, sparse")
     ap.add_argument("--models", default=",".join(ET_MODELS), help="the ElasticTrainer models to time")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--size", type=int, default=0, help="input size of every model on the CPU (default: HOST's)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "realsteps.json"))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps({"skipped": "no CUDA device"}))
         return
     torch.set_num_threads(1)
+    if args.size:
+        HOST.update({k: (args.size, batch) for k, (_, batch) in HOST.items()})
     claims = args.claims.split(",")
     out = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "repeats": args.repeats,
            "clock": "CUDA events" if args.device == "cuda" else "thread CPU time, 1 torch thread",
