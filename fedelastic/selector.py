@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "ARTIFACT_OPS_PER_CELL",
     "EXACT_OPS_PER_STATE",
     "EXACT_OPS_PER_UNIT",
     "backward_cost",
@@ -165,6 +166,10 @@ EXACT_OPS_PER_STATE = 32
 #: element operations per unit outside the merges: the inputs' checks, the chain and fixed costs,
 #: the running minimum, the candidate test and the backtrack
 EXACT_OPS_PER_UNIT = 12
+#: element operations :func:`select_artifact_dp` performs per capacity cell of one ``(row, predecessor)``
+#: update: the gain (add), the test (two compares and an and) and the masked writes of value and
+#: both back-pointers
+ARTIFACT_OPS_PER_CELL = 7
 
 
 def _prepare(
@@ -414,6 +419,7 @@ def select_artifact_dp(
     *,
     resolution: int = 1000,
     artifact_grid: bool = False,
+    ops: list[float] | None = None,
 ) -> np.ndarray:
     """Reproduce the DP of the public ElasticTrainer artifact, quirks included.
 
@@ -460,6 +466,10 @@ def select_artifact_dp(
         As for :func:`select_exact`.
     artifact_grid : bool, optional
         Use the artifact's round-down grid over the total backward time.
+    ops : list of float, optional
+        If given, the element operations this call performed are appended: 4 per unit (the inputs
+        and the grid) and :data:`ARTIFACT_OPS_PER_CELL` per capacity cell of every ``(row,
+        predecessor)`` update it runs (each update covers the cells its offset leaves).
 
     Returns
     -------
@@ -469,7 +479,10 @@ def select_artifact_dp(
     imp, dw, dx = _check_inputs(importance, t_dw, t_dx, budget, resolution)
     n = imp.shape[0]
     empty = np.zeros(n, dtype=bool)
+    count = 4.0 * n
     if n == 0 or budget <= 0:
+        if ops is not None:
+            ops.append(count)
         return empty
     if artifact_grid:
         total = float(dw.sum() + dx.sum())
@@ -487,6 +500,8 @@ def select_artifact_dp(
     over = np.flatnonzero(np.cumsum(d) > cap)
     rows = int(over[0]) if over.size else n - 1  # the off-by-one quirk
     if rows == 0:
+        if ops is not None:
+            ops.append(count)
         return empty
 
     V = np.zeros((rows + 1, cap + 1))
@@ -503,6 +518,7 @@ def select_artifact_dp(
             if offset > cap:
                 break
             prev = slice(0, cap + 1 - offset)
+            count += ARTIFACT_OPS_PER_CELL * (cap + 1 - offset)
             gain = V[p, prev] + val[k - 1]
             better = S[p, prev] & (gain > best[offset:])
             best[offset:][better] = gain[better]
@@ -511,6 +527,9 @@ def select_artifact_dp(
         V[k] = best
         S[k] = from_row[k] >= 0
 
+    count += 2.0 * (rows + 1) * (cap + 1)  # the row copies and the final argmax
+    if ops is not None:
+        ops.append(count)
     k, c = divmod(int(np.argmax(V[1:])), cap + 1)
     k += 1
     chosen = np.zeros(n, dtype=bool)

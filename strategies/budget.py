@@ -134,6 +134,7 @@ def solve(
     resolution: int,
     floor: int = -1,
     ops: list[float] | None = None,
+    artifact_grid: bool = False,
 ) -> np.ndarray:
     """Run ``solver`` on the units above ``floor`` (indices ``> floor``); bool mask over all units.
 
@@ -154,7 +155,8 @@ def solve(
     elif solver == "grid":
         sub = select_grid(*args, resolution=resolution)
     elif solver == "artifact_dp":
-        sub = select_artifact_dp(*args, resolution=resolution)
+        sub = select_artifact_dp(*args, resolution=resolution, artifact_grid=artifact_grid, ops=ops)
+        ops = None  # counted
     elif solver == "greedy":
         sub = select_greedy_ratio(*args)
     else:
@@ -168,14 +170,13 @@ def solve(
 def solver_ops(n: int, solver: str, resolution: int) -> float:
     """Elementary operations of one solve over ``n`` units (priced on the device as selector work).
 
-    'exact' is not priced here: :func:`~fedelastic.selector.select_exact` counts what it performs.
+    'exact' and 'artifact_dp' are not priced here: :func:`~fedelastic.selector.select_exact` and
+    :func:`~fedelastic.selector.select_artifact_dp` count what they perform.
     """
-    if solver == "exact":
-        raise ValueError("the exact solver's operations are counted as it runs (select_exact's ops)")
+    if solver in ("exact", "artifact_dp"):
+        raise ValueError(f"the {solver} solver's operations are counted as it runs (its ops argument)")
     if solver == "grid":  # one vectorised knapsack update (add, compare, select, record) per unit and cell
         return 4.0 * n * (resolution + 1)
-    if solver == "artifact_dp":  # every (row, predecessor) pair updates a capacity vector
-        return 3.0 * n * (n + 1) / 2 * (resolution + 1)
     return 6.0 * n * n  # greedy: one pass over the units per pick
 
 
@@ -236,7 +237,20 @@ class BudgetedStrategy(SelectionStrategy):
 
     config_cls = ElasticConfig
     respects_memory = True  # shrinks its selection to ctx.memory_budget_bytes (contract tests)
+    respects_time = True  # its selections keep rho x full on the cost model (contract tests)
     score_name = "score"  # what :meth:`scores` measures, as the reasons name it
+    artifact_grid = False  # the 'artifact_dp' solver on the artifact's own grid (see select_artifact_dp)
+
+    def prior(self, ctx: SelectionContext) -> tuple[float, np.ndarray, np.ndarray, float]:
+        """What the solver believes a selection costs: ``(budget, t_dw + t_opt, t_dx, fixed)``.
+
+        The backward budget of ``rho``, each tensor's cost and chain cost, and the backward time
+        every non-empty selection pays besides (a measured table's loss gradient). By default the
+        device's cost model, the one that charges the time.
+        """
+        budget = backward_budget(ctx.cost, self.config, self.name)
+        dw, dx = tensor_times(ctx.cost)
+        return budget, dw, dx, float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
 
     def should_reselect(self, step: int, steps_per_epoch: int = 0) -> bool:
         interval = getattr(self.config, "interval", 0)
@@ -254,23 +268,26 @@ class BudgetedStrategy(SelectionStrategy):
         unit whose training fits memory alone (memory grows as units are added, so a unit that
         does not fit alone is never selected)."""
         n = ctx.info.num_tensors
-        budget = backward_budget(ctx.cost, self.config, self.name)
+        prior = self.prior(ctx)
         unit = self.units(ctx)
-        lowest = self._lowest_fitting_unit(ctx, unit) if budget > 0 else 0
-        ctx.note = self._nothing_trains(ctx, budget, unit, lowest)
+        lowest = self._lowest_fitting_unit(ctx, unit) if prior[0] > 0 else 0
+        ctx.note = self._nothing_trains(ctx, prior, unit, lowest)
         if ctx.note:
             return np.zeros(n, dtype=bool)
         return unit >= lowest
 
-    def _nothing_trains(self, ctx: SelectionContext, budget: float, unit: np.ndarray, lowest: int) -> str:
+    def _nothing_trains(
+        self, ctx: SelectionContext, prior: tuple[float, np.ndarray, np.ndarray, float], unit: np.ndarray, lowest: int
+    ) -> str:
         """Why no unit can be trained on this device, with the figures; "" when one can.
 
-        ``budget``: the backward budget; ``lowest``: :meth:`_lowest_fitting_unit`. A unit trained
+        ``prior``: :meth:`prior`; ``lowest``: :meth:`_lowest_fitting_unit`. A unit trained
         alone costs its ``t_dw + t_opt`` plus the ``t_dx`` of every unit above it (the solvers'
         cost); a budget below the cheapest such unit (after the backward time no tensor owns)
         selects nothing, whatever the scores.
         """
         cost, cfg, device = ctx.cost, self.config, ctx.cost.device.name
+        budget, dw, dx, fixed = prior
         what = "tensor" if np.array_equal(unit, np.arange(ctx.info.num_tensors)) else "unit"
         if budget <= 0:
             share = cost.forward_time_s / cost.full_step_time_s()
@@ -288,12 +305,10 @@ class BudgetedStrategy(SelectionStrategy):
                 return f"the forward pass alone needs {forward:.0f} bytes on device {device!r}; it has {memory:.0f}"
             need = min(cost.peak_memory_bytes((unit == u).astype(float)) for u in range(num_units))
             return f"training the smallest {what} alone needs {need:.0f} bytes on device {device!r}; it has {memory:.0f}"
-        dw, dx = tensor_times(cost)
         unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
         unit_dx = np.bincount(unit, weights=dx, minlength=num_units)
         chain_above = np.concatenate([np.cumsum(unit_dx[::-1])[::-1][1:], [0.0]])
         cheapest = float((unit_dw + chain_above)[lowest:].min())  # of the units that fit memory
-        fixed = float(getattr(cost, "t_bwd_fixed", 0.0))
         left = budget - fixed
         if left <= 0 or cheapest > left * (1 + _TIME_RTOL):
             return (
@@ -328,17 +343,17 @@ class BudgetedStrategy(SelectionStrategy):
         score = np.asarray(self.scores(ctx), dtype=float)
         if score.shape != (n,):
             raise ValueError(f"{self.name}: expected {n} tensor scores, got shape {score.shape}")
-        budget = backward_budget(ctx.cost, cfg, self.name)
+        prior = self.prior(ctx)
+        budget, dw, dx, fixed = prior
         unit = self.units(ctx)
         num_units = int(unit.max()) + 1 if n else 0
         # Memory only grows as units are added, so a unit that does not fit alone never fits: start
         # the floor just below the deepest unit that fits alone (one solve instead of one per floor).
         lowest = self._lowest_fitting_unit(ctx, unit) if budget > 0 else 0
-        ctx.note = self._nothing_trains(ctx, budget, unit, lowest)
+        ctx.note = self._nothing_trains(ctx, prior, unit, lowest)
         self.empty_note = ""
         if ctx.note:  # nothing can be trained: no solve runs
             return Selection.from_mask(np.zeros(n))
-        dw, dx = tensor_times(ctx.cost)
         unit_score = np.bincount(unit, weights=score, minlength=num_units)
         unit_dw = np.bincount(unit, weights=dw, minlength=num_units)
         unit_dx = np.bincount(unit, weights=dx, minlength=num_units)
@@ -349,18 +364,20 @@ class BudgetedStrategy(SelectionStrategy):
 
         # backward time no tensor owns (e.g. a measured table's loss gradient) is paid by any
         # non-empty selection: the units share what is left of the budget
-        unit_budget = budget - float(getattr(ctx.cost, "t_bwd_fixed", 0.0))
+        unit_budget = budget - fixed
 
         def pick(floor: int) -> np.ndarray:
             done: list[float] = []
-            mask = solve(unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor, done)
+            mask = solve(
+                unit_score, unit_dw, unit_dx, unit_budget, cfg.solver, cfg.resolution, floor, done, self.artifact_grid
+            )
             ctx.ops += sum(done)
             return mask
 
         def fits(unit_mask: np.ndarray) -> bool:
             ratios = to_tensors(unit_mask)
             # the time check is a guard: the solvers already keep the grid-rounded cost in budget
-            in_time = ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
+            in_time = not self.respects_time or ctx.cost.backward_time_s(ratios) <= budget * (1 + _TIME_RTOL)
             return in_time and ctx.cost.peak_memory_bytes(ratios) <= memory_budget
 
         mask = shrink_to_memory(pick, fits, lowest - 1)

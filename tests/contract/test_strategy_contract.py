@@ -34,6 +34,7 @@ BAD_VALUES: dict[str, list[tuple[dict, str]]] = {
         ({"infeasible": "ignore"}, "infeasible"),
     ],
     "elastic_layer": [({"rho": -1}, "rho"), ({"interval": -3}, "interval")],
+    "elastic_artifact": [({"rho": 0.0}, "rho"), ({"solver": "simplex"}, "solver"), ({"resolution": 0}, "resolution")],
     "random_budget": [({"rho": 2.0}, "rho"), ({"interval": 0}, "interval")],
     "static_elastic": [({"rho": -1}, "rho"), ({"resolution": -5}, "resolution")],
     "tinytrain": [
@@ -63,6 +64,7 @@ def test_registry_lists_the_project_strategies():
         "bn_bias",
         "elastic_tensor",
         "elastic_layer",
+        "elastic_artifact",
         "tinytrain",
         "sparse_update",
         "random_budget",

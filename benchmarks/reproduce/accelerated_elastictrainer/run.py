@@ -46,7 +46,7 @@ _spec.loader.exec_module(et_time)  # TraceReading, per_layer, TRACES, MODELS
 
 RHOS = (0.4, 0.5, 0.6)
 BATCH, CLASSES, SIZE = 4, 200, 224
-STRATEGIES = ("elastic_tensor", "elastic_layer")
+STRATEGIES = ("elastic_tensor", "elastic_layer", "elastic_artifact")
 
 
 def backward_by_kind(reading, w, b, a) -> dict[str, float]:
@@ -102,10 +102,17 @@ def run_model(name: str, trace_file: str, seeds: int) -> dict:
             row["reduction_model"] = 1 - lay["step_ms_model"] / t["step_ms_model"]
             row["reduction_trace"] = 1 - lay["step_ms_trace"] / t["step_ms_trace"]
             row["importance_ratio"] = lay["importance"] / t["importance"] if t["importance"] else float("nan")
+            art = row["elastic_artifact"]  # the published ElasticTrainer: its own prior and DP
+            row["artifact_reduction_model"] = 1 - lay["step_ms_model"] / art["step_ms_model"]
+            row["artifact_reduction_trace"] = 1 - lay["step_ms_trace"] / art["step_ms_trace"]
+            row["artifact_overrun_model"] = art["step_ms_model"] / (rho * 1e3 * t_full) - 1
+            row["artifact_importance_ratio"] = lay["importance"] / art["importance"] if art["importance"] else float("nan")
             rows.append(row)
-        agg = {k: float(np.mean([r[k] for r in rows])) for k in ("reduction_model", "reduction_trace", "importance_ratio")}
-        agg.update({f"{k}_min": float(np.min([r[k] for r in rows])) for k in ("reduction_trace",)})
-        agg.update({f"{k}_max": float(np.max([r[k] for r in rows])) for k in ("reduction_trace",)})
+        keys = ("reduction_model", "reduction_trace", "importance_ratio", "artifact_reduction_model",
+                "artifact_reduction_trace", "artifact_overrun_model", "artifact_importance_ratio")  # fmt: skip
+        agg = {k: float(np.mean([r[k] for r in rows])) for k in keys}
+        agg.update({f"{k}_min": float(np.min([r[k] for r in rows])) for k in ("reduction_trace", "artifact_reduction_trace")})
+        agg.update({f"{k}_max": float(np.max([r[k] for r in rows])) for k in ("reduction_trace", "artifact_reduction_trace")})
         out["rhos"][str(rho)] = {"per_seed": rows, **agg}
     return out
 
@@ -133,6 +140,15 @@ def h100_pairs() -> list[dict]:
     return pairs
 
 
+def per_seed_mean(group: dict):
+    """``mean(strategy, key)``: the mean of ``key`` of one strategy over a (model, rho) group's draws."""
+
+    def mean(strat: str, k: str) -> float:
+        return float(np.mean([r[strat][k] for r in group["per_seed"]]))
+
+    return mean
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -143,22 +159,33 @@ def main(argv: list[str] | None = None) -> None:
     h100 = h100_pairs()
     doc = {"date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "wall_s": time.time() - start, "tx2": models, "h100": h100}
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print("| model | rho | tensors / layers (tensor) | tensors / layers (layer) | step ms model (tensor / layer) | "
-          "step ms TX2 trace (tensor / layer) | reduction, trace [min, max] | importance kept by layer |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for m in models:
-        for rho, g in m["rhos"].items():
-            s = g["per_seed"]
+    def idealised(m: dict, rho: str, g: dict, mean) -> str:
+        return (f"{mean('elastic_tensor', 'tensors'):.0f} / {mean('elastic_tensor', 'layers'):.0f} | "
+                f"{mean('elastic_layer', 'tensors'):.0f} / {mean('elastic_layer', 'layers'):.0f} | "
+                f"{mean('elastic_tensor', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
+                f"{mean('elastic_tensor', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
+                f"{100 * g['reduction_trace']:+.1f}% [{100 * g['reduction_trace_min']:+.1f}, {100 * g['reduction_trace_max']:+.1f}] | "
+                f"{g['importance_ratio']:.3f}")  # fmt: skip
 
-            def mean(strat: str, k: str, s: list = s) -> float:
-                return float(np.mean([r[strat][k] for r in s]))
+    def artifact(m: dict, rho: str, g: dict, mean) -> str:
+        return (f"{mean('elastic_artifact', 'tensors'):.0f} | "
+                f"{mean('elastic_artifact', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
+                f"{100 * g['artifact_overrun_model']:+.1f}% | {100 * g['artifact_reduction_model']:+.1f}% | "
+                f"{mean('elastic_artifact', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
+                f"{100 * g['artifact_reduction_trace']:+.1f}% [{100 * g['artifact_reduction_trace_min']:+.1f}, "
+                f"{100 * g['artifact_reduction_trace_max']:+.1f}] | {g['artifact_importance_ratio']:.3f}")  # fmt: skip
 
-            print(f"| {m['model']} | {rho} | {mean('elastic_tensor', 'tensors'):.0f} / {mean('elastic_tensor', 'layers'):.0f} | "
-                  f"{mean('elastic_layer', 'tensors'):.0f} / {mean('elastic_layer', 'layers'):.0f} | "
-                  f"{mean('elastic_tensor', 'step_ms_model'):.0f} / {mean('elastic_layer', 'step_ms_model'):.0f} | "
-                  f"{mean('elastic_tensor', 'step_ms_trace'):.0f} / {mean('elastic_layer', 'step_ms_trace'):.0f} | "
-                  f"{100 * g['reduction_trace']:+.1f}% [{100 * g['reduction_trace_min']:+.1f}, {100 * g['reduction_trace_max']:+.1f}] | "
-                  f"{g['importance_ratio']:.3f} |")  # fmt: skip
+    tables = [
+        ("tensors / layers (tensor) | tensors / layers (layer) | step ms model (tensor / layer) | step ms TX2 trace "
+         "(tensor / layer) | reduction, trace [min, max] | importance kept by layer", idealised),
+        ("tensors (artifact) | step ms, model (artifact / layer) | artifact's step over rho x full (model) | reduction, "
+         "model | step ms, TX2 trace (artifact / layer) | reduction, trace [min, max] | importance, layer / artifact", artifact),
+    ]  # fmt: skip
+    for header, cells in tables:
+        print(f"\n| model | rho | {header} |\n" + "|---" * (header.count("|") + 3) + "|")
+        for m in models:
+            for rho, g in m["rhos"].items():
+                print(f"| {m['model']} | {rho} | {cells(m, rho, g, per_seed_mean(g))} |")
     print("\nbackward ms per step kept, by op kind (TX2 trace, seed 0):")
     for m in models:
         for rho, g in m["rhos"].items():

@@ -27,11 +27,16 @@ SIZES = (32, 64, 128)
 ARMS = ("full", "last_layer", "bn_bias", "sparse_update")
 
 
-def one(size: int) -> dict:
+def setting(size: int) -> tuple:
+    """``(info, cost)``: ``mcu_net`` width 16 at ``size`` on the STM32F746 with 256 KiB, batch 1."""
     info = describe_model("mcu_net", num_classes=5, input_size=size, width=16)
     base = load_profile(ROOT / "device_profiles" / "stm32f746.toml")
     device = dataclasses.replace(base, memory_train_bytes=Quantity(BUDGET_KIB * 1024, "the paper's 256 KB"))
-    cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
+    return info, CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
+
+
+def one(size: int) -> dict:
+    info, cost = setting(size)
     out = {"size": size, "budget_kib": BUDGET_KIB, "inference_kib": cost.peak_memory_bytes(np.zeros(info.num_tensors)) / 1024, "arms": {}}
     weights = [k for k, r in enumerate(info.tensor_roles) if r == "weight"]
     for arm in ARMS:

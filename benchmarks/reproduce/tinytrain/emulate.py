@@ -32,24 +32,34 @@ def backward_bytes(cost: CostModel, ratios: np.ndarray) -> float:
     return float(m.activations_bytes + m.gradients_bytes + m.optimizer_bytes)
 
 
-def one(model: str, device_name: str, batch: int, seeds: int) -> dict:
-    opts = MODELS[model]
-    info = describe_model(model, **opts)
+def setting(model: str, device_name: str, batch: int) -> tuple:
+    """``(info, cost)``: ``model`` on the device with TinyTrain's budget, inference + 1 MiB."""
+    info = describe_model(model, **MODELS[model])
     base = load_profile(ROOT / "device_profiles" / f"{device_name}.toml")
     probe_cost = CostModel(info, base, batch, optimizer="momentum", bn_mode="frozen")
     inference = probe_cost.peak_memory_bytes(np.zeros(info.num_tensors))
     device = dataclasses.replace(base, memory_train_bytes=Quantity(inference + BUDGET_BYTES, "inference + 1 MiB"))
-    cost = CostModel(info, device, batch, optimizer="momentum", bn_mode="frozen")
+    return info, CostModel(info, device, batch, optimizer="momentum", bn_mode="frozen")
+
+
+def context(info, cost, seed: int) -> SelectionContext:
+    """A selection context with seed ``seed``'s per-channel Fisher (log-normal) on every conv and linear layer."""
+    rng = np.random.default_rng(seed)
+    ctx = SelectionContext(info, cost, 0, rng)
+    ctx.fisher = {li: rng.lognormal(0.0, 1.0, info.layers[li].out_channels or 1)
+                  for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear")}  # fmt: skip
+    return ctx
+
+
+def one(model: str, device_name: str, batch: int, seeds: int) -> dict:
+    info, cost = setting(model, device_name, batch)
     full = np.ones(info.num_tensors)
     fwd_macs = cost.step_macs(np.zeros(info.num_tensors))
     t_full = cost.step_time_s(full)
     e_full = cost.energy_j(STEPS * t_full, 0, 0, STEPS * cost.step_macs(full))
     rows = []
     for seed in range(seeds):
-        rng = np.random.default_rng(seed)
-        ctx = SelectionContext(info, cost, 0, rng)
-        ctx.fisher = {li: rng.lognormal(0.0, 1.0, info.layers[li].out_channels or 1)
-                      for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear")}  # fmt: skip
+        ctx = context(info, cost, seed)
         before = cost.evaluations
         sel = make_strategy("tinytrain", {}).select(ctx)
         overhead = cost.probe_time_s("fisher") + cost.selector_time_s(cost.evaluations - before, ctx.ops)
