@@ -5,7 +5,8 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 
 * Data: 12,000 SynthDigits images (32x32 RGB). Source: digits 0-4 of the first 8,000, clean.
   Target pool: digits 5-9 of the last 4,000 (new classes), rotated 90 degrees (a new domain),
-  relabelled 0-4.
+  relabelled 0-4. Proxy pool (Sparse Update's offline contribution analysis): digits 5-9 of the
+  first 8,000, rotated 45 degrees, relabelled 0-4 (other images and another shift than the target's).
 * Pretraining: ``mcu_net`` (width 16) with 5 outputs on the source, BatchNorm on batch statistics,
   AdamW 1e-3, cosine, 15 epochs, batch 64, one torch thread; cached under ``$FEDELASTIC_CACHE`` (or
   ``~/.cache/fedelastic``). A model below ``MIN_SOURCE_ACCURACY`` on its source is refused.
@@ -24,6 +25,7 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -36,17 +38,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from fedelastic.comparison import tune_lr  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset, synth  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
 from fedelastic.devices import Quantity, load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.optim import register_step_pre_hook  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import LocalTraining, train_local  # noqa: E402
 
 WIDTH, SIZE, WAYS = 16, 32, 5
 MIN_SOURCE_ACCURACY = 0.8
+PROXY_ROTATION = 45.0  # the proxy task's shift (Sparse Update's contribution analysis): not the target's 90
 LRS = (1e-4, 1e-3, 1e-2)  # the default lr grid (the void run's was 0.01, 0.03, 0.1)
 torch.set_num_threads(1)  # a shared 2-core host
 
@@ -57,8 +62,11 @@ def load_data() -> dict[str, np.ndarray]:
     x = x.astype(np.float32) / 255.0
     src = np.flatnonzero(y[:8000] < 5)
     tgt = 8000 + np.flatnonzero(y[8000:] >= 5)
+    proxy = np.flatnonzero(y[:8000] >= 5)  # the source pool's other digits: never pretrained on, never target
     return {"src_x": x[src], "src_y": y[src].astype(np.int64),
-            "tgt_x": apply_shift(x[tgt], Shift(rotation=90.0), seed=1), "tgt_y": (y[tgt] - 5).astype(np.int64)}  # fmt: skip
+            "tgt_x": apply_shift(x[tgt], Shift(rotation=90.0), seed=1), "tgt_y": (y[tgt] - 5).astype(np.int64),
+            "proxy_x": apply_shift(x[proxy], Shift(rotation=PROXY_ROTATION), seed=2),
+            "proxy_y": (y[proxy] - 5).astype(np.int64)}  # fmt: skip
 
 
 def new_model() -> tuple[torch.nn.Module, tuple]:
@@ -97,7 +105,9 @@ def pretrained(d: dict, epochs: int = 15) -> dict:
             sched.step()
     acc, _ = accuracy(model, d["src_x"], d["src_y"])
     if acc < MIN_SOURCE_ACCURACY:
-        raise SystemExit(f"pretraining reached {acc:.3f} on its source, below {MIN_SOURCE_ACCURACY}: not a pretrained model")
+        raise SystemExit(
+            f"pretraining reached {acc:.3f} on its source, below {MIN_SOURCE_ACCURACY}: not a pretrained model"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, path)
@@ -181,14 +191,58 @@ def mcu_device(profile: str, memory_kib: float | None):
     return dataclasses.replace(device, memory_train_bytes=Quantity(memory_kib * 1024, "set by the reproduction"))
 
 
-def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: tuple, steps: int, batch: int) -> dict:
-    """One adaptation: prototype head from ``train``, then ``steps`` steps of ``arm``; scored on ``test``."""
+LR_GROUPS = ("head", "bias")  # the groups an arm's ``lr_groups`` may give their own lr (see group_lrs)
+WEIGHT_DECAY = 5e-4
+
+
+@contextlib.contextmanager
+def group_lrs(model: torch.nn.Module, lr: dict[str, float]):
+    """Train ``model``'s groups at their own rates while inside: ``head`` (the last layer's weight and
+    bias) at ``lr["head"]``, which the trainer is given as its lr, and ``bias`` (every other bias) at
+    ``lr["bias"]``.
+
+    The trainer's optimizer has one group (coupled weight decay, momentum); before each step a bias's
+    gradient ``g`` becomes ``s g + (s - 1) wd p`` (``s``: its rate over the head's), so that with the
+    optimizer's own ``+ wd p`` its update is exactly ``s`` times the head's rule: a per-group lr, under
+    any schedule, since the cosine schedule scales every group alike.
+    """
+    unknown = set(lr) - set(LR_GROUPS)
+    if unknown or "head" not in lr:
+        raise ValueError(f"lr groups: expected 'head' and optionally 'bias', got {sorted(lr)}")
+    head = {id(p) for p in model[-1].parameters()}
+    scaled = [(p, lr["bias"] / lr["head"]) for n, p in model.named_parameters()
+              if "bias" in lr and n.endswith("bias") and id(p) not in head]  # fmt: skip
+
+    def hook(_opt) -> None:
+        for p, s in scaled:
+            if p.grad is not None:
+                p.grad.mul_(s).add_(p.detach(), alpha=(s - 1) * WEIGHT_DECAY)
+
+    handle = register_step_pre_hook(hook)
+    try:
+        yield lr["head"]
+    finally:
+        handle.remove()
+
+
+def run_task(
+    state: dict, arm: dict, lr: float | dict, seed: int, train: tuple, test: tuple, steps: int, batch: int
+) -> dict:
+    """One adaptation: prototype head from ``train``, then ``steps`` steps of ``arm``; scored on ``test``.
+    ``lr``: one rate, or one per group (:func:`group_lrs`)."""
     torch.manual_seed(seed)
     model, shape = new_model()
     model.load_state_dict(state)
     if FOLD_BN:
         fold_batchnorm(model)
     prototype_head(model, *train)
+    with group_lrs(model, lr) if isinstance(lr, dict) else contextlib.nullcontext(lr) as base_lr:
+        return _adapt(model, shape, arm, base_lr, lr, seed, train, test, steps, batch)
+
+
+def _adapt(
+    model, shape, arm: dict, base_lr: float, lr, seed: int, train: tuple, test: tuple, steps: int, batch: int
+) -> dict:
     before, _ = accuracy(model, *test)
     row = {"arm": arm["label"], "lr": lr, "seed": seed, "before": before}
     if arm["strategy"] == "none":
@@ -201,7 +255,7 @@ def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: t
         model.load_state_dict(snapshot)
         cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
         epochs = -(-steps * batch // len(train[1]))
-        local = LocalTraining(epochs=epochs, batch_size=batch, lr=lr, momentum=0.9, weight_decay=5e-4,
+        local = LocalTraining(epochs=epochs, batch_size=batch, lr=base_lr, momentum=0.9, weight_decay=WEIGHT_DECAY,
                               max_steps=steps, bn_mode="frozen", lr_schedule="cosine")  # fmt: skip
         r = train_local(model, info, make_strategy(arm["strategy"], arm.get("options", {})), cost,
                         ArrayDataset(*train), local, seed=seed)  # fmt: skip
@@ -233,32 +287,75 @@ def ci95(v: list[float]) -> float:
     return float(stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
-def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS) -> dict:
-    """Per arm: the best lr of ``lrs`` on ``tasks('val', i)``, then every seed's ``tasks('test', seed)`` list at it.
+def lr_text(lr: float | dict) -> str:
+    """An lr for a table: ``0.01``, or per group ``head 0.1, bias 0.003``."""
+    return ", ".join(f"{k} {v:g}" for k, v in lr.items()) if isinstance(lr, dict) else f"{lr:g}"
 
-    ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``.
+
+def lr_cell(arm: dict) -> str:
+    """An arm's chosen lr (:func:`tune_and_run`'s output), with each search still at its grid's edge marked:
+    ``0.1 (lr at top edge)``, where the widening limit bound."""
+    edges = ", ".join(f"{x['group']} at {x['edge']} edge" for x in arm.get("searches", ()) if x["edge"])
+    return lr_text(arm["lr"]) + (f" ({edges})" if edges else "")
+
+
+def _search(
+    arm: dict, tasks, lrs: tuple, max_widen: int, rec: dict, log, group: str = "", base: dict | None = None
+) -> float:
+    """One lr search of ``arm`` on ``tasks('val', 0)`` (:func:`fedelastic.comparison.tune_lr`): of its
+    single lr, or of ``group``'s with the other groups at ``base``; appended to ``rec``."""
+
+    def score(x: float) -> float:
+        lr = {**base, group: x} if group and base else x
+        rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
+        ok = [r["accuracy"] for r in rows if not r["diverged"]]
+        rec["tuning"].append({"group": group or "lr", "lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"),
+                              "diverged": len(rows) - len(ok)})  # fmt: skip
+        return rec["tuning"][-1]["mean"]
+
+    s = tune_lr(score, lrs, max_widen)
+    rec["searches"].append({"group": group or "lr", "chosen": s.chosen, "edge": s.edge, "added": s.added})
+    if s.edge:
+        log(f"  {arm['label']}: {group or 'lr'} {s.chosen:g} still at the {s.edge} edge after {s.added} rate(s) added")
+    return s.chosen if s.chosen is not None else min(lrs)  # nothing usable: the smallest rate
+
+
+def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3) -> dict:
+    """Per arm: the best lr on ``tasks('val', 0)``, then every seed's ``tasks('test', seed)`` list at it.
+
+    ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``. The lr is the
+    best of ``lrs``, the grid widened past its edge while the pick sits there, up to ``max_widen``
+    rates (:func:`fedelastic.comparison.tune_lr`). An arm with ``lr_groups`` (e.g. ``["head", "bias"]``,
+    :data:`LR_GROUPS`) gets one lr per group, tuned one group at a time (the others held), starting
+    from the chosen lr of the arm named by ``start`` (run earlier) or from its own single-lr search.
+    Each search is recorded with its ``edge`` (``top``/``bottom``: the limit bound there) and ``added``.
     """
     out: dict = {}
     for arm in arms:
         t0 = time.time()
+        rec: dict = {"tuning": [], "searches": []}
         if arm["strategy"] == "none":
-            lr, tuning = 0.0, []
+            lr: float | dict = 0.0
+        elif arm.get("lr_groups"):
+            start = (
+                out[arm["start"]]["lr"] if arm.get("start") in out else _search(arm, tasks, lrs, max_widen, rec, log)
+            )
+            lr = dict.fromkeys(arm["lr_groups"], start)
+            for group in arm["lr_groups"]:
+                lr[group] = _search(arm, tasks, lrs, max_widen, rec, log, group, dict(lr))
         else:
-            tuning = []
-            for lr in lrs:
-                rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
-                ok = [r["accuracy"] for r in rows if not r["diverged"]]
-                tuning.append({"lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"), "diverged": len(rows) - len(ok)})
-            usable = [t for t in tuning if np.isfinite(t["mean"])] or tuning
-            lr = max(usable, key=lambda t: (t["mean"], -t["lr"]))["lr"]
+            lr = _search(arm, tasks, lrs, max_widen, rec, log)
         runs = []
         for seed in seeds:
-            runs += [dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed) for tr, te, st, b, ts in tasks("test", seed)]
+            runs += [
+                dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed)
+                for tr, te, st, b, ts in tasks("test", seed)
+            ]
         per_seed = []
         for seed in seeds:
             ok = [r["accuracy"] for r in runs if r["seed_group"] == seed and not r["diverged"]]
             per_seed.append(float(np.mean(ok)) if ok else float("nan"))
-        out[arm["label"]] = {"lr": lr, "tuning": tuning, "runs": runs, "per_seed": per_seed,
+        out[arm["label"]] = {"lr": lr, **rec, "runs": runs, "per_seed": per_seed,
                              "mean": float(np.nanmean(per_seed)), "ci95": ci95(per_seed),
                              "diverged": sum(r["diverged"] for r in runs), "n": len(runs),
                              "fits_device": all(r["fits"] for r in runs),
@@ -266,7 +363,7 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tupl
                              "peak_memory_kib": float(np.mean([r.get("peak_memory_kib", 0.0) for r in runs])),
                              "trained_fraction": float(np.mean([r.get("trained_fraction", 0.0) for r in runs])),
                              "wall_s": time.time() - t0}  # fmt: skip
-        log(f"  {arm['label']}: lr {lr}, mean {out[arm['label']]['mean']:.3f} ± {out[arm['label']]['ci95']:.3f} "
+        log(f"  {arm['label']}: lr {lr_text(lr)}, mean {out[arm['label']]['mean']:.3f} ± {out[arm['label']]['ci95']:.3f} "
             f"per seed {np.round(per_seed, 3).tolist()}, diverged {out[arm['label']]['diverged']}, "
             f"fits device {out[arm['label']]['fits_device']}, {time.time() - t0:.0f} s")  # fmt: skip
     return out
