@@ -82,27 +82,32 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[floa
     return float((pred == y).mean()), float(counts.max() / counts.sum())
 
 
-def pretrained(d: dict, epochs: int = 15) -> dict:
+def pretrained(d: dict, epochs: int = 15, device: str = "cpu") -> dict:
+    """The pretrained weights (cached); ``device``: where pretraining runs (``cuda``: seconds instead of
+    a CPU core's ~45 s per epoch; its weights differ in the last bits, so they are cached apart)."""
     cache = Path(os.environ.get("FEDELASTIC_CACHE", Path.home() / ".cache" / "fedelastic")) / "reproduce"
-    path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}.pt"
+    suffix = "" if device == "cpu" else f"_{device}"
+    path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}{suffix}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     torch.manual_seed(0)
     model, _ = new_model()
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
     n = len(d["src_y"])
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * (n // 64))
-    x, y = torch.from_numpy(d["src_x"]), torch.from_numpy(d["src_y"])
+    x, y = torch.from_numpy(d["src_x"]).to(device), torch.from_numpy(d["src_y"]).to(device)
     rng = np.random.default_rng(0)
     for _ in range(epochs):
         model.train()
-        order = torch.from_numpy(rng.permutation(n))
+        order = torch.from_numpy(rng.permutation(n)).to(device)
         for i in range(0, n - 63, 64):
             idx = order[i : i + 64]
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
             sched.step()
+    model.cpu()
     acc, _ = accuracy(model, d["src_x"], d["src_y"])
     if acc < MIN_SOURCE_ACCURACY:
         raise SystemExit(
@@ -320,6 +325,41 @@ def _search(
     return s.chosen if s.chosen is not None else min(lrs)  # nothing usable: the smallest rate
 
 
+_FORKED: tuple = ()  # (arms, tasks, seeds, lrs, max_widen) of a parallel tune_and_run, read by its forked workers
+
+
+def _one_arm(i: int) -> dict:
+    arms, tasks, seeds, lrs, max_widen = _FORKED
+    arm = {k: v for k, v in arms[i].items() if k != "start"}  # alone in its process: its own single-lr search
+    return tune_and_run([arm], tasks, seeds, lrs=lrs, max_widen=max_widen)
+
+
+def tune_and_run_parallel(arms: list[dict], tasks, seeds: list[int], jobs: int, lrs: tuple = LRS, max_widen: int = 3) -> dict:
+    """:func:`tune_and_run` with each arm in its own forked process (``jobs`` at a time; one torch thread
+    each): the same runs and numbers (each run seeds itself), except that an arm with ``start`` makes its
+    own single-lr search first (the one it would have started from, run again)."""
+    global _FORKED
+    if jobs <= 1:
+        return tune_and_run(arms, tasks, seeds, lrs=lrs, max_widen=max_widen)
+    import multiprocessing
+
+    _FORKED = (arms, tasks, seeds, lrs, max_widen)
+    ctx = multiprocessing.get_context("fork")  # forked: nothing of this module (loaded by path) is pickled
+    results = ctx.Queue()
+    parts: dict[int, dict] = {}
+    for first in range(0, len(arms), jobs):
+        batch = range(first, min(first + jobs, len(arms)))
+        procs = [ctx.Process(target=lambda i=i: results.put((i, _one_arm(i)))) for i in batch]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            i, part = results.get()
+            parts[i] = part
+        for p in procs:
+            p.join()
+    return {k: v for i in sorted(parts) for k, v in parts[i].items()}
+
+
 def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3) -> dict:
     """Per arm: the best lr on ``tasks('val', 0)``, then every seed's ``tasks('test', seed)`` list at it.
 
@@ -379,10 +419,10 @@ def gain(out: dict, a: str, b: str) -> dict:
 STATE: dict = {}  # the pretrained weights, set by the caller (setup)
 
 
-def setup(pretrain_epochs: int = 15) -> dict:
+def setup(pretrain_epochs: int = 15, device: str = "cpu") -> dict:
     d = load_data()
     STATE.clear()
-    STATE.update(pretrained(d, pretrain_epochs))
+    STATE.update(pretrained(d, pretrain_epochs, device))
     model, _ = new_model()
     model.load_state_dict(STATE)
     d["source_accuracy"] = accuracy(model, d["src_x"], d["src_y"])[0]

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--max-widen", type=int, default=3, help="most rates added past a grid edge per lr search")
     ap.add_argument("--analysis-lr", type=float, default=0.01, help="the contribution analysis's lr (proxy task)")
+    ap.add_argument("--pretrain-device", default="cpu", help="where the backbone pretrains (cuda: seconds)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms run in parallel processes (one core each)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     doc["emulated"] = rows
     print(emulate.table(rows), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup(args.pretrain_epochs)
+        d = fs.setup(args.pretrain_epochs, args.pretrain_device)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen = [
             a for a in arms(args.budget_kib, dict(args.strategy_option), str(contributions)) if a["label"] in args.arms
         ]
-        out = fs.tune_and_run(chosen, tasks, args.seeds, lrs=tuple(args.lrs), max_widen=args.max_widen)
+        out = fs.tune_and_run_parallel(chosen, tasks, args.seeds, args.jobs, lrs=tuple(args.lrs), max_widen=args.max_widen)
         doc["accuracy"] = out
         doc["gains"] = {f"{a} - {b}": fs.gain(out, a, b) for a in ("sparse_update_searched", "sparse_update")
                         for b in ("full", "last_layer", "bn_bias", "bn_bias_tuned") if a in out and b in out}  # fmt: skip

@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--pretrain-epochs", type=int, default=15)
     ap.add_argument("--max-widen", type=int, default=3, help="most rates added past the grid's edge per arm")
+    ap.add_argument("--pretrain-device", default="cpu", help="where the backbone pretrains (cuda: seconds)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms run in parallel processes (one core each)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     doc["batch_sweep"] = sweep
     print(emulate.sweep_table(sweep), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup(args.pretrain_epochs)
+        d = fs.setup(args.pretrain_epochs, args.pretrain_device)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 keys = [1000 * (seed + 1) + i for i in range(args.episodes)]
             return [(*fs.episode(d, k, SHOTS, QUERIES), STEPS, BATCH, k) for k in keys]
 
-        out = fs.tune_and_run(arms(), tasks, args.seeds, max_widen=args.max_widen)
+        out = fs.tune_and_run_parallel(arms(), tasks, args.seeds, args.jobs, max_widen=args.max_widen)
         doc["accuracy"] = out
         doc["gains"] = {f"tinytrain - {b}": fs.gain(out, "tinytrain", b) for b in ("full", "last_layer", "sparse_update", "none")}
         print("\n| arm | lr (validation; edge: the widening limit bound) | query accuracy, mean ± 95% (3 seeds) | per seed | fits 512 KiB | peak KiB (batch 1) | diverged |")
