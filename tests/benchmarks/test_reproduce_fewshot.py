@@ -60,3 +60,32 @@ def test_group_lrs_refuse_an_unknown_group(fs):
     with pytest.raises(ValueError, match="norm"):
         with fs.group_lrs(_model(), {"head": 0.1, "norm": 0.1}):
             pass
+
+
+def test_an_arm_with_lr_groups_searches_each_group_in_turn_along_a_hand_worked_sequence(fs, monkeypatch):
+    import math
+
+    def score(head, bias):  # best at head 0.3, bias 0.003; 0.1 lost per decade away from each
+        return 1 - 0.1 * (abs(math.log10(head / 0.3)) + abs(math.log10(bias / 0.003)))
+
+    def fake(state, arm, lr, seed, train, test, steps, batch):
+        head, bias = (lr["head"], lr["bias"]) if isinstance(lr, dict) else (lr, lr)
+        return {"accuracy": score(head, bias), "diverged": False, "fits": True}
+
+    monkeypatch.setattr(fs, "run_task", fake)
+    arms = [{"label": "one", "strategy": "bn_bias"},
+            {"label": "two", "strategy": "bn_bias", "lr_groups": ["head", "bias"], "start": "one"}]  # fmt: skip
+    out = fs.tune_and_run(arms, lambda split, key: [(None, None, 1, 1, key)], [0, 1], log=lambda *_: None,
+                          lrs=(0.001, 0.01, 0.1), max_widen=3)  # fmt: skip
+    # one lr: 0.01 and 0.1 tie at 0.8 (any rate in [0.003, 0.3]); the smaller wins, inside the grid
+    assert out["one"]["lr"] == 0.01 and [t["lr"] for t in out["one"]["tuning"]] == [0.001, 0.01, 0.1]
+    # head (bias 0.01): 0.1 at the top, widened to 1.0 (worse): 0.1. bias (head 0.1): 0.001 at the bottom,
+    # widened to 0.0001 (worse): 0.001
+    two = out["two"]
+    assert two["lr"] == {"head": 0.1, "bias": 0.001}
+    assert [(t["group"], t["lr"]["head"], t["lr"]["bias"]) for t in two["tuning"]] == [
+        ("head", 0.001, 0.01), ("head", 0.01, 0.01), ("head", 0.1, 0.01), ("head", 1.0, 0.01),
+        ("bias", 0.1, 0.001), ("bias", 0.1, 0.01), ("bias", 0.1, 0.1), ("bias", 0.1, 0.0001),
+    ]  # fmt: skip
+    assert [(s["group"], s["edge"], s["added"]) for s in two["searches"]] == [("head", "", 1), ("bias", "", 1)]
+    assert two["mean"] == pytest.approx(score(0.1, 0.001)) and fs.lr_cell(two) == "head 0.1, bias 0.001"
