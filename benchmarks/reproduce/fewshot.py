@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -346,16 +347,30 @@ def tune_and_run_parallel(arms: list[dict], tasks, seeds: list[int], jobs: int, 
     _FORKED = (arms, tasks, seeds, lrs, max_widen)
     ctx = multiprocessing.get_context("fork")  # forked: nothing of this module (loaded by path) is pickled
     results = ctx.Queue()
+
+    def work(i: int) -> None:
+        try:
+            results.put((i, _one_arm(i), ""))
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+            results.put((i, {}, f"{type(exc).__name__}: {exc}"))
+
     parts: dict[int, dict] = {}
     for first in range(0, len(arms), jobs):
-        batch = range(first, min(first + jobs, len(arms)))
-        procs = [ctx.Process(target=lambda i=i: results.put((i, _one_arm(i)))) for i in batch]
-        for p in procs:
+        procs = {i: ctx.Process(target=work, args=(i,)) for i in range(first, min(first + jobs, len(arms)))}
+        for p in procs.values():
             p.start()
-        for _ in procs:
-            i, part = results.get()
+        while not set(procs) <= set(parts):
+            try:
+                i, part, error = results.get(timeout=30)
+            except queue.Empty:
+                dead = [i for i, p in procs.items() if i not in parts and p.exitcode not in (None, 0)]
+                if dead:  # killed (e.g. out of memory) before it could report
+                    raise RuntimeError(f"arm {arms[dead[0]]['label']}: its process died (exit {procs[dead[0]].exitcode})") from None
+                continue
+            if error:
+                raise RuntimeError(f"arm {arms[i]['label']}: {error}")
             parts[i] = part
-        for p in procs:
+        for p in procs.values():
             p.join()
     return {k: v for i in sorted(parts) for k, v in parts[i].items()}
 

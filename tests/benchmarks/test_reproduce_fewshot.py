@@ -89,3 +89,21 @@ def test_an_arm_with_lr_groups_searches_each_group_in_turn_along_a_hand_worked_s
     ]  # fmt: skip
     assert [(s["group"], s["edge"], s["added"]) for s in two["searches"]] == [("head", "", 1), ("bias", "", 1)]
     assert two["mean"] == pytest.approx(score(0.1, 0.001)) and fs.lr_cell(two) == "head 0.1, bias 0.001"
+
+
+def test_arms_in_parallel_processes_give_the_serial_numbers_and_report_a_failure(fs, monkeypatch):
+    def fake(state, arm, lr, seed, train, test, steps, batch):
+        if arm["label"] == "broken":
+            raise ValueError("no such layer")
+        return {"accuracy": 0.5 + seed / 10 - abs(lr - 0.01), "diverged": False, "fits": True}
+
+    monkeypatch.setattr(fs, "run_task", fake)
+    tasks = lambda split, key: [(None, None, 1, 1, key)]  # noqa: E731
+    arms = [{"label": "a", "strategy": "full"}, {"label": "b", "strategy": "last_layer"}]
+    serial = fs.tune_and_run(arms, tasks, [0, 1], log=lambda *_: None, lrs=(0.001, 0.01, 0.1))
+    parallel = fs.tune_and_run_parallel(arms, tasks, [0, 1], jobs=2, lrs=(0.001, 0.01, 0.1))
+    for label in ("a", "b"):
+        assert parallel[label]["lr"] == serial[label]["lr"] == 0.01
+        assert parallel[label]["per_seed"] == serial[label]["per_seed"] == [0.5, 0.6]
+    with pytest.raises(RuntimeError, match="arm broken: ValueError: no such layer"):
+        fs.tune_and_run_parallel([*arms, {"label": "broken", "strategy": "full"}], tasks, [0], jobs=3)
