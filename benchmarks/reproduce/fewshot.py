@@ -16,6 +16,10 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 * Head: for each task the 5-way head is re-initialised from the training images' class means of the
   penultimate features, as a cosine head with temperature 10 (``HEAD``; the void run used
   ``W = 2 p``, ``b = -|p|^2``), so "none" is a ProtoNet-style classifier on the pretrained features.
+* Learning rates (:func:`tune_and_run`): per arm, the best of a grid on validation tasks, the grid
+  widened past the edge a pick sits at (up to ``max_widen`` rates; a pick left at an edge is recorded
+  and marked); an arm with ``lr_groups`` gives the head and the other biases their own rates
+  (:func:`group_lrs`), searched one group at a time. ``tune_and_run_parallel`` runs arms in forked processes.
 * Training: :func:`fedelastic.training.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
   norms frozen: none are left after folding). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
   micro-batches of 1: with BatchNorm frozen the gradient is the same as the host's batch). An arm whose
