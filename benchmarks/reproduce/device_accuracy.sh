@@ -5,8 +5,9 @@
 #
 #   sparse_update   Sparse Update as the paper runs it (proxy contribution search, flash, 256 KiB) against
 #                   full, last layer, bias-only and tuned bias-only, 5 seeds, widened lrs; arms in parallel
-#                   processes, backbone pretrained on the GPU (about 4-5 minutes)
-#   tinytrain       TinyTrain's few-shot accuracy with widened lrs, 3 seeds x 10 episodes (about 2 minutes)
+#                   processes, backbone pretrained on the GPU (about 6 minutes: the proxy analysis alone
+#                   took 208 s in the void first run, which failed on fork after GPU autograd, now fixed)
+#   tinytrain       TinyTrain's few-shot accuracy with widened lrs, 3 seeds x 10 episodes (about 2-3 minutes)
 #   elastictrainer  the ElasticTrainer accuracy runs whose picks sat at a grid edge, widened: the H100 run's
 #                   setting (MobileNetV2, rotation 90) and the head-only regime (x0.5, labels=1) (about 6 minutes)
 #
@@ -31,11 +32,11 @@ for part in $parts; do
     start=$(date +%s)
     case $part in
     sparse_update)
-        "$py" "$here/sparse_update/run.py" --pretrain-device cuda --jobs 6 --pretrain-epochs 15 --steps 400 \
+        "$py" "$here/sparse_update/run.py" --pretrain-device cuda --jobs 15 --pretrain-epochs 15 --steps 400 \
             --seeds 0 1 2 3 4 --skip-emulation --arms full last_layer bn_bias bn_bias_tuned sparse_update_searched \
             --out "$out/sparse_update_paper_method.json" 2>&1 | tee "$out/sparse_update_paper_method.log" ;;
     tinytrain)
-        "$py" "$here/tinytrain/run.py" --pretrain-device cuda --jobs 5 --pretrain-epochs 5 --skip-emulation \
+        "$py" "$here/tinytrain/run.py" --pretrain-device cuda --jobs 15 --pretrain-epochs 5 --skip-emulation \
             --out "$out/tinytrain_widened.json" 2>&1 | tee "$out/tinytrain_widened.log" ;;
     elastictrainer)
         "$py" "$here/elastictrainer_accuracy/run.py" --device cuda --models mobilenetv2 \

@@ -36,6 +36,7 @@ import queue
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,6 +94,12 @@ def pretrained(d: dict, epochs: int = 15, device: str = "cpu") -> dict:
     cache = Path(os.environ.get("FEDELASTIC_CACHE", Path.home() / ".cache" / "fedelastic")) / "reproduce"
     suffix = "" if device == "cpu" else f"_{device}"
     path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}{suffix}.pt"
+    if not path.exists() and device != "cpu" and not os.environ.get("FEWSHOT_PRETRAIN_CHILD"):
+        # autograd on a GPU in this process would make every later fork_map child refuse autograd
+        import subprocess
+
+        env = {**os.environ, "FEWSHOT_PRETRAIN_CHILD": "1"}
+        subprocess.run([sys.executable, __file__, "--pretrain", str(epochs), device], check=True, env=env)
     if path.exists():
         return torch.load(path, weights_only=True)
     torch.manual_seed(0)
@@ -330,37 +337,26 @@ def _search(
     return s.chosen if s.chosen is not None else min(lrs)  # nothing usable: the smallest rate
 
 
-_FORKED: tuple = ()  # (arms, tasks, seeds, lrs, max_widen) of a parallel tune_and_run, read by its forked workers
-
-
-def _one_arm(i: int) -> dict:
-    arms, tasks, seeds, lrs, max_widen = _FORKED
-    arm = {k: v for k, v in arms[i].items() if k != "start"}  # alone in its process: its own single-lr search
-    return tune_and_run([arm], tasks, seeds, lrs=lrs, max_widen=max_widen)
-
-
-def tune_and_run_parallel(arms: list[dict], tasks, seeds: list[int], jobs: int, lrs: tuple = LRS, max_widen: int = 3) -> dict:
-    """:func:`tune_and_run` with each arm in its own forked process (``jobs`` at a time; one torch thread
-    each): the same runs and numbers (each run seeds itself), except that an arm with ``start`` makes its
-    own single-lr search first (the one it would have started from, run again)."""
-    global _FORKED
-    if jobs <= 1:
-        return tune_and_run(arms, tasks, seeds, lrs=lrs, max_widen=max_widen)
+def fork_map(fn, items: list, jobs: int, name=str) -> list:
+    """``[fn(item) for item in items]``, each call in a forked process, ``jobs`` at a time (forked: nothing
+    of this module, loaded by path, is pickled but the results). A call that raises, or whose process
+    dies, raises ``RuntimeError`` naming ``name(item)``. Fork only before any autograd on a GPU in this
+    process (torch refuses autograd in the children then): :func:`pretrained` pretrains on a GPU in a
+    subprocess of its own for that."""
     import multiprocessing
 
-    _FORKED = (arms, tasks, seeds, lrs, max_widen)
-    ctx = multiprocessing.get_context("fork")  # forked: nothing of this module (loaded by path) is pickled
+    ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
 
     def work(i: int) -> None:
         try:
-            results.put((i, _one_arm(i), ""))
+            results.put((i, fn(items[i]), ""))
         except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
-            results.put((i, {}, f"{type(exc).__name__}: {exc}"))
+            results.put((i, None, f"{type(exc).__name__}: {exc}"))
 
-    parts: dict[int, dict] = {}
-    for first in range(0, len(arms), jobs):
-        procs = {i: ctx.Process(target=work, args=(i,)) for i in range(first, min(first + jobs, len(arms)))}
+    parts: dict[int, Any] = {}
+    for first in range(0, len(items), jobs):
+        procs = {i: ctx.Process(target=work, args=(i,)) for i in range(first, min(first + jobs, len(items)))}
         for p in procs.values():
             p.start()
         while not set(procs) <= set(parts):
@@ -369,17 +365,39 @@ def tune_and_run_parallel(arms: list[dict], tasks, seeds: list[int], jobs: int, 
             except queue.Empty:
                 dead = [i for i, p in procs.items() if i not in parts and p.exitcode not in (None, 0)]
                 if dead:  # killed (e.g. out of memory) before it could report
-                    raise RuntimeError(f"arm {arms[dead[0]]['label']}: its process died (exit {procs[dead[0]].exitcode})") from None
+                    raise RuntimeError(
+                        f"{name(items[dead[0]])}: its process died (exit {procs[dead[0]].exitcode})"
+                    ) from None
                 continue
             if error:
-                raise RuntimeError(f"arm {arms[i]['label']}: {error}")
+                raise RuntimeError(f"{name(items[i])}: {error}")
             parts[i] = part
         for p in procs.values():
             p.join()
-    return {k: v for i in sorted(parts) for k, v in parts[i].items()}
+    return [parts[i] for i in range(len(items))]
 
 
-def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3) -> dict:
+def tune_and_run_parallel(
+    arms: list[dict], tasks, seeds: list[int], jobs: int, lrs: tuple = LRS, max_widen: int = 3
+) -> dict:
+    """:func:`tune_and_run` with each arm in its own forked process and, with cores to spare, its test
+    seeds too (one torch thread each): the same runs and numbers (each run seeds itself), except that an
+    arm with ``start`` makes its own single-lr search first (the one it would have started from, again)."""
+    if jobs <= 1:
+        return tune_and_run(arms, tasks, seeds, lrs=lrs, max_widen=max_widen)
+    seed_jobs = max(1, jobs // len(arms))
+
+    def one(arm: dict) -> dict:
+        alone = {k: v for k, v in arm.items() if k != "start"}
+        return tune_and_run([alone], tasks, seeds, lrs=lrs, max_widen=max_widen, seed_jobs=seed_jobs)
+
+    parts = fork_map(one, arms, jobs, name=lambda arm: f"arm {arm['label']}")
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def tune_and_run(
+    arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3, seed_jobs: int = 1
+) -> dict:
     """Per arm: the best lr on ``tasks('val', 0)``, then every seed's ``tasks('test', seed)`` list at it.
 
     ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``. The lr is the
@@ -388,11 +406,13 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tupl
     :data:`LR_GROUPS`) gets one lr per group, tuned one group at a time (the others held), starting
     from the chosen lr of the arm named by ``start`` (run earlier) or from its own single-lr search.
     Each search is recorded with its ``edge`` (``top``/``bottom``: the limit bound there) and ``added``.
+    An arm's ``prepare`` (a callable) runs first, its result kept as ``prepared``; ``seed_jobs`` > 1
+    runs the test seeds in forked processes (:func:`fork_map`).
     """
     out: dict = {}
     for arm in arms:
         t0 = time.time()
-        rec: dict = {"tuning": [], "searches": []}
+        rec: dict = {"tuning": [], "searches": [], "prepared": arm["prepare"]() if arm.get("prepare") else None}
         if arm["strategy"] == "none":
             lr: float | dict = 0.0
         elif arm.get("lr_groups"):
@@ -404,12 +424,19 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tupl
                 lr[group] = _search(arm, tasks, lrs, max_widen, rec, log, group, dict(lr))
         else:
             lr = _search(arm, tasks, lrs, max_widen, rec, log)
-        runs = []
-        for seed in seeds:
-            runs += [
+
+        def one_seed(seed: int, lr=lr, arm=arm) -> list[dict]:
+            return [
                 dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed)
                 for tr, te, st, b, ts in tasks("test", seed)
             ]
+
+        by_seed = (
+            fork_map(one_seed, seeds, seed_jobs, name=lambda s, label=arm["label"]: f"{label} seed {s}")
+            if seed_jobs > 1
+            else [one_seed(s) for s in seeds]
+        )
+        runs = [r for part in by_seed for r in part]
         per_seed = []
         for seed in seeds:
             ok = [r["accuracy"] for r in runs if r["seed_group"] == seed and not r["diverged"]]
@@ -446,3 +473,9 @@ def setup(pretrain_epochs: int = 15, device: str = "cpu") -> dict:
     model.load_state_dict(STATE)
     d["source_accuracy"] = accuracy(model, d["src_x"], d["src_y"])[0]
     return d
+
+
+if __name__ == "__main__":  # ``--pretrain EPOCHS DEVICE``: the subprocess :func:`pretrained` starts for a GPU
+    if sys.argv[1:2] != ["--pretrain"] or len(sys.argv) != 4:
+        raise SystemExit(f"usage: {sys.argv[0]} --pretrain EPOCHS DEVICE")
+    pretrained(load_data(), int(sys.argv[2]), sys.argv[3])

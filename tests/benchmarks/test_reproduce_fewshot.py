@@ -1,6 +1,7 @@
 """The few-shot reproductions' per-group learning rates, against torch's own two-group SGD."""
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -99,11 +100,14 @@ def test_arms_in_parallel_processes_give_the_serial_numbers_and_report_a_failure
 
     monkeypatch.setattr(fs, "run_task", fake)
     tasks = lambda split, key: [(None, None, 1, 1, key)]  # noqa: E731
-    arms = [{"label": "a", "strategy": "full"}, {"label": "b", "strategy": "last_layer"}]
+    pid = os.getpid()
+    arms = [{"label": "a", "strategy": "full", "prepare": lambda: os.getpid() != pid},
+            {"label": "b", "strategy": "last_layer"}]  # fmt: skip
     serial = fs.tune_and_run(arms, tasks, [0, 1], log=lambda *_: None, lrs=(0.001, 0.01, 0.1))
-    parallel = fs.tune_and_run_parallel(arms, tasks, [0, 1], jobs=2, lrs=(0.001, 0.01, 0.1))
+    parallel = fs.tune_and_run_parallel(arms, tasks, [0, 1], jobs=4, lrs=(0.001, 0.01, 0.1))  # 2 seed jobs an arm
     for label in ("a", "b"):
         assert parallel[label]["lr"] == serial[label]["lr"] == 0.01
         assert parallel[label]["per_seed"] == serial[label]["per_seed"] == [0.5, 0.6]
+    assert serial["a"]["prepared"] is False and parallel["a"]["prepared"] is True  # run in the arm's own process
     with pytest.raises(RuntimeError, match="arm broken: ValueError: no such layer"):
         fs.tune_and_run_parallel([*arms, {"label": "broken", "strategy": "full"}], tasks, [0], jobs=3)

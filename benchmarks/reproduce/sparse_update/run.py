@@ -56,9 +56,12 @@ def split(d: dict, seed: int, n_test: int) -> tuple[tuple, tuple]:
 SEARCHED = {"bias_last_k": 12, "max_weight_layers": 8, "search": "contribution"}
 
 
-def arms(budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None, contributions: str = "") -> list[dict]:
+def arms(
+    budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None, contributions: str = "", prepare=None
+) -> list[dict]:
     """The arms; ``options`` go to the depth-heuristic ``sparse_update``'s config (none: its defaults);
-    ``contributions``: the proxy analysis the searched arm reads (:func:`contribution_analysis`)."""
+    ``contributions``: the proxy analysis the searched arm reads, which ``prepare`` (run in that arm's
+    process, first) writes (:func:`contribution_analysis`)."""
     base = {"device": fs.mcu_device("stm32f746", budget_kib), "profile": "stm32f746"}
     return [
         {"label": "full", "strategy": "full", "reference": True, **base},
@@ -78,6 +81,7 @@ def arms(budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None, co
             "label": "sparse_update_searched",
             "strategy": "sparse_update",
             "options": {**SEARCHED, "contributions": contributions},
+            "prepare": prepare,
             **base,
         },  # fmt: skip
     ]
@@ -174,16 +178,23 @@ def main(argv: list[str] | None = None) -> None:
             return [(*split(d, seed, TEST), args.steps, BATCH, seed)]
 
         contributions = args.out.with_name(args.out.stem + "_contributions.json")
-        if "sparse_update_searched" in args.arms:
+
+        def analysis() -> dict:
             t0 = time.time()
-            analysis = contribution_analysis(d, contributions, args.analysis_lr)
-            doc["contribution_analysis"] = {"file": contributions.name, "wall_s": time.time() - t0, **analysis}
+            result = contribution_analysis(d, contributions, args.analysis_lr)
             print(f"contribution analysis (proxy) in {time.time() - t0:.0f} s: bias gains "
-                  f"{[round(g, 3) for g in analysis['bias']]}", flush=True)  # fmt: skip
+                  f"{[round(g, 3) for g in result['bias']]}", flush=True)  # fmt: skip
+            return {"file": contributions.name, "wall_s": time.time() - t0, **result}
+
         chosen = [
-            a for a in arms(args.budget_kib, dict(args.strategy_option), str(contributions)) if a["label"] in args.arms
+            a
+            for a in arms(args.budget_kib, dict(args.strategy_option), str(contributions), analysis)
+            if a["label"] in args.arms
         ]
-        out = fs.tune_and_run_parallel(chosen, tasks, args.seeds, args.jobs, lrs=tuple(args.lrs), max_widen=args.max_widen)
+        out = fs.tune_and_run_parallel(
+            chosen, tasks, args.seeds, args.jobs, lrs=tuple(args.lrs), max_widen=args.max_widen
+        )
+        doc["contribution_analysis"] = out.get("sparse_update_searched", {}).get("prepared")
         doc["accuracy"] = out
         doc["gains"] = {f"{a} - {b}": fs.gain(out, a, b) for a in ("sparse_update_searched", "sparse_update")
                         for b in ("full", "last_layer", "bn_bias", "bn_bias_tuned") if a in out and b in out}  # fmt: skip
