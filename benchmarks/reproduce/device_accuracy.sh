@@ -5,7 +5,7 @@
 #
 #   sparse_update   Sparse Update as the paper runs it (proxy contribution search, flash, 256 KiB) against
 #                   full, last layer, bias-only and tuned bias-only, 5 seeds, widened lrs; arms in parallel
-#                   processes, backbone pretrained on the GPU (about 6 minutes: the proxy analysis alone
+#                   processes, backbone pretrained on the GPU (about 7 minutes: the proxy analysis alone
 #                   took 208 s in the void first run, which failed on fork after GPU autograd, now fixed)
 #   tinytrain       TinyTrain's few-shot accuracy with widened lrs, 3 seeds x 10 episodes (about 2-3 minutes)
 #   elastictrainer  the ElasticTrainer accuracy runs whose picks sat at a grid edge, widened: the H100 run's

@@ -340,9 +340,9 @@ def _search(
 def fork_map(fn, items: list, jobs: int, name=str) -> list:
     """``[fn(item) for item in items]``, each call in a forked process, ``jobs`` at a time (forked: nothing
     of this module, loaded by path, is pickled but the results). A call that raises, or whose process
-    dies, raises ``RuntimeError`` naming ``name(item)``. Fork only before any autograd on a GPU in this
-    process (torch refuses autograd in the children then): :func:`pretrained` pretrains on a GPU in a
-    subprocess of its own for that."""
+    dies, raises ``RuntimeError`` naming ``name(item)``. Fork only before any backward pass in this
+    process: on a machine with a GPU the first one starts autograd's device threads, and forked children
+    then refuse autograd (:func:`pretrained` pretrains on a GPU in a subprocess of its own for that)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -380,24 +380,23 @@ def fork_map(fn, items: list, jobs: int, name=str) -> list:
 def tune_and_run_parallel(
     arms: list[dict], tasks, seeds: list[int], jobs: int, lrs: tuple = LRS, max_widen: int = 3
 ) -> dict:
-    """:func:`tune_and_run` with each arm in its own forked process and, with cores to spare, its test
-    seeds too (one torch thread each): the same runs and numbers (each run seeds itself), except that an
-    arm with ``start`` makes its own single-lr search first (the one it would have started from, again)."""
+    """:func:`tune_and_run` with each arm in its own forked process (one torch thread each): the same runs
+    and numbers (each run seeds itself), except that an arm with ``start`` makes its own single-lr search
+    first (the one it would have started from, again). Call it before any backward pass in this process:
+    on a machine with a GPU, torch's first backward, even on the CPU, starts the autograd device threads,
+    after which forked children refuse autograd (the void first device run)."""
     if jobs <= 1:
         return tune_and_run(arms, tasks, seeds, lrs=lrs, max_widen=max_widen)
-    seed_jobs = max(1, jobs // len(arms))
 
     def one(arm: dict) -> dict:
         alone = {k: v for k, v in arm.items() if k != "start"}
-        return tune_and_run([alone], tasks, seeds, lrs=lrs, max_widen=max_widen, seed_jobs=seed_jobs)
+        return tune_and_run([alone], tasks, seeds, lrs=lrs, max_widen=max_widen)
 
     parts = fork_map(one, arms, jobs, name=lambda arm: f"arm {arm['label']}")
     return {k: v for part in parts for k, v in part.items()}
 
 
-def tune_and_run(
-    arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3, seed_jobs: int = 1
-) -> dict:
+def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3) -> dict:
     """Per arm: the best lr on ``tasks('val', 0)``, then every seed's ``tasks('test', seed)`` list at it.
 
     ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``. The lr is the
@@ -406,8 +405,7 @@ def tune_and_run(
     :data:`LR_GROUPS`) gets one lr per group, tuned one group at a time (the others held), starting
     from the chosen lr of the arm named by ``start`` (run earlier) or from its own single-lr search.
     Each search is recorded with its ``edge`` (``top``/``bottom``: the limit bound there) and ``added``.
-    An arm's ``prepare`` (a callable) runs first, its result kept as ``prepared``; ``seed_jobs`` > 1
-    runs the test seeds in forked processes (:func:`fork_map`).
+    An arm's ``prepare`` (a callable) runs first, its result kept as ``prepared``.
     """
     out: dict = {}
     for arm in arms:
@@ -425,18 +423,12 @@ def tune_and_run(
         else:
             lr = _search(arm, tasks, lrs, max_widen, rec, log)
 
-        def one_seed(seed: int, lr=lr, arm=arm) -> list[dict]:
-            return [
+        runs = []
+        for seed in seeds:
+            runs += [
                 dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed)
                 for tr, te, st, b, ts in tasks("test", seed)
             ]
-
-        by_seed = (
-            fork_map(one_seed, seeds, seed_jobs, name=lambda s, label=arm["label"]: f"{label} seed {s}")
-            if seed_jobs > 1
-            else [one_seed(s) for s in seeds]
-        )
-        runs = [r for part in by_seed for r in part]
         per_seed = []
         for seed in seeds:
             ok = [r["accuracy"] for r in runs if r["seed_group"] == seed and not r["diverged"]]

@@ -104,7 +104,7 @@ def test_arms_in_parallel_processes_give_the_serial_numbers_and_report_a_failure
     arms = [{"label": "a", "strategy": "full", "prepare": lambda: os.getpid() != pid},
             {"label": "b", "strategy": "last_layer"}]  # fmt: skip
     serial = fs.tune_and_run(arms, tasks, [0, 1], log=lambda *_: None, lrs=(0.001, 0.01, 0.1))
-    parallel = fs.tune_and_run_parallel(arms, tasks, [0, 1], jobs=4, lrs=(0.001, 0.01, 0.1))  # 2 seed jobs an arm
+    parallel = fs.tune_and_run_parallel(arms, tasks, [0, 1], jobs=2, lrs=(0.001, 0.01, 0.1))
     for label in ("a", "b"):
         assert parallel[label]["lr"] == serial[label]["lr"] == 0.01
         assert parallel[label]["per_seed"] == serial[label]["per_seed"] == [0.5, 0.6]
