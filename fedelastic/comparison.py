@@ -31,6 +31,7 @@ import copy
 import itertools
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -78,9 +79,10 @@ class TuneConfig:
         0.1, help="share of each client's training data held out to score the tuning runs (data.validation)"
     )
     widen: int = field(
-        0,
+        3,
         help="most learning rates added per fleet and strategy while the chosen one is at the grid's edge, each "
-        "one geometric step beyond it (the ratio of the two rates at that edge); 0: only warn",
+        "one geometric step beyond it (the ratio of the two rates at that edge); 0: only warn. A choice still "
+        "at an edge is marked in the table, tuning.csv and the log",
     )
 
     def __post_init__(self):
@@ -180,7 +182,7 @@ def _parse_cell(raw: dict, src: str, fleet_label: str, from_compare: bool, strat
             raise ConfigError(exc.source, strategy_key + exc.key[len("train") :], exc.expected, exc.got) from None
         if not from_compare or not (exc.key == "fleet" or exc.key.startswith("fleet.")):
             raise
-        key = f"compare.fleets.{fleet_label}{exc.key[len('fleet'):]}"
+        key = f"compare.fleets.{fleet_label}{exc.key[len('fleet') :]}"
         raise ConfigError(exc.source, key, exc.expected, exc.got) from None
 
 
@@ -354,11 +356,10 @@ class _Cells:
         while best is not None:
             chosen = grid[best - first]
             lrs = sorted(c.lr for c in grid if c.bn_mode == chosen.bn_mode)
-            edge = _edge(lrs, chosen.lr)
-            if not edge or added >= widen:
+            edge, further = _edge(lrs, chosen.lr), beyond(lrs, chosen.lr)
+            if further is None or added >= widen:
                 break
-            step = lrs[-1] / lrs[-2] if edge == "top" else lrs[0] / lrs[1]
-            cell = _with_lr(chosen, float(f"{chosen.lr * step:.6g}"))
+            cell = _with_lr(chosen, further)
             grid.append(cell)
             self.total += 1
             self._tune_one(cell, added=True)
@@ -468,6 +469,43 @@ def _edge(lrs: list[float], lr: float) -> str:
     return "top" if lr == lrs[-1] else "bottom" if lr == lrs[0] else ""
 
 
+def beyond(lrs: list[float], lr: float) -> float | None:
+    """The rate one geometric step beyond ``lr`` when it is the highest or lowest of ``lrs`` (the ratio
+    of the two rates at that edge, to 6 significant digits); None when ``lr`` is interior or alone."""
+    lrs = sorted(lrs)
+    edge = _edge(lrs, lr)
+    if not edge:
+        return None
+    step = lrs[-1] / lrs[-2] if edge == "top" else lrs[0] / lrs[1]
+    return float(f"{lr * step:.6g}")
+
+
+@dataclass(frozen=True)
+class LrSearch:
+    """What :func:`tune_lr` tried and chose."""
+
+    scores: dict[float, float]  # every rate tried -> its score (NaN: unusable), in the order tried
+    chosen: float | None  # the best usable rate; None when none was usable
+    edge: str  # "top" / "bottom": the choice is still at that edge of the rates tried (the limit bound)
+    added: int  # rates added beyond the first grid
+
+
+def tune_lr(score: Callable[[float], float], lrs: tuple[float, ...], max_widen: int) -> LrSearch:
+    """The best of ``lrs`` by ``score(lr)`` (higher is better; NaN: unusable, e.g. diverged; ties go to
+    the smaller rate), with the grid widened one geometric step (:func:`beyond`) past the edge the
+    choice sits at, while it does and fewer than ``max_widen`` rates were added."""
+    scores = {lr: float(score(lr)) for lr in lrs}
+    while True:
+        usable = {lr: s for lr, s in scores.items() if np.isfinite(s)}
+        chosen = max(usable, key=lambda lr: (usable[lr], -lr)) if usable else None
+        further = None if chosen is None else beyond(list(scores), chosen)
+        added = len(scores) - len(lrs)
+        if further is None or added >= max_widen:
+            edge = "" if chosen is None else _edge(sorted(scores), chosen)
+            return LrSearch(scores, chosen, edge, added)
+        scores[further] = float(score(further))
+
+
 def _with_lr(cell: TuneCell, lr: float) -> TuneCell:
     """``cell``'s tuning run at another learning rate, in a folder named after it."""
     sc = cell.scenario
@@ -558,10 +596,11 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     for key, header in (("lr", "lr"), ("bn_mode", "bn")):
         if key in t:
             frame[header] = t[key].fillna("").astype(str)
-    untuned = untuned_cells(out)
-    if untuned and "lr" in frame:
+    untuned, edges = untuned_cells(out), edge_cells(out)
+    if (untuned or edges) and "lr" in frame:
         frame["lr"] = [
-            f"{lr} (untuned)" if (f, s) in untuned else lr for f, s, lr in zip(frame.fleet, frame.strategy, frame.lr)
+            f"{lr} (untuned)" if (f, s) in untuned else f"{lr} ({edges[f, s]} edge)" if (f, s) in edges else lr
+            for f, s, lr in zip(frame.fleet, frame.strategy, frame.lr)
         ]
     for stem, header, fmt in _SHOWN:
         if f"{stem}_mean" not in t:
@@ -587,8 +626,15 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
         )
     if (out / "tuning.csv").exists():
         legend.append("lr, bn: chosen per fleet and strategy on the validation split (grid scores: tuning.csv)")
+    if edges:
+        legend.append(
+            "(top/bottom edge): the chosen lr is still at that edge of its grid after compare.tune.widen "
+            "added all it allows: the best lr may lie beyond"
+        )
     if untuned:
-        legend.append("(untuned): no tuning run of that cell completed; its seeds ran with the scenario's lr and bn_mode")
+        legend.append(
+            "(untuned): no tuning run of that cell completed; its seeds ran with the scenario's lr and bn_mode"
+        )
     return frame, legend
 
 
@@ -600,6 +646,18 @@ def untuned_cells(out: Path) -> set[tuple[str, str]]:
     t = pd.read_csv(out / "tuning.csv")
     chosen = t.chosen.fillna(False).astype(bool).groupby([t.fleet, t.strategy]).any()
     return {key for key, any_chosen in chosen.items() if not any_chosen}
+
+
+def edge_cells(out: Path) -> dict[tuple[str, str], str]:
+    """(fleet, strategy) -> ``top`` / ``bottom`` for the cells of a tuned comparison whose chosen lr
+    is still at that edge of its grid (tuning.csv)."""
+    if not (out / "tuning.csv").exists():
+        return {}
+    t = pd.read_csv(out / "tuning.csv")
+    if "edge" not in t:
+        return {}
+    rows = t[t.chosen.fillna(False).astype(bool) & t.edge.isin(["top", "bottom"])]
+    return {(r.fleet, r.strategy): r.edge for r in rows.itertuples()}
 
 
 def _idle_cell(row) -> str:

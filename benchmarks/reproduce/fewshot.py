@@ -5,7 +5,8 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 
 * Data: 12,000 SynthDigits images (32x32 RGB). Source: digits 0-4 of the first 8,000, clean.
   Target pool: digits 5-9 of the last 4,000 (new classes), rotated 90 degrees (a new domain),
-  relabelled 0-4.
+  relabelled 0-4. Proxy pool (Sparse Update's offline contribution analysis): digits 5-9 of the
+  first 8,000, rotated 45 degrees, relabelled 0-4 (other images and another shift than the target's).
 * Pretraining: ``mcu_net`` (width 16) with 5 outputs on the source, BatchNorm on batch statistics,
   AdamW 1e-3, cosine, 15 epochs, batch 64, one torch thread; cached under ``$FEDELASTIC_CACHE`` (or
   ``~/.cache/fedelastic``). A model below ``MIN_SOURCE_ACCURACY`` on its source is refused.
@@ -15,6 +16,10 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 * Head: for each task the 5-way head is re-initialised from the training images' class means of the
   penultimate features, as a cosine head with temperature 10 (``HEAD``; the void run used
   ``W = 2 p``, ``b = -|p|^2``), so "none" is a ProtoNet-style classifier on the pretrained features.
+* Learning rates (:func:`tune_and_run`): per arm, the best of a grid on validation tasks, the grid
+  widened past the edge a pick sits at (up to ``max_widen`` rates; a pick left at an edge is recorded
+  and marked); an arm with ``lr_groups`` gives the head and the other biases their own rates
+  (:func:`group_lrs`), searched one group at a time. ``tune_and_run_parallel`` runs arms in forked processes.
 * Training: :func:`fedelastic.training.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
   norms frozen: none are left after folding). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
   micro-batches of 1: with BatchNorm frozen the gradient is the same as the host's batch). An arm whose
@@ -24,11 +29,14 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import queue
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,17 +44,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from fedelastic.comparison import tune_lr  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset, synth  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
 from fedelastic.devices import Quantity, load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.optim import register_step_pre_hook  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import LocalTraining, train_local  # noqa: E402
 
 WIDTH, SIZE, WAYS = 16, 32, 5
 MIN_SOURCE_ACCURACY = 0.8
+PROXY_ROTATION = 45.0  # the proxy task's shift (Sparse Update's contribution analysis): not the target's 90
 LRS = (1e-4, 1e-3, 1e-2)  # the default lr grid (the void run's was 0.01, 0.03, 0.1)
 torch.set_num_threads(1)  # a shared 2-core host
 
@@ -57,8 +68,11 @@ def load_data() -> dict[str, np.ndarray]:
     x = x.astype(np.float32) / 255.0
     src = np.flatnonzero(y[:8000] < 5)
     tgt = 8000 + np.flatnonzero(y[8000:] >= 5)
+    proxy = np.flatnonzero(y[:8000] >= 5)  # the source pool's other digits: never pretrained on, never target
     return {"src_x": x[src], "src_y": y[src].astype(np.int64),
-            "tgt_x": apply_shift(x[tgt], Shift(rotation=90.0), seed=1), "tgt_y": (y[tgt] - 5).astype(np.int64)}  # fmt: skip
+            "tgt_x": apply_shift(x[tgt], Shift(rotation=90.0), seed=1), "tgt_y": (y[tgt] - 5).astype(np.int64),
+            "proxy_x": apply_shift(x[proxy], Shift(rotation=PROXY_ROTATION), seed=2),
+            "proxy_y": (y[proxy] - 5).astype(np.int64)}  # fmt: skip
 
 
 def new_model() -> tuple[torch.nn.Module, tuple]:
@@ -74,30 +88,43 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[floa
     return float((pred == y).mean()), float(counts.max() / counts.sum())
 
 
-def pretrained(d: dict, epochs: int = 15) -> dict:
+def pretrained(d: dict, epochs: int = 15, device: str = "cpu") -> dict:
+    """The pretrained weights (cached); ``device``: where pretraining runs (``cuda``: seconds instead of
+    a CPU core's ~45 s per epoch; its weights differ in the last bits, so they are cached apart)."""
     cache = Path(os.environ.get("FEDELASTIC_CACHE", Path.home() / ".cache" / "fedelastic")) / "reproduce"
-    path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}.pt"
+    suffix = "" if device == "cpu" else f"_{device}"
+    path = cache / f"mcu_net_w{WIDTH}_s{SIZE}_digits0-4_e{epochs}{suffix}.pt"
+    if not path.exists() and device != "cpu" and not os.environ.get("FEWSHOT_PRETRAIN_CHILD"):
+        # autograd on a GPU in this process would make every later fork_map child refuse autograd
+        import subprocess
+
+        env = {**os.environ, "FEWSHOT_PRETRAIN_CHILD": "1"}
+        subprocess.run([sys.executable, __file__, "--pretrain", str(epochs), device], check=True, env=env)
     if path.exists():
         return torch.load(path, weights_only=True)
     torch.manual_seed(0)
     model, _ = new_model()
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
     n = len(d["src_y"])
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * (n // 64))
-    x, y = torch.from_numpy(d["src_x"]), torch.from_numpy(d["src_y"])
+    x, y = torch.from_numpy(d["src_x"]).to(device), torch.from_numpy(d["src_y"]).to(device)
     rng = np.random.default_rng(0)
     for _ in range(epochs):
         model.train()
-        order = torch.from_numpy(rng.permutation(n))
+        order = torch.from_numpy(rng.permutation(n)).to(device)
         for i in range(0, n - 63, 64):
             idx = order[i : i + 64]
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
             sched.step()
+    model.cpu()
     acc, _ = accuracy(model, d["src_x"], d["src_y"])
     if acc < MIN_SOURCE_ACCURACY:
-        raise SystemExit(f"pretraining reached {acc:.3f} on its source, below {MIN_SOURCE_ACCURACY}: not a pretrained model")
+        raise SystemExit(
+            f"pretraining reached {acc:.3f} on its source, below {MIN_SOURCE_ACCURACY}: not a pretrained model"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, path)
@@ -181,14 +208,58 @@ def mcu_device(profile: str, memory_kib: float | None):
     return dataclasses.replace(device, memory_train_bytes=Quantity(memory_kib * 1024, "set by the reproduction"))
 
 
-def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: tuple, steps: int, batch: int) -> dict:
-    """One adaptation: prototype head from ``train``, then ``steps`` steps of ``arm``; scored on ``test``."""
+LR_GROUPS = ("head", "bias")  # the groups an arm's ``lr_groups`` may give their own lr (see group_lrs)
+WEIGHT_DECAY = 5e-4
+
+
+@contextlib.contextmanager
+def group_lrs(model: torch.nn.Module, lr: dict[str, float]):
+    """Train ``model``'s groups at their own rates while inside: ``head`` (the last layer's weight and
+    bias) at ``lr["head"]``, which the trainer is given as its lr, and ``bias`` (every other bias) at
+    ``lr["bias"]``.
+
+    The trainer's optimizer has one group (coupled weight decay, momentum); before each step a bias's
+    gradient ``g`` becomes ``s g + (s - 1) wd p`` (``s``: its rate over the head's), so that with the
+    optimizer's own ``+ wd p`` its update is exactly ``s`` times the head's rule: a per-group lr, under
+    any schedule, since the cosine schedule scales every group alike.
+    """
+    unknown = set(lr) - set(LR_GROUPS)
+    if unknown or "head" not in lr:
+        raise ValueError(f"lr groups: expected 'head' and optionally 'bias', got {sorted(lr)}")
+    head = {id(p) for p in model[-1].parameters()}
+    scaled = [(p, lr["bias"] / lr["head"]) for n, p in model.named_parameters()
+              if "bias" in lr and n.endswith("bias") and id(p) not in head]  # fmt: skip
+
+    def hook(_opt) -> None:
+        for p, s in scaled:
+            if p.grad is not None:
+                p.grad.mul_(s).add_(p.detach(), alpha=(s - 1) * WEIGHT_DECAY)
+
+    handle = register_step_pre_hook(hook)
+    try:
+        yield lr["head"]
+    finally:
+        handle.remove()
+
+
+def run_task(
+    state: dict, arm: dict, lr: float | dict, seed: int, train: tuple, test: tuple, steps: int, batch: int
+) -> dict:
+    """One adaptation: prototype head from ``train``, then ``steps`` steps of ``arm``; scored on ``test``.
+    ``lr``: one rate, or one per group (:func:`group_lrs`)."""
     torch.manual_seed(seed)
     model, shape = new_model()
     model.load_state_dict(state)
     if FOLD_BN:
         fold_batchnorm(model)
     prototype_head(model, *train)
+    with group_lrs(model, lr) if isinstance(lr, dict) else contextlib.nullcontext(lr) as base_lr:
+        return _adapt(model, shape, arm, base_lr, lr, seed, train, test, steps, batch)
+
+
+def _adapt(
+    model, shape, arm: dict, base_lr: float, lr, seed: int, train: tuple, test: tuple, steps: int, batch: int
+) -> dict:
     before, _ = accuracy(model, *test)
     row = {"arm": arm["label"], "lr": lr, "seed": seed, "before": before}
     if arm["strategy"] == "none":
@@ -201,7 +272,7 @@ def run_task(state: dict, arm: dict, lr: float, seed: int, train: tuple, test: t
         model.load_state_dict(snapshot)
         cost = CostModel(info, device, 1, optimizer="momentum", bn_mode="frozen")
         epochs = -(-steps * batch // len(train[1]))
-        local = LocalTraining(epochs=epochs, batch_size=batch, lr=lr, momentum=0.9, weight_decay=5e-4,
+        local = LocalTraining(epochs=epochs, batch_size=batch, lr=base_lr, momentum=0.9, weight_decay=WEIGHT_DECAY,
                               max_steps=steps, bn_mode="frozen", lr_schedule="cosine")  # fmt: skip
         r = train_local(model, info, make_strategy(arm["strategy"], arm.get("options", {})), cost,
                         ArrayDataset(*train), local, seed=seed)  # fmt: skip
@@ -233,32 +304,136 @@ def ci95(v: list[float]) -> float:
     return float(stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
-def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS) -> dict:
-    """Per arm: the best lr of ``lrs`` on ``tasks('val', i)``, then every seed's ``tasks('test', seed)`` list at it.
+def lr_text(lr: float | dict) -> str:
+    """An lr for a table: ``0.01``, or per group ``head 0.1, bias 0.003``."""
+    return ", ".join(f"{k} {v:g}" for k, v in lr.items()) if isinstance(lr, dict) else f"{lr:g}"
 
-    ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``.
+
+def lr_cell(arm: dict) -> str:
+    """An arm's chosen lr (:func:`tune_and_run`'s output), with each search still at its grid's edge marked:
+    ``0.1 (lr at top edge)``, where the widening limit bound."""
+    edges = ", ".join(f"{x['group']} at {x['edge']} edge" for x in arm.get("searches", ()) if x["edge"])
+    return lr_text(arm["lr"]) + (f" ({edges})" if edges else "")
+
+
+def _search(
+    arm: dict, tasks, lrs: tuple, max_widen: int, rec: dict, log, group: str = "", base: dict | None = None
+) -> float:
+    """One lr search of ``arm`` on ``tasks('val', 0)`` (:func:`fedelastic.comparison.tune_lr`): of its
+    single lr, or of ``group``'s with the other groups at ``base``; appended to ``rec``."""
+
+    def score(x: float) -> float:
+        lr = {**base, group: x} if group and base else x
+        rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
+        ok = [r["accuracy"] for r in rows if not r["diverged"]]
+        rec["tuning"].append({"group": group or "lr", "lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"),
+                              "diverged": len(rows) - len(ok)})  # fmt: skip
+        return rec["tuning"][-1]["mean"]
+
+    s = tune_lr(score, lrs, max_widen)
+    rec["searches"].append({"group": group or "lr", "chosen": s.chosen, "edge": s.edge, "added": s.added})
+    if s.edge:
+        log(f"  {arm['label']}: {group or 'lr'} {s.chosen:g} still at the {s.edge} edge after {s.added} rate(s) added")
+    return s.chosen if s.chosen is not None else min(lrs)  # nothing usable: the smallest rate
+
+
+def fork_map(fn, items: list, jobs: int, name=str) -> list:
+    """``[fn(item) for item in items]``, each call in a forked process, ``jobs`` at a time (forked: nothing
+    of this module, loaded by path, is pickled but the results). A call that raises, or whose process
+    dies, raises ``RuntimeError`` naming ``name(item)``. Fork only before any backward pass in this
+    process: on a machine with a GPU the first one starts autograd's device threads, and forked children
+    then refuse autograd (:func:`pretrained` pretrains on a GPU in a subprocess of its own for that)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+
+    def work(i: int) -> None:
+        try:
+            results.put((i, fn(items[i]), ""))
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+            results.put((i, None, f"{type(exc).__name__}: {exc}"))
+
+    parts: dict[int, Any] = {}
+    for first in range(0, len(items), jobs):
+        procs = {i: ctx.Process(target=work, args=(i,)) for i in range(first, min(first + jobs, len(items)))}
+        for p in procs.values():
+            p.start()
+        while not set(procs) <= set(parts):
+            try:
+                i, part, error = results.get(timeout=30)
+            except queue.Empty:
+                dead = [i for i, p in procs.items() if i not in parts and p.exitcode not in (None, 0)]
+                if dead:  # killed (e.g. out of memory) before it could report
+                    raise RuntimeError(
+                        f"{name(items[dead[0]])}: its process died (exit {procs[dead[0]].exitcode})"
+                    ) from None
+                continue
+            if error:
+                raise RuntimeError(f"{name(items[i])}: {error}")
+            parts[i] = part
+        for p in procs.values():
+            p.join()
+    return [parts[i] for i in range(len(items))]
+
+
+def tune_and_run_parallel(
+    arms: list[dict], tasks, seeds: list[int], jobs: int, lrs: tuple = LRS, max_widen: int = 3
+) -> dict:
+    """:func:`tune_and_run` with each arm in its own forked process (one torch thread each): the same runs
+    and numbers (each run seeds itself), except that an arm with ``start`` makes its own single-lr search
+    first (the one it would have started from, again). Call it before any backward pass in this process:
+    on a machine with a GPU, torch's first backward, even on the CPU, starts the autograd device threads,
+    after which forked children refuse autograd (the void first device run)."""
+    if jobs <= 1:
+        return tune_and_run(arms, tasks, seeds, lrs=lrs, max_widen=max_widen)
+
+    def one(arm: dict) -> dict:
+        alone = {k: v for k, v in arm.items() if k != "start"}
+        return tune_and_run([alone], tasks, seeds, lrs=lrs, max_widen=max_widen)
+
+    parts = fork_map(one, arms, jobs, name=lambda arm: f"arm {arm['label']}")
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tuple = LRS, max_widen: int = 3) -> dict:
+    """Per arm: the best lr on ``tasks('val', 0)``, then every seed's ``tasks('test', seed)`` list at it.
+
+    ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``. The lr is the
+    best of ``lrs``, the grid widened past its edge while the pick sits there, up to ``max_widen``
+    rates (:func:`fedelastic.comparison.tune_lr`). An arm with ``lr_groups`` (e.g. ``["head", "bias"]``,
+    :data:`LR_GROUPS`) gets one lr per group, tuned one group at a time (the others held), starting
+    from the chosen lr of the arm named by ``start`` (run earlier) or from its own single-lr search.
+    Each search is recorded with its ``edge`` (``top``/``bottom``: the limit bound there) and ``added``.
+    An arm's ``prepare`` (a callable) runs first, its result kept as ``prepared``.
     """
     out: dict = {}
     for arm in arms:
         t0 = time.time()
+        rec: dict = {"tuning": [], "searches": [], "prepared": arm["prepare"]() if arm.get("prepare") else None}
         if arm["strategy"] == "none":
-            lr, tuning = 0.0, []
+            lr: float | dict = 0.0
+        elif arm.get("lr_groups"):
+            start = (
+                out[arm["start"]]["lr"] if arm.get("start") in out else _search(arm, tasks, lrs, max_widen, rec, log)
+            )
+            lr = dict.fromkeys(arm["lr_groups"], start)
+            for group in arm["lr_groups"]:
+                lr[group] = _search(arm, tasks, lrs, max_widen, rec, log, group, dict(lr))
         else:
-            tuning = []
-            for lr in lrs:
-                rows = [run_task(STATE, arm, lr, ts, tr, te, st, b) for tr, te, st, b, ts in tasks("val", 0)]
-                ok = [r["accuracy"] for r in rows if not r["diverged"]]
-                tuning.append({"lr": lr, "mean": float(np.mean(ok)) if ok else float("nan"), "diverged": len(rows) - len(ok)})
-            usable = [t for t in tuning if np.isfinite(t["mean"])] or tuning
-            lr = max(usable, key=lambda t: (t["mean"], -t["lr"]))["lr"]
+            lr = _search(arm, tasks, lrs, max_widen, rec, log)
+
         runs = []
         for seed in seeds:
-            runs += [dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed) for tr, te, st, b, ts in tasks("test", seed)]
+            runs += [
+                dict(run_task(STATE, arm, lr, ts, tr, te, st, b), seed_group=seed)
+                for tr, te, st, b, ts in tasks("test", seed)
+            ]
         per_seed = []
         for seed in seeds:
             ok = [r["accuracy"] for r in runs if r["seed_group"] == seed and not r["diverged"]]
             per_seed.append(float(np.mean(ok)) if ok else float("nan"))
-        out[arm["label"]] = {"lr": lr, "tuning": tuning, "runs": runs, "per_seed": per_seed,
+        out[arm["label"]] = {"lr": lr, **rec, "runs": runs, "per_seed": per_seed,
                              "mean": float(np.nanmean(per_seed)), "ci95": ci95(per_seed),
                              "diverged": sum(r["diverged"] for r in runs), "n": len(runs),
                              "fits_device": all(r["fits"] for r in runs),
@@ -266,7 +441,7 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tupl
                              "peak_memory_kib": float(np.mean([r.get("peak_memory_kib", 0.0) for r in runs])),
                              "trained_fraction": float(np.mean([r.get("trained_fraction", 0.0) for r in runs])),
                              "wall_s": time.time() - t0}  # fmt: skip
-        log(f"  {arm['label']}: lr {lr}, mean {out[arm['label']]['mean']:.3f} ± {out[arm['label']]['ci95']:.3f} "
+        log(f"  {arm['label']}: lr {lr_text(lr)}, mean {out[arm['label']]['mean']:.3f} ± {out[arm['label']]['ci95']:.3f} "
             f"per seed {np.round(per_seed, 3).tolist()}, diverged {out[arm['label']]['diverged']}, "
             f"fits device {out[arm['label']]['fits_device']}, {time.time() - t0:.0f} s")  # fmt: skip
     return out
@@ -282,11 +457,17 @@ def gain(out: dict, a: str, b: str) -> dict:
 STATE: dict = {}  # the pretrained weights, set by the caller (setup)
 
 
-def setup(pretrain_epochs: int = 15) -> dict:
+def setup(pretrain_epochs: int = 15, device: str = "cpu") -> dict:
     d = load_data()
     STATE.clear()
-    STATE.update(pretrained(d, pretrain_epochs))
+    STATE.update(pretrained(d, pretrain_epochs, device))
     model, _ = new_model()
     model.load_state_dict(STATE)
     d["source_accuracy"] = accuracy(model, d["src_x"], d["src_y"])[0]
     return d
+
+
+if __name__ == "__main__":  # ``--pretrain EPOCHS DEVICE``: the subprocess :func:`pretrained` starts for a GPU
+    if sys.argv[1:2] != ["--pretrain"] or len(sys.argv) != 4:
+        raise SystemExit(f"usage: {sys.argv[0]} --pretrain EPOCHS DEVICE")
+    pretrained(load_data(), int(sys.argv[2]), sys.argv[3])

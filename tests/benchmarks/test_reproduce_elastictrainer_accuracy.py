@@ -102,3 +102,31 @@ def test_folding_the_norms_into_the_convs_keeps_the_function(run):
     torch.testing.assert_close(folded["1.running_var"], torch.full((4,), 1 - eps))
     scale = state["1.weight"] / torch.sqrt(state["1.running_var"] + eps)
     torch.testing.assert_close(folded["0.weight"], state["0.weight"] * scale.view(-1, 1, 1, 1))
+
+
+def test_a_pick_at_the_grid_edge_widens_and_a_binding_limit_is_marked(run, monkeypatch):
+    import argparse
+    import math
+
+    best = {"full": 0.0005, "elastic_0.5": 0.3}  # full below the grid; elastic far above it
+
+    def fake(name, opts, state, strategy, lr, seed, d, dev, epochs, evalx):
+        acc = 0.9 - 0.1 * abs(math.log10(lr / best[strategy]))
+        return {"strategy": strategy, "lr": lr, "seed": seed, "accuracy": acc, "before": 0.1, "diverged": False,
+                "wall_s": 0.0, "fraction_trained": 1.0, "emulated_train_s": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(run, "finetune", fake)
+    args = argparse.Namespace(strategies=["full", "elastic_0.5"], lrs=[0.003, 0.01, 0.03], max_widen=2, seeds=1,
+                              device="cpu")  # fmt: skip
+    out = run.tune_and_run("m", {}, {}, {}, args, 1)
+    lrs = [(s["strategy"], s["lr"]) for s in out["tuning"]]
+    # full: 0.003 at the bottom (ratio 0.3): 0.0009 (best, the bottom), 0.00027 (worse): 0.0009 is interior.
+    # elastic: 0.03 at the top (ratio 3): 0.09, then 0.27, the limit of 2: still at the top
+    assert lrs == [("full", 0.003), ("full", 0.01), ("full", 0.03), ("full", 0.0009), ("full", 0.00027),
+                   ("elastic_0.5", 0.003), ("elastic_0.5", 0.01), ("elastic_0.5", 0.03), ("elastic_0.5", 0.09),
+                   ("elastic_0.5", 0.27)]  # fmt: skip
+    assert out["searches"] == {"full": {"chosen": 0.0009, "edge": "", "added": 2},
+                               "elastic_0.5": {"chosen": 0.27, "edge": "top", "added": 2}}  # fmt: skip
+    assert [r["lr"] for r in out["runs"]] == [0.0009, 0.27]
+    doc = {"models": {"m": {"shifts": {"rot": {"before": 0.1, **out}}}}}
+    assert "| 0.27 (top edge) |" in run.table(doc)[-1]

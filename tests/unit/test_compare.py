@@ -340,23 +340,34 @@ def test_validation_and_tune_keys_are_checked(tmp_path):
 
 def test_a_tuned_comparison_runs_the_seeds_with_the_chosen_values_and_resumes(tmp_path, capsys):
     from fedelastic.cli import main
+    from fedelastic.comparison import mean_table
 
     raw = small_scenario_dict(tmp_path, server={"rounds": 1})
     raw["compare"] = {
         "strategies": ["full", {"strategy": "last_layer", "label": "head"}],
         "fleets": {"sbc": {"raspberry_pi_4": 2}},
         "seeds": [0, 1],
-        "tune": {"lr": [0.01, 0.1], "bn_mode": ["train"], "validation": 0.2},
+        "tune": {"lr": [0.01, 0.1], "bn_mode": ["train"], "validation": 0.2, "widen": 1},
     }
     path = tmp_path / "cmp.toml"
     path.write_text(tomli_w.dumps(raw))
     out = tmp_path / "cmp"
     assert main(["compare", str(path), "--output", str(out)]) == 0
     tuning = pd.read_csv(out / "tuning.csv")
-    assert len(tuning) == 4 and (tuning.status == "completed").all() and tuning.val_accuracy.notna().all()
+    # a two-rate grid's pick is at an edge: widen = 1 adds one rate a factor 10 beyond it (by hand)
+    assert len(tuning) == 6 and (tuning.status == "completed").all() and tuning.val_accuracy.notna().all()
     summary = pd.read_csv(out / "summary.csv")
+    table, _ = mean_table(out)
     for strategy, g in tuning.groupby("strategy"):
+        first = g.iloc[:2].sort_values(["val_accuracy", "val_loss", "lr"], ascending=[False, True, True]).lr.iloc[0]
+        assert g.lr.tolist() == pytest.approx([0.01, 0.1, 1.0 if first == 0.1 else 0.001])
+        assert g.added.tolist() == [False, False, True]
         assert g.chosen.sum() == 1
+        chosen = g[g.chosen].iloc[0]
+        edge = "top" if chosen.lr == g.lr.max() else "bottom" if chosen.lr == g.lr.min() else ""
+        assert (chosen.edge if isinstance(chosen.edge, str) else "") == edge
+        shown = table[table.strategy == strategy].lr.iloc[0]
+        assert shown.endswith(f"({edge} edge)") == bool(edge)
         best = g.sort_values(["val_accuracy", "val_loss", "lr"], ascending=[False, True, True]).iloc[0]
         assert bool(best.chosen)  # the argmax of the grid's own scores
         seeds = summary[summary.strategy == strategy]
@@ -368,7 +379,7 @@ def test_a_tuned_comparison_runs_the_seeds_with_the_chosen_values_and_resumes(tm
     assert by.used.tolist() == ["2/2", "2/2"] and set(by.lr) == set(tuning[tuning.chosen].lr)
     capsys.readouterr()
     assert main(["compare", str(path), "--resume", str(out)]) == 0  # every cell, tuning included, read back
-    assert capsys.readouterr().out.count("finished earlier") == 8
+    assert capsys.readouterr().out.count("finished earlier") == 10
     assert pd.read_csv(out / "tuning.csv").equals(tuning)
 
 

@@ -138,3 +138,31 @@ def test_seed_table_and_differences_table_read_the_comparison_folder(tmp_path):
     p_holm = f"{differences(s).p_holm[0]:.3g}"
     assert frame.iloc[0].tolist()[:7] == ["gpu", "full − head", 3, "+0.110", "0.0414", p_holm, "no"]
     assert "Holm-Bonferroni over the 6 pairs" in legend[0] and "0.05/6" in legend[1]
+
+
+def test_tune_lr_widens_a_fake_objective_along_a_hand_worked_sequence():
+    from fedelastic.comparison import tune_lr
+
+    tried = []
+
+    def score(lr):  # peaks at lr 1.0; diverges (NaN) above 5
+        tried.append(lr)
+        return float("nan") if lr > 5 else -abs(math.log10(lr))
+
+    # [0.01, 0.03, 0.1]: 0.1 is best and at the top; the top ratio 0.1 / 0.03 = 3.333: 0.333333, then
+    # 1.11111 (best, top), then 3.7037 (worse): 1.11111 is interior after 3 rates added
+    s = tune_lr(score, (0.01, 0.03, 0.1), max_widen=5)
+    assert tried == pytest.approx([0.01, 0.03, 0.1, 0.333333, 1.11111, 3.7037])
+    assert s.chosen == pytest.approx(1.11111) and s.edge == "" and s.added == 3
+    # the limit binds: after 1 rate added the choice is still at the top, and says so
+    s = tune_lr(score, (0.01, 0.03, 0.1), max_widen=1)
+    assert list(s.scores) == pytest.approx([0.01, 0.03, 0.1, 0.333333]) and s.chosen == pytest.approx(0.333333)
+    assert s.edge == "top" and s.added == 1
+    # a diverged rate above the best bounds it: the choice is interior, nothing added
+    s = tune_lr(score, (0.3, 3.0, 30.0), max_widen=3)
+    assert s.chosen == 3.0 and s.edge == "" and s.added == 0
+    # at the bottom: the ratio 0.3 / 3 = 0.1 per step; ties go to the smaller rate
+    s = tune_lr(lambda lr: float(lr <= 30), (30.0, 300.0), max_widen=2)
+    assert list(s.scores) == pytest.approx([30.0, 300.0, 3.0, 0.3]) and s.chosen == 0.3 and s.edge == "bottom"
+    # nothing usable: no choice
+    assert tune_lr(lambda lr: float("nan"), (0.1, 1.0), max_widen=2).chosen is None

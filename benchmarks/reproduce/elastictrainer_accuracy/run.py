@@ -23,8 +23,10 @@ reduced input size so that it runs in minutes:
   recalibrated on the source and folded into the convs (same function, unamplified gradients),
   SGDW momentum 0.9, weight decay 5e-4, cosine schedule. The budget is priced on the TX2 profile's
   kernel model (its measured tables are for 224x224 inputs, so they are dropped here).
-* Each strategy gets its own learning rate: the better of {0.003, 0.01, 0.03} on the validation
-  split (seed 0), then 3 seeds at that rate, scored on the test split.
+* Each strategy gets its own learning rate: the best of {0.003, 0.01, 0.03} on the validation
+  split (seed 0), the grid widened one geometric step at a time past the edge the pick sits at (up
+  to ``--max-widen`` rates, default 3; a pick still at an edge is marked), then 3 seeds at that
+  rate, scored on the test split.
 * A run whose loss goes non-finite, or whose predictions fall into one class, is reported as
   diverged and never averaged.
 
@@ -46,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from fedelastic.comparison import tune_lr  # noqa: E402
 from fedelastic.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
@@ -278,17 +281,23 @@ def pretrained_state(name: str, opts: dict, d: dict, args: argparse.Namespace, c
 
 
 def tune_and_run(name: str, opts: dict, state: dict, d: dict, args: argparse.Namespace, epochs: int) -> dict:
-    """Per strategy: the best of ``--lrs`` on the validation split (seed 0), then ``--seeds`` test runs at it."""
-    out: dict = {"tuning": [], "runs": []}
+    """Per strategy: the best of ``--lrs`` on the validation split (seed 0), the grid widened past its edge
+    while the pick sits there (up to ``--max-widen`` rates; :func:`fedelastic.comparison.tune_lr`), then
+    ``--seeds`` test runs at it."""
+    out: dict = {"tuning": [], "runs": [], "searches": {}}
     for strategy in args.strategies:
-        scores = [finetune(name, opts, state, strategy, lr, 0, d, args.device, epochs, "va") for lr in args.lrs]
-        for s in scores:
-            print(
-                f"  {strategy} lr {s['lr']:g} validation: {s['accuracy']:.3f}{' (diverged)' if s['diverged'] else ''}"
-            )
-        out["tuning"] += scores
-        usable = [s for s in scores if not s["diverged"]] or scores
-        best = max(usable, key=lambda s: (s["accuracy"], -s["lr"]))["lr"]
+
+        def score(lr: float, strategy=strategy) -> float:
+            s = finetune(name, opts, state, strategy, lr, 0, d, args.device, epochs, "va")
+            print(f"  {strategy} lr {lr:g} validation: {s['accuracy']:.3f}{' (diverged)' if s['diverged'] else ''}")
+            out["tuning"].append(s)
+            return float("nan") if s["diverged"] else s["accuracy"]
+
+        search = tune_lr(score, tuple(args.lrs), args.max_widen)
+        best = search.chosen if search.chosen is not None else min(args.lrs)  # none usable: the smallest rate
+        out["searches"][strategy] = {"chosen": best, "edge": search.edge, "added": search.added}
+        if search.edge:
+            print(f"  {strategy}: lr {best:g} still at the {search.edge} edge after {search.added} rate(s) added")
         for seed in range(args.seeds):
             r = finetune(name, opts, state, strategy, best, seed, d, args.device, epochs, "te")
             out["runs"].append(r)
@@ -312,8 +321,9 @@ def table(doc: dict) -> list[str]:
                 rs = [r for r in runs if r["strategy"] == strategy]
                 ok = [r["accuracy"] for r in rs if not r["diverged"]]
                 gap = 100 * (np.mean(ok) - np.mean(full)) if ok and full else float("nan")
+                edge = sh.get("searches", {}).get(strategy, {}).get("edge", "")
                 lines.append(
-                    f"| {name} | {label} | {sh['before']:.3f} | {strategy} | {rs[0]['lr']:g} | "
+                    f"| {name} | {label} | {sh['before']:.3f} | {strategy} | {rs[0]['lr']:g}{f' ({edge} edge)' if edge else ''} | "
                     f"{np.mean(ok) if ok else float('nan'):.3f} ± {ci95(ok):.3f} | {gap:+.1f} | "
                     f"{sum(r['diverged'] for r in rs)}/{len(rs)} | {np.mean([r['fraction_trained'] for r in rs]):.0%} | "
                     f"{np.mean([r['emulated_train_s'] for r in rs]):.1f} |"
@@ -337,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--source-n", type=int, default=8000, help="clean source images to pretrain on")
     ap.add_argument("--target-n", type=int, default=4000, help="target images: 40%% train, 10%% validation, 50%% test")
     ap.add_argument("--lrs", nargs="+", type=float, default=list(LRS), help="the validation split's lr grid")
+    ap.add_argument("--max-widen", type=int, default=3, help="most rates added past the grid's edge per strategy")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--pretrain-epochs", type=int, nargs="+", default=[30],
                     help="epochs of each cosine cycle (several: warm restarts from the previous cycle's weights)")  # fmt: skip

@@ -50,15 +50,71 @@ def split(d: dict, seed: int, n_test: int) -> tuple[tuple, tuple]:
     return (d["tgt_x"][tr], d["tgt_y"][tr]), (d["tgt_x"][te], d["tgt_y"][te])
 
 
-def arms(budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None) -> list[dict]:
-    """The arms; ``options`` go to the ``sparse_update`` strategy's config (none: its defaults)."""
+# the contribution-searched scheme: the caps of the earlier caps ablation at 256 KiB (12 biases, at most 8
+# weights), the depth heuristic's stand-in gains replaced by the proxy analysis's measured ones (beyond the
+# strategy's 200,000-scheme exhaustive cap its greedy gain-per-byte search runs, as it did there)
+SEARCHED = {"bias_last_k": 12, "max_weight_layers": 8, "search": "contribution"}
+
+
+def arms(
+    budget_kib: float = emulate.BUDGET_KIB, options: dict | None = None, contributions: str = "", prepare=None
+) -> list[dict]:
+    """The arms; ``options`` go to the depth-heuristic ``sparse_update``'s config (none: its defaults);
+    ``contributions``: the proxy analysis the searched arm reads, which ``prepare`` (run in that arm's
+    process, first) writes (:func:`contribution_analysis`)."""
     base = {"device": fs.mcu_device("stm32f746", budget_kib), "profile": "stm32f746"}
     return [
         {"label": "full", "strategy": "full", "reference": True, **base},
         {"label": "last_layer", "strategy": "last_layer", "reference": True, **base},
         {"label": "bn_bias", "strategy": "bn_bias", "reference": True, **base},
+        # bias-only with the head and the biases at their own tuned rates, from bn_bias's shared one
+        {
+            "label": "bn_bias_tuned",
+            "strategy": "bn_bias",
+            "reference": True,
+            "lr_groups": ["head", "bias"],
+            "start": "bn_bias",
+            **base,
+        },  # fmt: skip
         {"label": "sparse_update", "strategy": "sparse_update", "options": dict(options or {}), **base},
+        {
+            "label": "sparse_update_searched",
+            "strategy": "sparse_update",
+            "options": {**SEARCHED, "contributions": contributions},
+            "prepare": prepare,
+            **base,
+        },  # fmt: skip
     ]
+
+
+def contribution_analysis(d: dict, path: Path, lr: float) -> dict:
+    """Sparse Update's offline contribution analysis on the proxy task (``fewshot``'s proxy pool: other
+    digit images, rotated 45 degrees): 100 training and 100 validation images per class, from the
+    pretrained, folded model with its prototype head, 2 epochs at batch 16 at ``lr`` (SGD momentum 0.9,
+    cosine), priced on an unconstrained stm32f746 so every scheme is measured (each client's budget
+    decides later which it may run). Written to ``path``."""
+    from fedelastic.contribution import analyse
+
+    rng = np.random.default_rng(7)
+    tr, va = [], []
+    for c in range(fs.WAYS):
+        idx = rng.permutation(np.flatnonzero(d["proxy_y"] == c))
+        tr.append(idx[:TRAIN])
+        va.append(idx[TRAIN : 2 * TRAIN])
+    tr, va = np.concatenate(tr), np.concatenate(va)
+    model, shape = fs.new_model()
+    model.load_state_dict(fs.STATE)
+    fs.fold_batchnorm(model)
+    fs.prototype_head(model, d["proxy_x"][tr], d["proxy_y"][tr])
+    info = fs.describe(model, fs.torch.zeros(1, *shape), model_name="mcu_net")
+    cost = fs.CostModel(info, fs.mcu_device("stm32f746", float("inf")), 1, optimizer="momentum", bn_mode="frozen")
+    return analyse(
+        model, info, cost, fs.ArrayDataset(d["proxy_x"][tr], d["proxy_y"][tr]),
+        fs.ArrayDataset(d["proxy_x"][va], d["proxy_y"][va]), bias_last_k=SEARCHED["bias_last_k"], lr=lr,
+        path=path, data=f"proxy: SynthDigits 5-9 of the source pool rotated {fs.PROXY_ROTATION:g} degrees, "
+        f"{TRAIN}/class train, {TRAIN}/class validation (the target is rotated 90, other images)",
+        momentum=0.9, weight_decay=fs.WEIGHT_DECAY, lr_schedule="cosine",
+    )  # fmt: skip
 
 
 def strategy_option(text: str) -> tuple[str, object]:
@@ -98,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="an option of the sparse_update strategy's config (repeatable; e.g. max_weight_layers=8)",
     )
+    ap.add_argument("--max-widen", type=int, default=3, help="most rates added past a grid edge per lr search")
+    ap.add_argument("--analysis-lr", type=float, default=0.01, help="the contribution analysis's lr (proxy task)")
+    ap.add_argument("--pretrain-device", default="cpu", help="where the backbone pretrains (cuda: seconds)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms run in parallel processes (one core each)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
@@ -108,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     doc["emulated"] = rows
     print(emulate.table(rows), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup(args.pretrain_epochs)
+        d = fs.setup(args.pretrain_epochs, args.pretrain_device)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 
@@ -117,15 +177,29 @@ def main(argv: list[str] | None = None) -> None:
                 return [(*split(d, 100, VAL), args.steps, BATCH, 100)]
             return [(*split(d, seed, TEST), args.steps, BATCH, seed)]
 
-        out = fs.tune_and_run(
-            [a for a in arms(args.budget_kib, dict(args.strategy_option)) if a["label"] in args.arms],
-            tasks,
-            args.seeds,
-            lrs=tuple(args.lrs),
+        contributions = args.out.with_name(args.out.stem + "_contributions.json")
+
+        def analysis() -> dict:
+            t0 = time.time()
+            result = contribution_analysis(d, contributions, args.analysis_lr)
+            print(f"contribution analysis (proxy) in {time.time() - t0:.0f} s: bias gains "
+                  f"{[round(g, 3) for g in result['bias']]}", flush=True)  # fmt: skip
+            return {"file": contributions.name, "wall_s": time.time() - t0, **result}
+
+        chosen = [
+            a
+            for a in arms(args.budget_kib, dict(args.strategy_option), str(contributions), analysis)
+            if a["label"] in args.arms
+        ]
+        out = fs.tune_and_run_parallel(
+            chosen, tasks, args.seeds, args.jobs, lrs=tuple(args.lrs), max_widen=args.max_widen
         )
+        doc["contribution_analysis"] = out.get("sparse_update_searched", {}).get("prepared")
         doc["accuracy"] = out
-        doc["gains"] = {f"sparse_update - {b}": fs.gain(out, "sparse_update", b) for b in ("full", "last_layer", "bn_bias")
-                        if "sparse_update" in out and b in out}  # fmt: skip
+        doc["gains"] = {f"{a} - {b}": fs.gain(out, a, b) for a in ("sparse_update_searched", "sparse_update")
+                        for b in ("full", "last_layer", "bn_bias", "bn_bias_tuned") if a in out and b in out}  # fmt: skip
+        if "bn_bias_tuned" in out and "last_layer" in out:
+            doc["gains"]["bn_bias_tuned - last_layer"] = fs.gain(out, "bn_bias_tuned", "last_layer")
         doc["untrained_head"] = untrained_head(next(iter(out.values())), args.seeds)
         for label in out:
             doc["gains"][f"{label} - untrained head"] = fs.gain(
@@ -133,11 +207,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         print(f"untrained prototype head: per seed {[round(v, 3) for v in doc['untrained_head']['per_seed']]}")
         print(
-            f"\n| arm | lr (validation) | test accuracy, mean ± 95% ({len(args.seeds)} seeds) | per seed | fits {args.budget_kib:g} KiB | trained share | peak KiB (batch 1) | diverged |"
+            f"\n| arm | lr (validation; edge: the limit bound) | test accuracy, mean ± 95% ({len(args.seeds)} seeds) | per seed | fits {args.budget_kib:g} KiB | trained share | peak KiB (batch 1) | diverged |"
         )
         print("|---|---|---|---|---|---|---|---|")
         for label, g in out.items():
-            print(f"| {label} | {g['lr']:g} | {g['mean']:.3f} ± {g['ci95']:.3f} | {[round(v, 3) for v in g['per_seed']]} | "
+            print(f"| {label} | {fs.lr_cell(g)} | {g['mean']:.3f} ± {g['ci95']:.3f} | {[round(v, 3) for v in g['per_seed']]} | "
                   f"{'yes' if g['fits_device'] else 'no: ' + g['reason'][:80]} | {g['trained_fraction']:.2f} | {g['peak_memory_kib']:.0f} | {g['diverged']}/{g['n']} |")  # fmt: skip
         for k, v in doc["gains"].items():
             print(f"{k}: {v['mean']:+.1f} points [{v['lo']:+.1f}, {v['hi']:+.1f}]")

@@ -8,8 +8,9 @@ clean) adapted to 5-way 10-shot episodes of digits 5-9 rotated 90 degrees (20 qu
 40 steps at batch 10, memory priced on ``stm32h743`` (512 KiB) at batch 1, norms folded into the
 convs and a cosine prototype head (temperature 10; ``../fewshot.py``). Arms: none (prototype head),
 full (does not fit: unconstrained host reference), last layer, Sparse Update and TinyTrain within the
-budget. Each arm's lr: best of {1e-4, 1e-3, 1e-2} on the validation episodes; then ``--episodes``
-episodes per seed. Writes ``result.json`` beside this file.
+budget. Each arm's lr: best of {1e-4, 1e-3, 1e-2} on the validation episodes, the grid widened past
+the edge its pick sits at (up to ``--max-widen`` rates; a pick still at an edge is marked); then
+``--episodes`` episodes per seed. Writes ``result.json`` beside this file.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--episodes", type=int, default=10, help="test episodes per seed")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--pretrain-epochs", type=int, default=15)
+    ap.add_argument("--max-widen", type=int, default=3, help="most rates added past the grid's edge per arm")
+    ap.add_argument("--pretrain-device", default="cpu", help="where the backbone pretrains (cuda: seconds)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms run in parallel processes (one core each)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-emulation", action="store_true", help="the accuracy side only")
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     doc["batch_sweep"] = sweep
     print(emulate.sweep_table(sweep), flush=True)
     if not args.skip_accuracy:
-        d = fs.setup(args.pretrain_epochs)
+        d = fs.setup(args.pretrain_epochs, args.pretrain_device)
         doc["source_accuracy"] = d["source_accuracy"]
         print(f"pretrained mcu_net: source accuracy {d['source_accuracy']:.3f}", flush=True)
 
@@ -78,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
                 keys = [1000 * (seed + 1) + i for i in range(args.episodes)]
             return [(*fs.episode(d, k, SHOTS, QUERIES), STEPS, BATCH, k) for k in keys]
 
-        out = fs.tune_and_run(arms(), tasks, args.seeds)
+        out = fs.tune_and_run_parallel(arms(), tasks, args.seeds, args.jobs, max_widen=args.max_widen)
         doc["accuracy"] = out
         doc["gains"] = {f"tinytrain - {b}": fs.gain(out, "tinytrain", b) for b in ("full", "last_layer", "sparse_update", "none")}
-        print("\n| arm | lr (validation) | query accuracy, mean ± 95% (3 seeds) | per seed | fits 512 KiB | peak KiB (batch 1) | diverged |")
+        print("\n| arm | lr (validation; edge: the widening limit bound) | query accuracy, mean ± 95% (3 seeds) | per seed | fits 512 KiB | peak KiB (batch 1) | diverged |")
         print("|---|---|---|---|---|---|---|")
         for label, g in out.items():
-            print(f"| {label} | {g['lr']:g} | {g['mean']:.3f} ± {g['ci95']:.3f} | {[round(v, 3) for v in g['per_seed']]} | "
+            print(f"| {label} | {fs.lr_cell(g)} | {g['mean']:.3f} ± {g['ci95']:.3f} | {[round(v, 3) for v in g['per_seed']]} | "
                   f"{'yes' if g['fits_device'] else 'no: ' + g['reason'][:80]} | {g['peak_memory_kib']:.0f} | {g['diverged']}/{g['n']} |")  # fmt: skip
         for k, v in doc["gains"].items():
             print(f"{k}: {v['mean']:+.1f} points [{v['lo']:+.1f}, {v['hi']:+.1f}]")
