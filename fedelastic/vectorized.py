@@ -409,6 +409,43 @@ def train_cohort_vmap(
     return results
 
 
+#: Forward MACs a sample above which ``vectorize = "auto"`` keeps the per-client loop: on a CPU a
+#: batched convolution (a grouped one) loses to separate ones as the model grows; measured with
+#: one-step clients, batch 16 (benchmarks/studies/vectorised.md, "Where vectorising stops paying"):
+#: 3.0x the loop's CPU at 83k MACs, 1.3x at 1.2M, 0.83x at 4.8M.
+AUTO_MAX_MACS = 2_000_000
+
+
+def choose_path(env: RunEnvironment) -> tuple[bool, str]:
+    """(train vectorised?, why): ``simulation.vectorize`` resolved for ``env``'s run.
+
+    ``true`` is checked (:func:`check_vectorizable` raises, naming the key); ``"auto"`` takes the
+    vectorised path where it is eligible and its model is small enough to gain (:data:`AUTO_MAX_MACS`),
+    else the per-client loop, and says which key kept it there.
+    """
+    from .fl.client import proximal_mu
+
+    sim = env.scenario.simulation
+    if sim.vectorize is False:
+        return False, "per-client: simulation.vectorize = false"
+    if sim.vectorize is True:
+        check_vectorizable(env)
+        return True, "vectorised: simulation.vectorize = true"
+    if sim.node_mode != "cohort":
+        return False, f'per-client: simulation.node_mode = "{sim.node_mode}" (vectorising needs cohorts)'
+    if proximal_mu(env.scenario) > 0:
+        return False, "per-client: server.aggregator = fedprox (the vectorised step has no proximal term)"
+    try:
+        check_vectorizable(env)
+    except ConfigError as exc:
+        need = exc.expected.removesuffix(" (vectorised training)")
+        return False, f"per-client: {exc.key} (vectorised training needs {need}, got {exc.got!r})"
+    macs = env.info.hooked_macs
+    if macs > AUTO_MAX_MACS:
+        return False, f"per-client: the model's {macs:,} MACs a sample exceed {AUTO_MAX_MACS:,} (batched steps lose on a CPU)"
+    return True, f'vectorised: simulation.vectorize = "auto", eligible and {macs:,} MACs a sample (<= {AUTO_MAX_MACS:,})'
+
+
 def check_vectorizable(env: RunEnvironment) -> None:
     """Raise :class:`ConfigError` (naming the scenario file and key) if ``env``'s scenario cannot
     be trained vectorised: what :func:`train_cohort_vmap` refuses, checked before any training."""
