@@ -681,7 +681,7 @@ def table(summary: dict) -> str:
             f"| {s.get('train_upd_s_x_pfl', float('nan')):.2f} | {s.get('train_upd_s_x_bare', float('nan')):.2f} "
             f"| {s['process_wall_s']:.1f} | {s.get('process_wall_s_x_pfl', float('nan')):.2f} | {s['startup_s']:.1f} "
             f"| {s['peak_rss_mb']:.0f} | {s['train_cpu_s']:.1f} | {same} | {s['max_abs_weight_diff_vs_bare']:.2g} | {s['test_accuracy']:.3f} "
-            f"| {s['busy_share']:.2f} |" if "busy_share" in s else "| |"
+            + (f"| {s['busy_share']:.2f} |" if "busy_share" in s else "| |")
         )
     return "\n".join(rows)
 
