@@ -2,8 +2,9 @@
 
 :func:`train_cohort_vmap` gives each client of a cohort what :func:`fedelastic.training.train_local`
 would give it, started from the same weights, but runs the cohort's steps together: the clients'
-parameters are stacked along a new first dimension and one ``vmap(grad(functional_call(...)))``
-call computes every client's gradient of its own batch at once. The host side is the same as
+parameters are stacked along a new first dimension, one ``vmap(functional_call(...))`` call runs
+every client's forward pass on its own batch, and one backward pass of the clients' summed
+losses gives every client's own gradient at once. The host side is the same as
 ``train_local``'s, client by client: the seeded batch order (``seed``, e.g. ``[seed, round, pid]``),
 the selections, their pricing on the client's :class:`~fedelastic.costmodel.CostModel`, memory
 failures and the reported figures.

@@ -375,7 +375,7 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
-    why = environment(scenario).training_path[1]
+    why = environment(scenario).training_path[1] if grid is None else "per-client: a Flower App's grid (a node per client)"
     recorder.notes["training_path"] = why  # in status.json: which path trains the clients, and why
     logging.getLogger("fedelastic").info("training path: %s", why)
     progress = progress or (lambda row: None)
