@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py                       # 3 runs of every variant, interleaved
     python benchmarks/peers.py --runs 1 --variants bare inprocess
+    python benchmarks/peers.py --busy --variants bare pfl ray inprocess   # each also beside 2 busy loops
     python benchmarks/peers.py --part scale          # the 10,000-client run: benchmarks/scale.py
 
 The workload (``Workload``; one definition for every variant): sklearn's digits (8x8) split
@@ -28,7 +29,9 @@ Variants, each run in a fresh subprocess, round-robin over variants for ``--runs
   cohorts are FedAvg's own random 50 of 200 (stock sampling), so its weights differ.
 * ``ray`` / ``inprocess``: fedelastic through its public API (``fedelastic.api.run``), the model
   given as a user factory (``benchmarks/peers.py:cnn``), ``train.strategy = "full"``, 200
-  ``raspberry_pi_4`` devices (always available, fp32), backend ``ray`` (the default) or ``inprocess``.
+  ``raspberry_pi_4`` devices (always available, fp32), backend ``ray`` (the default) or ``inprocess``,
+  ``simulation.vectorize`` left at its default (``"auto"``: this workload takes the vectorised path,
+  so its checksum differs from the bare loop's in the last bits; the run's ``training_path`` is printed).
   ``server.evaluate_every`` is the number of rounds: the central test set is evaluated on the
   initial model and after the last round only, as close as fedelastic comes to pfl and the bare
   loop, which never evaluate during the run.
@@ -38,7 +41,12 @@ On request only (``--variants``): ``pfl-stock`` (pfl's own ``FederatedAveraging`
 ``ray-per-client`` (fedelastic on Ray with ``simulation.node_mode = "per_client"``, where the
 scenario has that key: one Flower node per virtual client), ``ray-vmap`` / ``inprocess-vmap``
 (``simulation.vectorize = true``: each cohort trained as one batched model with torch.func.vmap;
-equal to the others to float32 rounding only, so its checksum differs).
+equal to the others to float32 rounding only, so its checksum differs), ``ray-loop`` /
+``inprocess-loop`` (``vectorize = false``: the per-client loop, the bare loop's checksum).
+
+``--busy``: every variant also runs beside 2 busy-loop processes (``while True: pass``) that the
+benchmark starts before launching it and kills after, interleaved with its quiet runs; the table's
+last column is the share of its quiet training-phase speed each variant keeps.
 
 Measured per run: start-up (process launch -> round 1 starts), training-phase updates/s (500
 updates / rounds 1..10) and steady updates/s (450 / rounds 2..10), process wall (launch -> exit),
@@ -90,7 +98,8 @@ DEVICE = "raspberry_pi_4"  # fp32, no availability model: every client is always
 VARIANTS = ("bare", "pfl", "pfl2", "flower", "ray", "inprocess")
 # on request only: pfl's own FederatedAveraging (float32 differences, WeightByDatapoints); fedelastic on
 # Ray with one Flower node per virtual client, where the scenario has simulation.node_mode
-EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap")
+EXTRA_VARIANTS = ("pfl-stock", "ray-per-client", "ray-vmap", "inprocess-vmap", "ray-loop", "inprocess-loop")
+BUSY = 2  # --busy: busy-loop processes the benchmark starts beside a run (one per core of the 2-core host)
 REFERENCE = "bare"
 TORCH_OPTIM_VARIANTS = ("bare", "pfl", "pfl2", "pfl-stock", "flower")  # they train with torch.optim.SGD
 
@@ -440,7 +449,7 @@ def worker_flower(wl: Workload, out: dict) -> dict[str, np.ndarray]:
 
 
 def worker_fedelastic(
-    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool = False
+    wl: Workload, out: dict, backend: str, per_client: bool = False, vectorize: bool | str = "auto"
 ) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
@@ -486,8 +495,8 @@ def worker_fedelastic(
     scenario = wl.scenario(backend, tmp)
     if per_client:  # fedelastic's per-client node mode (the default before cohorts)
         scenario["simulation"]["node_mode"] = "per_client"
-    if vectorize:  # cohorts trained as one batched model (torch.func.vmap): equal to float32 rounding only
-        scenario["simulation"]["vectorize"] = True
+    if per_client or vectorize != "auto":  # the default ("auto") picks the vectorised path on this workload
+        scenario["simulation"]["vectorize"] = False if per_client else vectorize
     result = api.run(scenario, progress=progress)
     clients = result.clients
     rounds = result.rounds
@@ -498,6 +507,7 @@ def worker_fedelastic(
         train_local_s_per_round=clients.groupby("round")["host_wall_s"].sum().tolist(),
         round_host_wall_s=rounds["host_wall_s"].tolist()[1:],
         status=result.status.get("status"),
+        training_path=result.status.get("training_path", ""),
     )
     state = torch.load(Path(result.run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
     return {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in state.items()}
@@ -521,7 +531,8 @@ def worker_main(args) -> None:
         state = worker_flower(wl, out)
     else:
         backend = "inprocess" if variant.startswith("inprocess") else "ray"
-        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", variant.endswith("-vmap"))
+        vectorize = {"-vmap": True, "-loop": False}.get(variant[variant.rfind("-") :], "auto")
+        state = worker_fedelastic(wl, out, backend, variant == "ray-per-client", vectorize)
     out.pop("_tmp", None)
     if state is None:  # a pfl worker other than rank 0
         return
@@ -540,7 +551,12 @@ def have_pfl() -> bool:
     return importlib.util.find_spec("pfl") is not None
 
 
-def run_one(variant: str, args, tmp: str, tag: str) -> dict:
+def busy_loops(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that spin on the CPU until killed: a fixed background load."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def run_one(variant: str, args, tmp: str, tag: str, busy: int = 0) -> dict:
     result = str(Path(tmp) / f"{tag}.json")
     work = Path(tmp) / tag
     work.mkdir()
@@ -555,6 +571,7 @@ def run_one(variant: str, args, tmp: str, tag: str) -> dict:
     path = [x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     log = Path(tmp) / f"{tag}.log"
+    spinners = busy_loops(busy)
     launch = time.time()
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -568,6 +585,9 @@ def run_one(variant: str, args, tmp: str, tag: str) -> dict:
         sampler.done.set()
         sampler.join()
     wall = time.time() - launch
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
     if rc != 0 or not Path(result).exists():
         sys.stderr.write(log.read_text()[-4000:])
         raise SystemExit(f"peers.py: variant {variant} failed (rc {rc}); its log is above")
@@ -609,7 +629,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "checksums": sorted({r["checksum"] for r in rs}),
             "max_abs_weight_diff_vs_bare": max(diffs),
         }
-    for s in summary.values():
+    for variant, s in summary.items():
+        quiet = summary.get(variant.removesuffix(BUSY_TAG))
+        if variant.endswith(BUSY_TAG) and quiet:  # the share of its quiet speed a variant keeps when busy
+            s["busy_share"] = s["train_upd_s"] / quiet["train_upd_s"]
         for base in ("pfl", "bare"):
             if base in summary:
                 s[f"train_upd_s_x_{base}"] = s["train_upd_s"] / summary[base]["train_upd_s"]
@@ -623,33 +646,42 @@ LABELS = {
     "pfl": "pfl 0.6, 1 process",
     "pfl2": "pfl 0.6, 2 workers (torchrun)",
     "flower": "stock Flower 1.41 + Ray",
-    "ray": "**fedelastic, Ray (default)**",
-    "inprocess": "fedelastic, in-process",
+    "ray": "**fedelastic, Ray (default: vectorize auto)**",
+    "inprocess": "**fedelastic, in-process (default: vectorize auto)**",
     "pfl-stock": "pfl 0.6 own FedAvg (float32 differences), 1 process",
     "ray-per-client": "fedelastic, Ray, one Flower node per virtual client",
     "ray-vmap": "fedelastic, Ray, vectorize = true",
     "inprocess-vmap": "fedelastic, in-process, vectorize = true",
+    "ray-loop": "fedelastic, Ray, vectorize = false (per-client loop)",
+    "inprocess-loop": "fedelastic, in-process, vectorize = false (per-client loop)",
 }
+BUSY_TAG = "@busy"  # a variant run beside BUSY busy-loop processes (--busy)
+
+
+def label(variant: str) -> str:
+    base = variant.removesuffix(BUSY_TAG)
+    return LABELS[base] + (f", busy ({BUSY} spinning processes)" if base != variant else "")
 
 
 def table(summary: dict) -> str:
     rows = [
         "| variant | training upd/s | steady upd/s | x pfl (training) | x bare (training) | process wall s "
         "| wall x pfl | start-up s | peak tree RSS MB | training CPU s (tree) | same checksum as bare "
-        "| max abs weight diff | test acc |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| max abs weight diff | test acc | busy / quiet |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     ref = summary.get(REFERENCE, {}).get("checksums", [])
-    for v in VARIANTS + EXTRA_VARIANTS:
+    for v in [x + tag for tag in ("", BUSY_TAG) for x in VARIANTS + EXTRA_VARIANTS]:
         if v not in summary:
             continue
         s = summary[v]
         same = "yes" if s["checksums"] == ref and len(ref) == 1 else "no"
         rows.append(
-            f"| {LABELS[v]} | {s['train_upd_s']:.0f} | {s['steady_upd_s']:.0f} "
+            f"| {label(v)} | {s['train_upd_s']:.0f} | {s['steady_upd_s']:.0f} "
             f"| {s.get('train_upd_s_x_pfl', float('nan')):.2f} | {s.get('train_upd_s_x_bare', float('nan')):.2f} "
             f"| {s['process_wall_s']:.1f} | {s.get('process_wall_s_x_pfl', float('nan')):.2f} | {s['startup_s']:.1f} "
-            f"| {s['peak_rss_mb']:.0f} | {s['train_cpu_s']:.1f} | {same} | {s['max_abs_weight_diff_vs_bare']:.2g} | {s['test_accuracy']:.3f} |"
+            f"| {s['peak_rss_mb']:.0f} | {s['train_cpu_s']:.1f} | {same} | {s['max_abs_weight_diff_vs_bare']:.2g} | {s['test_accuracy']:.3f} "
+            + (f"| {s['busy_share']:.2f} |" if "busy_share" in s else "| |")
         )
     return "\n".join(rows)
 
@@ -657,7 +689,7 @@ def table(summary: dict) -> str:
 def phases_table(runs: dict[str, list[dict]]) -> str:
     """fedelastic's timers, summed over the training phase (rounds 1..R), median over runs."""
     lines = []
-    for v in ("ray", "ray-per-client", "inprocess"):
+    for v in ("ray", "ray-per-client", "inprocess", "ray-loop", "inprocess-loop"):
         if v not in runs:
             continue
         rs = runs[v]
@@ -690,6 +722,10 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--per-round", type=int, default=PER_ROUND)
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
+    p.add_argument(
+        "--busy", action="store_true",
+        help=f"also run every variant beside {BUSY} busy-loop processes (started here), interleaved with its quiet runs",
+    )  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -726,6 +762,8 @@ def main(argv=None) -> None:
         "workload": {"clients": args.clients, "rounds": args.rounds, "per_round": args.per_round},
         "order": [],
     }
+    if args.busy:
+        variants = [v + tag for v in variants for tag in ("", BUSY_TAG)]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="fedelastic-peers-") as tmp:
         for i in range(args.runs):
@@ -733,12 +771,14 @@ def main(argv=None) -> None:
             for v in order:
                 tag = f"{v}-{i}"
                 print(f"[run {i + 1}/{args.runs}] {v} ...", flush=True)
-                r = run_one(v, args, tmp, tag)
+                r = run_one(v.removesuffix(BUSY_TAG), args, tmp, tag, BUSY if v.endswith(BUSY_TAG) else 0)
+                r["loadavg_after"] = os.getloadavg()[0]
                 runs[v].append(r)
                 report["order"].append(tag)
                 print(
                     f"  {r['train_upd_s']:.0f} upd/s (steady {r['steady_upd_s']:.0f}); wall {r['process_wall_s']:.1f} s; "
-                    f"start-up {r['startup_s']:.1f} s; peak RSS {r['peak_rss_mb']:.0f} MB; {r['checksum'][:12]}",
+                    f"start-up {r['startup_s']:.1f} s; peak RSS {r['peak_rss_mb']:.0f} MB; {r['checksum'][:12]}; "
+                    f"load {r['loadavg_after']:.1f}{'; ' + r['training_path'] if r.get('training_path') else ''}",
                     flush=True,
                 )
         report["summary"] = summarise(runs)

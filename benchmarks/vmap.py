@@ -47,11 +47,11 @@ from fedelastic.training import CohortJob, LocalTraining, batches, make_optimize
 from fedelastic.vectorized import train_partitions_vmap  # noqa: E402
 
 
-def tiny_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8) -> nn.Sequential:
-    """The issue's ~5.5k-parameter CNN for 8x8 digits."""
-    flat = 16 * (input_size // 2) ** 2
+def tiny_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8, width: int = 8) -> nn.Sequential:
+    """The issue's ~5.5k-parameter CNN for 8x8 digits (``width`` 8; ``--width`` scales it)."""
+    flat = 2 * width * (input_size // 2) ** 2
     return nn.Sequential(
-        nn.Conv2d(in_channels, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(flat, 16), nn.ReLU(), nn.Linear(16, num_classes),
     )  # fmt: skip
 
@@ -78,9 +78,11 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def make_env(workload: str, batch_size: int = 0, strategy: str = "") -> RunEnvironment:
+def make_env(workload: str, batch_size: int = 0, strategy: str = "", width: int = 0) -> RunEnvironment:
     w = WORKLOADS[workload]
     raw = {"name": f"vmap-{workload}", "seed": 0, **w["scenario"]}
+    if width:
+        raw["model"] = {**raw["model"], "options": {**raw["model"].get("options", {}), "width": width}}
     raw["train"] = {**raw["train"], "numerics": "fp32", "bn_mode": "frozen"}
     if batch_size:
         raw["train"]["batch_size"] = batch_size
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=0, help="replace the workload's batch size")
     ap.add_argument("--strategy", default="", help="replace the workload's strategy (elastic_*: rho 0.4)")
+    ap.add_argument("--width", type=int, default=0, help="replace the model's width (small: tiny_cnn's, 8)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -165,7 +168,7 @@ def main() -> None:
     if args.strategy not in ("", "full") and "bare" in variants:
         variants.remove("bare")  # the bare loop trains every tensor: it has no selections
     w = WORKLOADS[args.workload]
-    env = make_env(args.workload, args.batch_size, args.strategy)
+    env = make_env(args.workload, args.batch_size, args.strategy, args.width)
     t0 = time.perf_counter()
     _ = env.data, env.info
     setup_s = time.perf_counter() - t0
@@ -224,6 +227,7 @@ def main() -> None:
         "updates": n_updates,
         "local_steps": steps,
         "params": int(sum(p.numel() for p in models[ref].parameters())),
+        "macs_per_sample": int(env.info.hooked_macs),
         "batch_size": env.scenario.train.batch_size,
         "strategy": env.scenario.train.strategy,
         "setup_s": setup_s,
@@ -232,7 +236,7 @@ def main() -> None:
         "max_abs_diff_vs_" + ref: diffs,
     }
     print(f"workload {args.workload} on {info['device_name']} ({args.device}), {n_updates} updates, {steps} local steps, "
-          f"{info['params']} parameters, batch {info['batch_size']}, strategy {info['strategy']}, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
+          f"{info['params']} parameters, {info['macs_per_sample']:,} MACs a sample, batch {info['batch_size']}, strategy {info['strategy']}, torch {torch.__version__}, {args.threads} thread(s)")  # fmt: skip
     print(f"| variant | train s | updates/s | steady updates/s (rounds 2+) | CPU s | vs {ref} (wall) | vs {ref} (CPU) | max abs diff vs {ref} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for v in variants:

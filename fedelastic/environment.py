@@ -168,6 +168,13 @@ class RunEnvironment:
         return self.new_model()
 
     @cached_property
+    def training_path(self) -> tuple[bool, str]:
+        """(vectorised?, why): ``simulation.vectorize`` resolved once (:func:`fedelastic.vectorized.choose_path`)."""
+        from ..vectorized import choose_path
+
+        return choose_path(self)
+
+    @cached_property
     def info(self) -> ModelInfo:
         model = self.new_model()
         return describe(model, torch.zeros(1, *self.input_shape), model_name=self.scenario.model.name)
@@ -229,7 +236,7 @@ def warm_up(scenario: Scenario, info: ModelInfo | None = None) -> None:
     env = environment(scenario)
     if info is not None:
         env.__dict__.setdefault("info", info)  # cached_property's slot
-    _ = env.data, env.info, env.client_model
+    _ = env.data, env.info, env.client_model, env.training_path
     env.strategy()  # imports the strategy's module and validates its config once, before round 1
 
 

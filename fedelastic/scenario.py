@@ -334,10 +334,11 @@ class SimulationConfig:
         "'per_client': every virtual client is its own Flower node",
     )
     cohorts: int = field(0, help="cohort mode: Flower nodes sharing each round's clients (0: one per Ray worker, 1 in-process)")
-    vectorize: bool = field(
-        False,
-        help="cohort mode: train each call's clients as one batched model (torch.func.vmap); "
-        "equal to the per-client path to float32 rounding, not byte for byte",
+    vectorize: bool | Literal["auto"] = field(
+        "auto",
+        help="cohort mode: train each call's clients as one batched model (torch.func.vmap); equal to the "
+        "per-client path to float32 rounding, not byte for byte. 'auto': wherever the run is eligible and "
+        "its model small enough to gain (status.json's training_path says which path ran and why)",
     )
     write_every_s: float = field(
         1.0,
@@ -358,7 +359,7 @@ class SimulationConfig:
         check(0 <= self.client_retries <= 10, "client_retries", "an integer in [0, 10]")
         check(0 <= self.max_failure_rate <= 1, "max_failure_rate", "a fraction in [0, 1]")
         check(0 <= self.cohorts <= 100_000, "cohorts", "an integer in [0, 100000] (0: one per Ray worker)")
-        check(not self.vectorize or self.node_mode == "cohort", "vectorize", 'false unless node_mode = "cohort"')
+        check(self.vectorize is not True or self.node_mode == "cohort", "vectorize", 'false or "auto" unless node_mode = "cohort"')
         check(self.cohorts == 0 or self.node_mode == "cohort", "cohorts", '0 unless node_mode = "cohort"')
         check(self.on_divergence in ("stop", "continue"), "on_divergence", "one of ['stop', 'continue']")
 
@@ -463,7 +464,7 @@ def _check_aggregator(scenario: Scenario, src: str) -> None:
     make_aggregator(server, (), src)
     if server.aggregator not in ("fedavg", "fedprox") and server.policy == "async":
         raise ConfigError(src, "server.aggregator", "'fedavg' or 'fedprox' with policy 'async' (FedBuff's own step)", server.aggregator)
-    if server.aggregator == "fedprox" and scenario.simulation.vectorize:
+    if server.aggregator == "fedprox" and scenario.simulation.vectorize is True:
         raise ConfigError(src, "server.aggregator", "not 'fedprox' with simulation.vectorize (no proximal term there)", server.aggregator)
 
 

@@ -2,8 +2,9 @@
 
 :func:`train_cohort_vmap` gives each client of a cohort what :func:`fedelastic.training.train_local`
 would give it, started from the same weights, but runs the cohort's steps together: the clients'
-parameters are stacked along a new first dimension and one ``vmap(grad(functional_call(...)))``
-call computes every client's gradient of its own batch at once. The host side is the same as
+parameters are stacked along a new first dimension, one ``vmap(functional_call(...))`` call runs
+every client's forward pass on its own batch, and one backward pass of the clients' summed
+losses gives every client's own gradient at once. The host side is the same as
 ``train_local``'s, client by client: the seeded batch order (``seed``, e.g. ``[seed, round, pid]``),
 the selections, their pricing on the client's :class:`~fedelastic.costmodel.CostModel`, memory
 failures and the reported figures.
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from .costmodel import CostModel
 from .data import ArrayDataset
@@ -194,6 +195,16 @@ class _Client:
         self.result.steps += 1
 
 
+def cross_entropy_terms(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``cross_entropy(logits, y, reduction="none")``: the same values, written as log-softmax and a gather.
+
+    Under ``vmap``, torch's ``nll_loss`` runs a Python decomposition whose first call imports
+    sympy and torch's symbolic shapes (~480 modules, 0.7 s of CPU: most of a vectorised run's
+    first round); log-softmax and gather have batching rules of their own.
+    """
+    return -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
 def _check_model(model: nn.Module, bn_mode: str) -> None:
     if bn_mode == "train" and any(isinstance(m, _NORM_TYPES) for m in model.modules()):
         raise _refuse(
@@ -271,16 +282,22 @@ def train_cohort_vmap(
     xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
     ys = [torch.as_tensor(d.y, device=dev) for d in datasets]
 
-    def loss_fn(params, frozen, x, y, w):
-        out = functional_call(model, ({**params, **frozen}, buffers), (x,))
-        return (nn.functional.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
+    def loss_fn(params, x, y, w):
+        out = functional_call(model, (params, buffers), (x,))
+        return (cross_entropy_terms(out, y) * w).sum() / w.sum()
 
     def step_fn(params, x, y, w, trained=None):
-        """Every client's (gradients, loss); gradients of the ``trained`` tensors only (default all):
-        autograd then skips the others' dW and stops below the deepest trained tensor."""
-        keep = {k: v for k, v in params.items() if trained is None or k in trained}
-        frozen = {k: v for k, v in params.items() if k not in keep}
-        return vmap(grad_and_value(loss_fn))(keep, frozen, x, y, w)
+        """Every client's (gradients, loss); gradients of the ``trained`` tensors only (default all).
+
+        One batched forward pass (vmap over the clients), then one backward pass of the sum of the
+        clients' losses: a client's loss depends on its own slice of the stacked parameters only, so
+        the gradient of the sum is every client's own gradient. Autograd computes only what leads to
+        the ``trained`` tensors (it stops below the deepest of them, skipping the others' dW)."""
+        keep = {k: v.detach().requires_grad_() for k, v in params.items() if trained is None or k in trained}
+        with torch.enable_grad():
+            losses = vmap(loss_fn)({**params, **keep}, x, y, w)
+            grads = torch.autograd.grad(losses.sum(), list(keep.values()))
+        return dict(zip(keep, grads)), losses.detach()
 
     def batch(rows: list[int], t: int):
         """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest."""
@@ -391,6 +408,43 @@ def train_cohort_vmap(
                 r.reason = no_step_reason(c.strategy, c.note)
         results.append(r)
     return results
+
+
+#: Forward MACs a sample above which ``vectorize = "auto"`` keeps the per-client loop: on a CPU a
+#: batched convolution (a grouped one) loses to separate ones as the model grows; measured with
+#: one-step clients, batch 16 (benchmarks/studies/vectorised.md, "Where vectorising stops paying"):
+#: 3.0x the loop's CPU at 83k MACs, 1.3x at 1.2M, 0.83x at 4.8M.
+AUTO_MAX_MACS = 2_000_000
+
+
+def choose_path(env: RunEnvironment) -> tuple[bool, str]:
+    """(train vectorised?, why): ``simulation.vectorize`` resolved for ``env``'s run.
+
+    ``true`` is checked (:func:`check_vectorizable` raises, naming the key); ``"auto"`` takes the
+    vectorised path where it is eligible and its model is small enough to gain (:data:`AUTO_MAX_MACS`),
+    else the per-client loop, and says which key kept it there.
+    """
+    from .fl.client import proximal_mu
+
+    sim = env.scenario.simulation
+    if sim.vectorize is False:
+        return False, "per-client: simulation.vectorize = false"
+    if sim.vectorize is True:
+        check_vectorizable(env)
+        return True, "vectorised: simulation.vectorize = true"
+    if sim.node_mode != "cohort":
+        return False, f'per-client: simulation.node_mode = "{sim.node_mode}" (vectorising needs cohorts)'
+    if proximal_mu(env.scenario) > 0:
+        return False, "per-client: server.aggregator = fedprox (the vectorised step has no proximal term)"
+    try:
+        check_vectorizable(env)
+    except ConfigError as exc:
+        need = exc.expected.removesuffix(" (vectorised training)")
+        return False, f"per-client: {exc.key} (vectorised training needs {need}, got {exc.got!r})"
+    macs = env.info.hooked_macs
+    if macs > AUTO_MAX_MACS:
+        return False, f"per-client: the model's {macs:,} MACs a sample exceed {AUTO_MAX_MACS:,} (batched steps lose on a CPU)"
+    return True, f'vectorised: simulation.vectorize = "auto", eligible and {macs:,} MACs a sample (<= {AUTO_MAX_MACS:,})'
 
 
 def check_vectorizable(env: RunEnvironment) -> None:

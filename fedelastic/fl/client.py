@@ -110,13 +110,13 @@ def train_cohort(
     call): each job gives exactly what :func:`train_partition` gives for that client alone.
     ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
     it returns False the remaining jobs are not started. The jobs share one
-    :class:`~fedelastic.training.Prepared` view of ``model``. With ``simulation.vectorize`` the
+    :class:`~fedelastic.training.Prepared` view of ``model``. On the vectorised path (``env.training_path``) the
     jobs train together in one vectorised call (:func:`fedelastic.vectorized.train_partitions_vmap`),
     and ``done`` is called for each once all are trained.
     """
     out: list[LocalResult | Exception] = []
     load = weights_loader(model, weights)
-    if env.scenario.simulation.vectorize and jobs:  # all jobs in one batched call (fedelastic/vectorized.py)
+    if env.training_path[0] and jobs:  # all jobs in one batched call (fedelastic/vectorized.py)
         from ..vectorized import train_partitions_vmap
 
         load()

@@ -133,7 +133,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
 
         trained = training_thread().run(partial(work, env.client_model))
         # vectorised, every client reports when the one batched call ends: the cohort gets each client's time
-        budget_s = timeout_s * (len(jobs) if sim.vectorize else 1)
+        budget_s = timeout_s * (len(jobs) if env.training_path[0] else 1)
         try:
             while True:  # wakes only at a client's deadline, not after every client
                 with lock:
@@ -163,7 +163,7 @@ def cohort_train(scenario: Scenario, msg: Message) -> Message:
         if abandoned:  # the overrunning job timed out (vectorised: all of them, one call); the rest go back unrun
             env.__dict__.pop("client_model", None)  # the abandoned thread keeps the old one
             _TRAINING[0].retired = True  # it goes on with the abandoned job: the next call gets a new thread
-            for j in range(done, len(jobs) if sim.vectorize else done + 1):
+            for j in range(done, len(jobs) if env.training_path[0] else done + 1):
                 status[where[j]], reasons[where[j]] = TIMEOUT, timeout_reason(sim.timeout_s)
         elif crashed:  # never reported: the thread's failure is theirs
             for j in range(done, len(jobs)):

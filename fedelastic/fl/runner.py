@@ -136,10 +136,7 @@ def check_inputs(scenario: Scenario, env: RunEnvironment) -> None:
         reason = one_line(f"{type(exc).__name__}: {exc}")
         raise ConfigError(src, "model.name", f"a model fedelastic can trace ({reason})", scenario.model.name) from None
     strategy = env.strategy()  # its options, checked once
-    if scenario.simulation.vectorize:  # what vectorised training cannot do stops the run here, naming the key
-        from ..vectorized import check_vectorizable
-
-        check_vectorizable(env)
+    _ = env.training_path  # vectorize = true that cannot be vectorised stops the run here, naming the key
     config = getattr(strategy, "config", None)
     if getattr(config, "infeasible", None) == "error" and hasattr(config, "rho"):
         for device in scenario.fleet:  # 'infeasible = "error"' stops the run before any client starts
@@ -201,6 +198,9 @@ def _start(scenario: Scenario, run_id, progress, resume, checkpoint: dict | None
         except OSError as exc:
             raise ConfigError(scenario.source or "<scenario>", "output_dir", f"a folder fedelastic can write to ({exc})", scenario.output_dir) from None
     recorder.allow_empty_rounds = scenario.simulation.allow_empty_rounds
+    why = environment(scenario).training_path[1] if grid is None else "per-client: a Flower App's grid (a node per client)"
+    recorder.notes["training_path"] = why  # in status.json: which path trains the clients, and why
+    logging.getLogger("fedelastic").info("training path: %s", why)
     progress = progress or (lambda row: None)
     with _flwr_quiet():
         return _run(scenario, run_dir, recorder, checkpoint, progress, grid)

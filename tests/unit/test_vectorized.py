@@ -365,3 +365,42 @@ def test_a_carried_reselection_interval_runs_like_the_loop():
         fresh, strategies = renewed(fresh), renewed(strategies)
     # steps per client: 3, 1, 1, 4, 2 a round; with the state carried, round 2 probes only where 3 steps came due
     assert [a.probes for a in ref] == [1, 0, 0, 1, 1]
+
+
+FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
+
+
+@pytest.mark.parametrize(
+    "overrides, vectorised, says",
+    [
+        # small_cnn width 8 at 8x8: convolutions 8*9*64 + 16*8*9*64 + 32*16*9*16 = 152,384 MACs a sample (< 2M)
+        ({"train": FP32_FROZEN}, True, '"auto", eligible'),
+        # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 2M)
+        ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
+        ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, False, "train.bn_mode"),
+        ({"train": {**FP32_FROZEN, "numerics": "device"}}, False, "train.numerics"),  # stm32h743: int8
+        ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "node_mode": "per_client"}}, False, "node_mode"),
+        ({"train": FP32_FROZEN, "server": {"rounds": 2, "aggregator": "fedprox"}}, False, "server.aggregator"),
+        ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "vectorize": False}}, False, "vectorize = false"),
+        ({"train": {**FP32_FROZEN, "bn_mode": "train"}, "simulation": {"backend": "inprocess", "vectorize": False}}, False, "= false"),
+    ],
+)
+def test_auto_takes_the_vectorised_path_where_eligible_and_small_and_says_why(make_scenario, overrides, vectorised, says):
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.vectorized import choose_path
+
+    env = RunEnvironment(make_scenario(**overrides))
+    assert env.scenario.simulation.vectorize == overrides.get("simulation", {}).get("vectorize", "auto")
+    got, why = choose_path(env)
+    assert got is vectorised and says in why and why.startswith("vectorised" if vectorised else "per-client"), why
+
+
+def test_vectorize_true_on_what_it_cannot_vectorise_is_refused(make_scenario):
+    from fedelastic.errors import ConfigError
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.vectorized import choose_path
+
+    train = {**FP32_FROZEN, "bn_mode": "train"}  # small_cnn has BatchNorm
+    env = RunEnvironment(make_scenario(train=train, simulation={"backend": "inprocess", "vectorize": True}))
+    with pytest.raises(ConfigError, match=r"train\.bn_mode"):
+        choose_path(env)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -15,11 +17,14 @@ TRAIN = {"strategy": "elastic_tensor", "options": {"rho": 0.7}, "max_steps": 3, 
 
 
 def _run(make_scenario, vectorize: bool, run_id: str):
+    """(clients table, final model) of a 2-round run; its status.json names the path it took."""
     sc = make_scenario(
         fleet=SIX, train=TRAIN, server={"rounds": 2, "clients_per_round": 4},
         simulation={"node_mode": "cohort", "cohorts": 2, "vectorize": vectorize},
     )  # fmt: skip
     run_dir = run_scenario(sc, run_id=run_id)
+    path = json.loads((run_dir / "status.json").read_text())["training_path"]
+    assert path == ("vectorised: simulation.vectorize = true" if vectorize else "per-client: simulation.vectorize = false")
     clients = pd.read_parquet(run_dir / "clients.parquet").drop(columns=["host_wall_s"])
     model = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
     return clients, model
