@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import peers
 
-    from fedelastic.fl.env import environment
+    from fedelastic.environment import environment
     from fedelastic.scenario import parse_scenario
     from fedelastic.training import CohortJob
     from fedelastic.vectorized import train_partitions_vmap

@@ -424,7 +424,7 @@ def choose_path(env: RunEnvironment) -> tuple[bool, str]:
     vectorised path where it is eligible and its model is small enough to gain (:data:`AUTO_MAX_MACS`),
     else the per-client loop, and says which key kept it there.
     """
-    from .fl.client import proximal_mu
+    from .sim.aggregators import proximal_mu
 
     sim = env.scenario.simulation
     if sim.vectorize is False:

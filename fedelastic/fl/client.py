@@ -13,7 +13,7 @@ from ..costmodel import CostModel
 from ..environment import RunEnvironment, environment
 from ..quant import device_numerics
 from ..scenario import Scenario
-from ..sim.aggregators import FedProx
+from ..sim.aggregators import proximal_mu
 from ..sim.records import METRIC_KEYS
 from ..training import CohortJob, LocalResult, LocalTraining, Prepared, train_local
 from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
@@ -21,14 +21,6 @@ from .arrays import config_record, metric_record, record_dict, record_from_numpy
 
 def _partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
-
-
-def proximal_mu(scenario: Scenario) -> float:
-    """FedProx's ``mu`` when ``server.aggregator = "fedprox"`` (else 0: no proximal term)."""
-    server = scenario.server
-    if getattr(server, "aggregator", "fedavg") != "fedprox":
-        return 0.0
-    return float(server.aggregator_options.get("mu", FedProx.defaults["mu"]))
 
 
 def train_partition(

@@ -88,7 +88,7 @@ def _number(value: Any) -> bool:
 @register_aggregator
 class FedProx(Aggregator):
     """FedAvg on the server; the clients train with a proximal term ``mu/2 ||w - w_global||^2``
-    (:func:`fedelastic.fl.client.proximal_mu` reads ``mu`` from the scenario)."""
+    (:func:`proximal_mu` reads ``mu`` from the scenario)."""
 
     name = "fedprox"
     defaults = {"mu": 0.01}
@@ -184,3 +184,12 @@ def make_aggregator(server: Any, tensor_names: Sequence[str], src: str = "<scena
         if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
             raise ConfigError(src, f"server.aggregator_options.{key}", "a finite number >= 0", value)
     return cls(options, tensor_names)
+
+
+def proximal_mu(scenario: Any) -> float:
+    """FedProx's ``mu`` when a :class:`~fedelastic.scenario.Scenario` sets ``server.aggregator = "fedprox"``
+    (else 0: no proximal term). Untyped: ``scenario`` imports this module."""
+    server = scenario.server
+    if getattr(server, "aggregator", "fedavg") != "fedprox":
+        return 0.0
+    return float(server.aggregator_options.get("mu", FedProx.defaults["mu"]))

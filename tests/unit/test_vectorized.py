@@ -386,7 +386,7 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
     ],
 )
 def test_auto_takes_the_vectorised_path_where_eligible_and_small_and_says_why(make_scenario, overrides, vectorised, says):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
     from fedelastic.vectorized import choose_path
 
     env = RunEnvironment(make_scenario(**overrides))
@@ -396,8 +396,8 @@ def test_auto_takes_the_vectorised_path_where_eligible_and_small_and_says_why(ma
 
 
 def test_vectorize_true_on_what_it_cannot_vectorise_is_refused(make_scenario):
+    from fedelastic.environment import RunEnvironment
     from fedelastic.errors import ConfigError
-    from fedelastic.fl.env import RunEnvironment
     from fedelastic.vectorized import choose_path
 
     train = {**FP32_FROZEN, "bn_mode": "train"}  # small_cnn has BatchNorm
