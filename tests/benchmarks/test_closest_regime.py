@@ -32,8 +32,10 @@ def test_a_pick_at_an_edge_widens_one_ladder_step_and_stops_when_interior(run):
     # the ladder's end: nothing further to try, and it says the limit binds
     best, more, status = run.widen(_runs({1e-4: 0.7, 3e-4: 0.6, 1e-3: 0.5}))
     assert (best, more) == (1e-4, []) and "limit binds" in status
-    # a tie goes to the smaller rate
+    # a tie goes to an interior rate, then to the smaller: a flat score does not walk to the ladder's end
     assert run.widen(_runs({1e-3: 0.5, 3e-3: 0.6, 1e-2: 0.6, 3e-2: 0.4}))[:2] == (3e-3, [])
+    assert run.widen(_runs({3e-3: 0.1, 1e-2: 0.1, 3e-2: 0.1})) == (1e-2, [], "interior")
+    assert run.widen(_runs({3e-3: 0.6, 1e-2: 0.5, 3e-2: 0.6})) == (3e-3, [1e-3], "edge")
 
 
 def test_the_summary_pairs_seeds_with_full(run):

@@ -16,6 +16,7 @@ from fedelastic.errors import ConfigError
 from fedelastic.models.imagenet import MEAN, STD, imagenet_state
 from fedelastic.models.mobilenetv2 import _BLOCKS, _make_divisible, mobilenetv2
 from fedelastic.models.resnet import resnet50, resnet_small
+from tests.support import ROOT
 
 
 def _bn(c: int) -> nn.BatchNorm2d:
@@ -169,3 +170,32 @@ def test_refusals_name_the_problem(tmp_path):
     # a download that fails (nothing listens on port 9): one line with the URL and what to do offline
     with pytest.raises(ConfigError, match="download failed.*torchvision:PATH"):
         imagenet_state(mobilenetv2(1.0, num_classes=10, layout="torchvision"), "torchvision:http://127.0.0.1:9/w.pth")
+
+
+def test_a_scenario_starts_from_torchvision_weights(make_scenario, tmp_path, monkeypatch):
+    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.pretrain import initial_state
+
+    monkeypatch.setenv("FEDELASTIC_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    path = tmp_path / "mobilenet_v2.pth"
+    torch.save(TVMobileNetV2(1000).state_dict(), path)
+    model = {"name": "mobilenetv2", "options": {"layout": "torchvision"}, "weights": f"torchvision:{path}"}
+    env = RunEnvironment(make_scenario(data={"dataset": "synth_digits", "size": 400}, model=model))
+    state = initial_state(env)
+    saved = torch.load(path)
+    assert torch.equal(state["block_16_project.weight"], saved["features.17.conv.2.weight"])
+    assert state["dense.weight"].shape == (10, 1280)  # the scenario's 10 classes: a new head
+
+
+def test_the_paper_regime_scenario_parses():
+    import tomllib
+
+    from fedelastic.comparison import expand
+
+    path = ROOT / "benchmarks" / "reproduce" / "closest_regime" / "paper_regime.toml"
+    _, variants = expand(tomllib.loads(path.read_text()), str(path))
+    assert len(variants) == 7 * 5  # seven strategies, five seeds
+    sc = variants[0].scenario
+    assert (sc.model.name, sc.model.weights, sc.model.options["layout"]) == ("resnet50", "torchvision", "torchvision")
+    assert (sc.data.dataset, sc.data.image_size) == ("Donghyun99/CUB-200-2011", 224)

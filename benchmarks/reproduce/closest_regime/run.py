@@ -117,10 +117,32 @@ def pretrain(d: dict, args: argparse.Namespace) -> tuple[dict, list[dict]]:
             opt.step()
             sched.step()
             losses.append(loss.item())
-        acc = eta.accuracy(model, d["sv_x"], d["sv_y"], args.device)[0]  # eval mode: running statistics
-        curve.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "source_val_accuracy": acc})
-        print(f"  pretrain epoch {epoch + 1}: loss {np.mean(losses):.3f}, held-out source {acc:.3f}", flush=True)
+        acc = batch_stat_accuracy(model, d["sv_x"], d["sv_y"], args.device)
+        curve.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "source_val_accuracy_batch_stats": acc})
+        print(
+            f"  pretrain epoch {epoch + 1}: loss {np.mean(losses):.3f}, held-out source {acc:.3f} (batch statistics)",
+            flush=True,
+        )
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, curve
+
+
+def batch_stat_accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, dev: str) -> float:
+    """Accuracy with every norm on batch statistics (chunks of 500), the rest in eval mode; nothing changed.
+
+    MobileNetV2's norms keep Keras' momentum (0.001): their running statistics lag the weights by
+    thousands of steps, so an eval-mode curve would show that lag, not what the network has learned."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms]
+    model.eval()
+    for m in norms:
+        m.train()
+    with torch.no_grad():
+        pred = torch.cat(
+            [model(torch.from_numpy(x[i : i + 500]).to(dev)).argmax(1).cpu() for i in range(0, len(x), 500)]
+        )
+    for m, (mean, var, count) in zip(norms, saved):
+        m.running_mean.copy_(mean), m.running_var.copy_(var), m.num_batches_tracked.copy_(count)
+    return float((pred.numpy() == y).mean())
 
 
 def new_head(state: dict, width_mult: float) -> dict:
@@ -169,6 +191,19 @@ def finetune(arm: str, lr: float, seed: int, split: str) -> dict:
             "emulated_train_s": r.train_time_s, "wall_s": time.time() - t0}  # fmt: skip
 
 
+def job(arm: str, lr: float, seed: int, split: str) -> dict:
+    """:func:`finetune`, or a failed run's record (counted with the diverged, never averaged) if it raised."""
+    try:
+        return finetune(arm, lr, seed, split)
+    except Exception as exc:  # noqa: BLE001 (one arm's fault must not end the other arms' runs)
+        kind = ARMS[arm][0]
+        print(f"  {arm} lr {lr:g} seed {seed} FAILED: {type(exc).__name__}: {exc}", flush=True)
+        return {"arm": arm, "strategy": kind, "options": ARMS[arm][1], "lr": lr, "seed": seed, "split": split,
+                "accuracy": float("nan"), "diverged": True, "error": f"{type(exc).__name__}: {exc}",
+                "fraction_trained": float("nan"), "first_trained_depth": float("nan"),
+                "emulated_train_s": float("nan")}  # fmt: skip
+
+
 def score(runs: list[dict], lr: float) -> float:
     r = next(r for r in runs if r["lr"] == lr)
     return -1.0 if r["diverged"] else r["accuracy"]
@@ -177,7 +212,8 @@ def score(runs: list[dict], lr: float) -> float:
 def widen(runs: list[dict]) -> tuple[float, list[float], str]:
     """(best lr, rates still to try, how the pick stands): one ladder step beyond an edge pick, if any."""
     tried = sorted({r["lr"] for r in runs})
-    best = max(tried, key=lambda lr: (score(runs, lr), -lr))
+    # ties: an interior rate before an edge one (a tie is no sign that the best lies beyond), then the smaller
+    best = max(tried, key=lambda lr: (score(runs, lr), lr not in (tried[0], tried[-1]), -lr))
     i = LADDER.index(best)
     if best == tried[0] and i > 0:
         return best, [LADDER[i - 1]], "edge"
@@ -192,23 +228,26 @@ class _Inline:  # a one-process "pool": runs in this process, in order
     map = staticmethod(map)
 
 
-def run_all(pool, arms: list[str], seeds: int, log) -> dict:
-    """Tune every arm on validation (widening while its pick is at an edge), then its seeds on test."""
-    tuning: dict[str, list[dict]] = {a: [] for a in arms}
+def run_all(pool, arms: list[str], seeds: int, log, save) -> dict:
+    """Tune every arm on validation (widening while its pick is at an edge), then its seeds on test;
+    ``save(partial)`` after every run, so a run stopped early keeps what finished."""
+    out: dict = {"tuning": {a: [] for a in arms}, "picks": {}, "runs": []}
     todo = [(a, lr) for a in arms for lr in START]
     while todo:
-        for r in pool.map(finetune, *zip(*[(a, lr, 0, "va") for a, lr in todo])):
-            tuning[r["arm"]].append(r)
+        for r in pool.map(job, *zip(*[(a, lr, 0, "va") for a, lr in todo])):
+            out["tuning"][r["arm"]].append(r)
             log(f"  {r['arm']} lr {r['lr']:g} validation {r['accuracy']:.3f}{' DIVERGED' if r['diverged'] else ''}")
-        todo = [(a, lr) for a in arms for lr in widen(tuning[a])[1]]
-    picks = {a: widen(tuning[a]) for a in arms}
-    jobs = [(a, picks[a][0], s, "te") for a in arms for s in range(seeds)]
-    runs = list(pool.map(finetune, *zip(*jobs)))
-    for r in runs:
+            save(out)
+        todo = [(a, lr) for a in arms for lr in widen(out["tuning"][a])[1]]
+    picks = {a: widen(out["tuning"][a]) for a in arms}
+    out["picks"] = {a: {"lr": p[0], "status": p[2]} for a, p in picks.items()}
+    for r in pool.map(job, *zip(*[(a, picks[a][0], s, "te") for a in arms for s in range(seeds)])):
+        out["runs"].append(r)
         log(
             f"  {r['arm']} lr {r['lr']:g} seed {r['seed']}: test {r['accuracy']:.3f}{' DIVERGED' if r['diverged'] else ''}"
         )
-    return {"tuning": tuning, "picks": {a: {"lr": p[0], "status": p[2]} for a, p in picks.items()}, "runs": runs}
+        save(out)
+    return out
 
 
 def summary(doc: dict) -> list[dict]:
@@ -265,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target-train", type=int, default=1000, help="target training images (validation: a quarter as many)"
     )
     ap.add_argument("--width-mult", type=float, default=1.0)
-    ap.add_argument("--pretrain-epochs", type=int, default=15)
+    ap.add_argument("--pretrain-epochs", type=int, default=20)
     ap.add_argument("--pretrain-batch", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=8, help="fine-tuning epochs")
     ap.add_argument("--seeds", type=int, default=5)
@@ -318,14 +357,17 @@ def main(argv: list[str] | None = None) -> None:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    def save(partial: dict) -> None:
+        out.write_text(json.dumps(doc | partial | {"partial": True}, indent=1))
+
     t1 = time.time()
     if workers == 1:
         _init(*initargs)
-        doc.update(run_all(_Inline, args.arms, args.seeds, log))
+        doc.update(run_all(_Inline, args.arms, args.seeds, log, save))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=initargs) as pool:
-            doc.update(run_all(pool, args.arms, args.seeds, log))
+            doc.update(run_all(pool, args.arms, args.seeds, log, save))
     doc["finetune_s"], doc["wall_s"] = time.time() - t1, time.time() - start
     doc["summary"] = summary(doc)
     out.write_text(json.dumps(doc, indent=1))
