@@ -41,7 +41,9 @@ import dataclasses
 import importlib.util
 import json
 import multiprocessing
+import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -347,8 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     state = {k: v.cpu() for k, v in new_head(state, args.width_mult).items()}
-    tmp = out.parent / f".{out.stem}-work"
-    tmp.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="closest_regime-"))
     np.savez(tmp / "data.npz", **{k: v for k, v in d.items() if not k.startswith(("src", "sv"))})
     torch.save(state, tmp / "state.pt")
     settings = {"device": args.device, "width_mult": args.width_mult, "epochs": args.epochs, "threads": args.threads}
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=initargs) as pool:
             doc.update(run_all(pool, args.arms, args.seeds, log, save))
+    shutil.rmtree(tmp)  # the workers' copies of the data and the starting state
     doc["finetune_s"], doc["wall_s"] = time.time() - t1, time.time() - start
     doc["summary"] = summary(doc)
     out.write_text(json.dumps(doc, indent=1))
