@@ -1,21 +1,17 @@
 """The closest-regime script's learning-rate widening and paired summary, against hand computations."""
 
-import importlib.util
 import math
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, load_script
 
 SCRIPT = ROOT / "benchmarks" / "reproduce" / "closest_regime" / "run.py"
 
 
 @pytest.fixture(scope="module")
 def run():
-    spec = importlib.util.spec_from_file_location("closest_regime_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "closest_regime_run")
 
 
 def _runs(scores: dict[float, float | None]) -> list[dict]:
@@ -44,7 +40,14 @@ def test_the_summary_pairs_seeds_with_full(run):
                 "fraction_trained": 0.5, "first_trained_depth": 0.2, "emulated_train_s": 1.0}  # fmt: skip
 
     doc = {
-        "runs": [r("full", 0, 0.80), r("full", 1, 0.82), r("x", 0, 0.85), r("x", 1, 0.83), r("y", 0, 0.9, True), r("y", 1, 0.7)],
+        "runs": [
+            r("full", 0, 0.80),
+            r("full", 1, 0.82),
+            r("x", 0, 0.85),
+            r("x", 1, 0.83),
+            r("y", 0, 0.9, True),
+            r("y", 1, 0.7),
+        ],
         "picks": {a: {"lr": 0.01, "status": "interior"} for a in ("full", "x", "y")},
     }
     rows = {row["arm"]: row for row in run.summary(doc)}

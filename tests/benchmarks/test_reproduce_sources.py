@@ -1,26 +1,18 @@
 """The papers' regime path of the accuracy scripts (``benchmarks/reproduce/sources.py``) on local stand-ins:
 a Hugging Face dataset saved to disk and a state dict in torchvision's key layout. Nothing downloads."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from tests.support import ROOT
+from tests.support import ROOT, load_script
 from tests.unit.test_imagenet_weights import TVMobileNetV2
 
 pytest.importorskip("datasets")
 SCRIPT = ROOT / "benchmarks" / "reproduce" / "elastictrainer_accuracy" / "run.py"
 CLASSES, TRAIN, TEST = 4, 12, 5  # per class
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -45,7 +37,7 @@ def stand_ins(tmp_path, monkeypatch):
 
 
 def test_split_sizes_follow_the_dataset(stand_ins):
-    sources = _load(ROOT / "benchmarks" / "reproduce" / "sources.py", "reproduce_sources")
+    sources = load_script(ROOT / "benchmarks" / "reproduce" / "sources.py", "reproduce_sources")
     d = sources.target_splits(str(stand_ins[0]), image_size=32)
     # 20% of each class's 12 training images held out: round(2.4) = 2 per class
     assert (len(d["tr_y"]), len(d["va_y"]), len(d["te_y"])) == (CLASSES * 10, CLASSES * 2, CLASSES * TEST)
@@ -56,7 +48,7 @@ def test_split_sizes_follow_the_dataset(stand_ins):
 @pytest.mark.slow  # a real fine-tuning of MobileNetV2 (about 30 s on the shared host)
 def test_the_paper_regime_command_runs_on_local_copies(stand_ins, tmp_path):
     folder, weights = stand_ins
-    run = _load(SCRIPT, "elastictrainer_accuracy_sources")
+    run = load_script(SCRIPT, "elastictrainer_accuracy_sources")
     out = tmp_path / "result.json"
     run.main(["--quick", "--device", "cpu", "--models", "mobilenetv2", "--dataset", str(folder), "--image-size", "32",
               "--weights", f"torchvision:{weights}", "--strategies", "full", "elastic_0.5", "--lrs", "0.01",
@@ -70,7 +62,7 @@ def test_the_paper_regime_command_runs_on_local_copies(stand_ins, tmp_path):
 
 
 def test_a_failed_download_and_a_dataset_without_weights_are_refused(stand_ins, tmp_path):
-    run = _load(SCRIPT, "elastictrainer_accuracy_refusals")
+    run = load_script(SCRIPT, "elastictrainer_accuracy_refusals")
     with pytest.raises(SystemExit, match="--weights too"):
         run.main(["--dataset", str(stand_ins[0]), "--out", str(tmp_path / "r.json")])
     with pytest.raises(SystemExit, match="download failed"):
