@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target-train", type=int, default=1000, help="target training images (validation: a quarter as many)"
     )
     ap.add_argument("--width-mult", type=float, default=1.0)
-    ap.add_argument("--pretrain-epochs", type=int, default=20)
+    ap.add_argument("--pretrain-epochs", type=int, default=25)
     ap.add_argument("--pretrain-batch", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=8, help="fine-tuning epochs")
     ap.add_argument("--seeds", type=int, default=5)
