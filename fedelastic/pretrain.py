@@ -19,6 +19,7 @@ import torch
 from .config import to_dict
 from .data.registry import is_plugin
 from .errors import ConfigError
+from .models.imagenet import imagenet_state, is_torchvision
 from .optim import SGD
 from .training import batches, seed_everything, torch_threads
 
@@ -102,6 +103,8 @@ def initial_state(env: RunEnvironment) -> dict:
     """The run's starting state dict."""
     sc = env.scenario
     model = env.new_model()
+    if is_torchvision(sc.model.weights):
+        return imagenet_state(model, sc.model.weights, src=sc.source or "<scenario>")[0]
     if sc.model.weights:
         return load_weights(sc.model.weights, model, src=sc.source or "<scenario>")
     if sc.model.pretrain is None:

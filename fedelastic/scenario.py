@@ -132,7 +132,11 @@ class PretrainConfig:
 class ModelConfig:
     name: str = field("small_cnn", help="built-in model name, 'package.module:callable' or 'path/to/file.py:callable'")
     options: dict[str, Any] = field(default_factory=dict, help="extra keyword arguments for the factory")
-    weights: str = field("", help="a weights file to start from (loaded with weights_only=True)")
+    weights: str = field(
+        "",
+        help="a weights file to start from (loaded with weights_only=True), or 'torchvision' / 'torchvision:PATH_OR_URL': "
+        "torchvision's ImageNet weights for resnet50 / mobilenetv2 built with options.layout = 'torchvision'",
+    )
     pretrain: PretrainConfig | None = field(None, help="pretrain centrally on a source task first (cached)")
 
 

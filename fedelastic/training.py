@@ -223,7 +223,7 @@ def _input_channels_by_norm(weight: torch.Tensor, groups: int, ratio: float) -> 
     norms = w.transpose(0, axis).reshape(w.shape[axis], -1).norm(dim=1)
     keep = max(1, int(np.floor(ratio * w.shape[axis] + 1e-9)))
     mask = torch.zeros(w.shape[axis], dtype=torch.bool)
-    mask[torch.argsort(-norms, stable=True)[:keep]] = True
+    mask[torch.argsort(-norms, stable=True)[:keep].cpu()] = True  # masks live on the CPU, whatever the weight's device
     return axis, mask
 
 

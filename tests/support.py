@@ -52,6 +52,16 @@ SMALL_STREAM = {
 }
 
 
+def load_script(path: Path, name: str):
+    """A benchmark script (not a package module) imported by its path, under ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_toml(path: Path, raw: dict) -> Path:
     path.write_text(tomli_w.dumps(raw))
     return path

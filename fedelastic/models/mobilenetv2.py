@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .imagenet import layout_settings
+
 __all__ = ["MobileNetV2", "mobilenetv2"]
 
 _BN_EPS = 1e-3
@@ -80,6 +82,10 @@ class MobileNetV2(nn.Module):
         Dropout rate before the classifier.
     input_size : int
         Nominal input height and width (informational: the network works on any size).
+    layout : str
+        ``"keras"`` (default) or ``"torchvision"``: torchvision's MobileNetV2 (strided convolutions pad one
+        pixel on every side, BatchNorm epsilon 1e-5) taking images in [0, 1] and normalising them with
+        ImageNet's mean and std, as torchvision's ImageNet weights expect (:mod:`.imagenet`).
     """
 
     def __init__(
@@ -90,17 +96,21 @@ class MobileNetV2(nn.Module):
         in_channels: int = 3,
         dropout: float = 0.2,
         input_size: int = 224,
+        layout: str = "keras",
     ) -> None:
         super().__init__()
         if width_mult <= 0:
             raise ValueError(f"width_mult must be positive, got {width_mult}")
+        self._eps, self.input_norm = layout_settings(layout, in_channels, _BN_EPS)
+        self._same = layout == "keras"  # TensorFlow's "same" padding; torchvision pads 1 on every side
+        strided_pad = 0 if self._same else 1
         self.input_size = input_size
         self.num_classes = num_classes
         # (prefix, has expansion, stride, residual) in forward order
         self._plan: list[tuple[str, bool, int, bool]] = []
 
         first = _make_divisible(32 * width_mult, 8)
-        self.add_module("Conv1", nn.Conv2d(in_channels, first, 3, stride=2, bias=False))
+        self.add_module("Conv1", nn.Conv2d(in_channels, first, 3, stride=2, padding=strided_pad, bias=False))
         self._bn("bn_Conv1", first)
         self.add_module("Conv1_relu", nn.ReLU6())
         in_ch = first
@@ -112,7 +122,7 @@ class MobileNetV2(nn.Module):
                 self.add_module(prefix + "expand", nn.Conv2d(in_ch, hidden, 1, bias=False))
                 self._bn(prefix + "expand_BN", hidden)
                 self.add_module(prefix + "expand_relu", nn.ReLU6())
-            padding = 1 if stride == 1 else 0  # stride 2 pads explicitly, like block_N_pad
+            padding = 1 if stride == 1 else strided_pad  # Keras: stride 2 pads explicitly, like block_N_pad
             dw = nn.Conv2d(hidden, hidden, 3, stride=stride, padding=padding, groups=hidden, bias=False)
             self.add_module(prefix + "depthwise", dw)
             self._bn(prefix + "depthwise_BN", hidden)
@@ -131,7 +141,7 @@ class MobileNetV2(nn.Module):
         self.num_features = last
 
     def _bn(self, name: str, ch: int) -> None:
-        self.add_module(name, nn.BatchNorm2d(ch, eps=_BN_EPS, momentum=_BN_MOMENTUM))
+        self.add_module(name, nn.BatchNorm2d(ch, eps=self._eps, momentum=_BN_MOMENTUM))
 
     def _run(self, x: torch.Tensor, *names: str, prefix: str) -> torch.Tensor:
         for name in names:
@@ -140,12 +150,13 @@ class MobileNetV2(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Backbone output (after ``out_relu``), shape ``[B, C, H/32, W/32]``."""
-        x = self.Conv1_relu(self.bn_Conv1(self.Conv1(_same_pad(x, 3, 2))))
+        x = self.input_norm(x)
+        x = self.Conv1_relu(self.bn_Conv1(self.Conv1(_same_pad(x, 3, 2) if self._same else x)))
         for prefix, expand, stride, residual in self._plan:
             y = x
             if expand:
                 y = self._run(y, "expand", "expand_BN", "expand_relu", prefix=prefix)
-            if stride == 2:
+            if stride == 2 and self._same:
                 y = _same_pad(y, 3, 2)  # block_N_pad
             y = self._run(y, "depthwise", "depthwise_BN", "depthwise_relu", prefix=prefix)
             y = self._run(y, "project", "project_BN", prefix=prefix)
@@ -165,12 +176,15 @@ def mobilenetv2(
     in_channels: int = 3,
     input_size: int = 224,
     dropout: float = 0.2,
+    layout: str = "keras",
 ) -> MobileNetV2:
     """MobileNetV2 as ``tf.keras.applications.MobileNetV2(alpha=width_mult)`` + dense head.
 
     With ``width_mult=1.0`` and 200 classes it has 2,480,072 parameters (Keras' trainable count).
-    Small variants for tests: ``mobilenetv2(0.35, num_classes=10, input_size=32)``.
+    Small variants for tests: ``mobilenetv2(0.35, num_classes=10, input_size=32)``. ``layout="torchvision"``:
+    as torchvision's, for its ImageNet weights.
     """
     return MobileNetV2(
-        width_mult, num_classes=num_classes, in_channels=in_channels, dropout=dropout, input_size=input_size
-    )
+        width_mult, num_classes=num_classes, in_channels=in_channels, dropout=dropout, input_size=input_size,
+        layout=layout,
+    )  # fmt: skip

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .imagenet import layout_settings
+
 __all__ = ["ResNet", "resnet50", "resnet_small"]
 
 _BN_EPS = 1.001e-5
@@ -53,6 +55,10 @@ class ResNet(nn.Module):
         Dropout rate before the classifier.
     input_size : int
         Nominal input height and width (informational: the network works on any size).
+    layout : str
+        ``"keras"`` (default) or ``"torchvision"``: torchvision's ResNet (v1.5: a stage's stride on the
+        3x3 convolution, BatchNorm epsilon 1e-5) taking images in [0, 1] and normalising them with
+        ImageNet's mean and std, as torchvision's ImageNet weights expect (:mod:`.imagenet`).
     """
 
     def __init__(
@@ -64,10 +70,12 @@ class ResNet(nn.Module):
         in_channels: int = 3,
         dropout: float = 0.2,
         input_size: int = 224,
+        layout: str = "keras",
     ) -> None:
         super().__init__()
         if not blocks or any(b < 1 for b in blocks):
             raise ValueError(f"blocks must be a non-empty sequence of positive ints, got {blocks!r}")
+        self._eps, self.input_norm = layout_settings(layout, in_channels, _BN_EPS)
         self.input_size = input_size
         self.num_classes = num_classes
         # (block name prefix, has a projection shortcut) in forward order
@@ -89,10 +97,11 @@ class ResNet(nn.Module):
                 if first:
                     self._conv(f"{name}_0_conv", in_ch, 4 * filters, 1, stride=s)
                     self._bn(f"{name}_0_bn", 4 * filters)
-                self._conv(f"{name}_1_conv", in_ch, filters, 1, stride=s)
+                s1, s2 = (1, s) if layout == "torchvision" else (s, 1)
+                self._conv(f"{name}_1_conv", in_ch, filters, 1, stride=s1)
                 self._bn(f"{name}_1_bn", filters)
                 self.add_module(f"{name}_1_relu", nn.ReLU())
-                self._conv(f"{name}_2_conv", filters, filters, 3, padding=1)
+                self._conv(f"{name}_2_conv", filters, filters, 3, stride=s2, padding=1)
                 self._bn(f"{name}_2_bn", filters)
                 self.add_module(f"{name}_2_relu", nn.ReLU())
                 self._conv(f"{name}_3_conv", filters, 4 * filters, 1)
@@ -109,14 +118,14 @@ class ResNet(nn.Module):
         self.add_module(name, nn.Conv2d(cin, cout, k, stride=stride, padding=padding, bias=True))
 
     def _bn(self, name: str, ch: int) -> None:
-        self.add_module(name, nn.BatchNorm2d(ch, eps=_BN_EPS, momentum=_BN_MOMENTUM))
+        self.add_module(name, nn.BatchNorm2d(ch, eps=self._eps, momentum=_BN_MOMENTUM))
 
     def _cbn(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return getattr(self, f"{name}_bn")(getattr(self, f"{name}_conv")(x))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Backbone output before pooling, shape ``[B, 4 * width * 2**(stages-1), H/32, W/32]``."""
-        x = self.conv1_relu(self._cbn(x, "conv1"))
+        x = self.conv1_relu(self._cbn(self.input_norm(x), "conv1"))
         x = self.pool1_pool(self.pool1_pad(x))
         for name, projection in self._plan:
             shortcut = self._cbn(x, f"{name}_0") if projection else x
@@ -132,8 +141,11 @@ class ResNet(nn.Module):
         return self.dense(self.dropout(x))
 
 
-def resnet50(num_classes: int = 200, *, in_channels: int = 3, input_size: int = 224, dropout: float = 0.2) -> ResNet:
-    """ResNet-50 as ``tf.keras.applications.ResNet50`` + the artifact's dense head.
+def resnet50(
+    num_classes: int = 200, *, in_channels: int = 3, input_size: int = 224, dropout: float = 0.2, layout: str = "keras"
+) -> ResNet:
+    """ResNet-50 as ``tf.keras.applications.ResNet50`` + the artifact's dense head (``layout="torchvision"``:
+    as torchvision's, for its ImageNet weights).
 
     With 200 classes it has 23,944,392 parameters (Keras' trainable count).
     """
@@ -144,6 +156,7 @@ def resnet50(num_classes: int = 200, *, in_channels: int = 3, input_size: int = 
         in_channels=in_channels,
         dropout=dropout,
         input_size=input_size,
+        layout=layout,
     )
 
 
@@ -155,6 +168,7 @@ def resnet_small(
     blocks: Sequence[int] = (1, 1, 1, 1),
     width: int = 8,
     dropout: float = 0.2,
+    layout: str = "keras",
 ) -> ResNet:
     """A narrow, shallow ResNet with the same layer naming scheme, for fast tests."""
     return ResNet(
@@ -164,4 +178,5 @@ def resnet_small(
         in_channels=in_channels,
         dropout=dropout,
         input_size=input_size,
+        layout=layout,
     )

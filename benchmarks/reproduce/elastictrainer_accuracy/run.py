@@ -3,6 +3,12 @@ fine-tuned on a shifted domain with full training, last layer, and ElasticTraine
 
     python benchmarks/reproduce/elastictrainer_accuracy/run.py [--quick] [--device cuda]
 
+The paper's regime, for anyone with a network (``../sources.py``: torchvision's ImageNet weights, CUB-200
+from the Hugging Face Hub; nothing was run at this size here):
+
+    python benchmarks/reproduce/elastictrainer_accuracy/run.py --device cuda --models resnet50 \
+        --dataset Donghyun99/CUB-200-2011 --image-size 224 --weights torchvision
+
 The domain-gap ablation (README) runs the same setting under several target shifts in one invocation,
 at a size the 2-core CPU host fits (``--shifts``, ``--width-mult``, ``--source-n``, ``--target-n``).
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -57,6 +64,10 @@ from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
 from fedelastic.selection import make_strategy  # noqa: E402
 from fedelastic.training import LocalTraining, train_local  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("reproduce_sources", Path(__file__).resolve().parents[1] / "sources.py")
+sources = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(sources)  # type: ignore[union-attr]
 
 STRATEGIES = {"full": ("full", {}), "last_layer": ("last_layer", {}),
               "elastic_0.5": ("elastic_tensor", {"rho": 0.5}), "elastic_0.4": ("elastic_tensor", {"rho": 0.4})}  # fmt: skip
@@ -122,7 +133,7 @@ def shifted(d: dict[str, np.ndarray], text: str) -> dict[str, np.ndarray]:
     tgt = apply_shift(np.concatenate([d["tr_x"], d["va_x"], d["te_x"]]), shift, seed=1)
     out = {**d, "tr_x": tgt[:n_tr], "va_x": tgt[n_tr : n_tr + n_va], "te_x": tgt[n_tr + n_va :]}
     for split in ("tr", "va", "te"):
-        out[f"{split}_y"] = (d[f"{split}_y"] + offset) % 10
+        out[f"{split}_y"] = (d[f"{split}_y"] + offset) % 10 if offset else d[f"{split}_y"]
     return out
 
 
@@ -138,7 +149,8 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, dev: str) -> 
 
 
 def build(name: str, opts: dict) -> tuple[torch.nn.Module, tuple[int, ...]]:
-    return build_with_input(name, num_classes=10, input_size=32, in_channels=3, **opts)
+    """The model; ``opts`` may override the 10 classes and 32x32 inputs (``--dataset``)."""
+    return build_with_input(name, **{"num_classes": 10, "input_size": 32, "in_channels": 3, **opts})
 
 
 def pretrain(name: str, opts: dict, d: dict, dev: str, epochs: int, start: dict | None = None, cycle: int = 0) -> dict:
@@ -356,12 +368,17 @@ def main(argv: list[str] | None = None) -> None:
         "--probe-shifts", nargs="*", default=[], help="shifts whose gap (before) is measured, not fine-tuned"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    sources.add_arguments(ap)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("result.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.time()
-    d = load_data(args.data, args.quick, args.source_n, args.target_n)
+    if args.dataset and not args.weights:
+        raise SystemExit("--dataset is the target task: give --weights too (there is no source to pretrain on)")
+    d = sources.target_splits(args.dataset, args.image_size) if args.dataset else load_data(args.data, args.quick, args.source_n, args.target_n)
+    if args.dataset:
+        args.shifts = ["clean"]  # the dataset is the target as it comes
     shifts = {shift_label(t): t for t in args.shifts}
     epochs, pre_epochs = (2, [1]) if args.quick else (8, args.pretrain_epochs)
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -371,12 +388,16 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         opts = {"width_mult": args.width_mult} if name == "mobilenetv2" else {}
         opts.update({k: int(v) for k, _, v in (o.partition("=") for o in args.model_option)})
-        state, pretrain_s = pretrained_state(name, opts, d, args, pre_epochs)
+        if args.weights:  # ImageNet weights, a new head: no pretraining here, no source to score
+            opts.update(layout="torchvision", **({"num_classes": sources.num_classes(d), "input_size": d["tr_x"].shape[-1]} if args.dataset else {}))
+            state, pretrain_s = sources.imagenet_start(build(name, opts)[0], args.weights), 0.0
+        else:
+            state, pretrain_s = pretrained_state(name, opts, d, args, pre_epochs)
         probe_model, _ = build(name, opts)
         probe_model.load_state_dict(state)
         probe_model.to(args.device)
-        src_acc, _ = accuracy(probe_model, d["src_x"][:2000], d["src_y"][:2000], args.device)
-        clean_acc, _ = accuracy(probe_model, d["te_x"], d["te_y"], args.device)
+        src_acc = float("nan") if args.weights else accuracy(probe_model, d["src_x"][:2000], d["src_y"][:2000], args.device)[0]
+        clean_acc, _ = accuracy(probe_model, d["te_x"], d["te_y"], args.device)  # with --weights: a new head's
         entry: dict = {"options": opts, "pretrain_s": pretrain_s, "source_train_accuracy": src_acc,
                        "clean_target_test_accuracy": clean_acc, "probe_gaps": {}, "shifts": {}}  # fmt: skip
         print(f"{name} {opts}: source {src_acc:.3f}, clean target test {clean_acc:.3f}", flush=True)
