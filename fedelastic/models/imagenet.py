@@ -15,49 +15,22 @@ or ``"torchvision:PATH_OR_URL"``, and ``model.options.layout = "torchvision"``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .layout import ImageNetNorm
+from .mobilenetv2 import MobileNetV2
+from .resnet import ResNet
 
 # torchvision's IMAGENET1K_V1 weights (top-1 76.13% and 71.88% at 224x224)
 URLS = {
     "resnet50": "https://download.pytorch.org/models/resnet50-0676ba61.pth",
     "mobilenetv2": "https://download.pytorch.org/models/mobilenet_v2-b0353104.pth",
 }
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-TORCHVISION_EPS = 1e-5
 PREFIX = "torchvision"
-
-
-class ImageNetNorm(nn.Module):
-    """``(x - mean) / std`` per channel with ImageNet's statistics (buffers not in the state dict)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.tensor(MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(STD).view(1, 3, 1, 1), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.std
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def layout_settings(layout: str, in_channels: int, keras_eps: float) -> tuple[float, Callable]:
-    """(BatchNorm epsilon, input normalisation) of a model ``layout``: ``keras`` or ``torchvision``."""
-    if layout == "keras":
-        return keras_eps, _identity
-    if layout == "torchvision":
-        if in_channels != 3:
-            raise ValueError(f"layout 'torchvision' takes RGB images (in_channels 3), got in_channels {in_channels}")
-        return TORCHVISION_EPS, ImageNetNorm()
-    raise ValueError(f"layout must be 'keras' or 'torchvision', got {layout!r}")
 
 
 def is_torchvision(weights: str) -> bool:
@@ -116,9 +89,6 @@ def mobilenetv2_names(model: nn.Module) -> dict[str, str]:
 
 
 def _family(model: nn.Module, src: str, key: str) -> tuple[str, dict[str, str]]:
-    from .mobilenetv2 import MobileNetV2
-    from .resnet import ResNet
-
     if not isinstance(model.input_norm, ImageNetNorm):
         raise ConfigError(src, "model.options", 'layout = "torchvision" for torchvision\'s weights', "layout 'keras'")
     if isinstance(model, ResNet):

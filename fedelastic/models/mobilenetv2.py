@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .imagenet import layout_settings
+from .layout import layout_settings
 
 __all__ = ["MobileNetV2", "mobilenetv2"]
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .imagenet import layout_settings
+from .layout import layout_settings
 
 __all__ = ["ResNet", "resnet50", "resnet_small"]
 

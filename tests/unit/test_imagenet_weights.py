@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from fedelastic.errors import ConfigError
-from fedelastic.models.imagenet import MEAN, STD, imagenet_state
+from fedelastic.models.imagenet import imagenet_state
+from fedelastic.models.layout import MEAN, STD
 from fedelastic.models.mobilenetv2 import _BLOCKS, _make_divisible, mobilenetv2
 from fedelastic.models.resnet import resnet50, resnet_small
 from tests.support import ROOT
@@ -173,7 +174,7 @@ def test_refusals_name_the_problem(tmp_path):
 
 
 def test_a_scenario_starts_from_torchvision_weights(make_scenario, tmp_path, monkeypatch):
-    from fedelastic.fl.env import RunEnvironment
+    from fedelastic.environment import RunEnvironment
     from fedelastic.pretrain import initial_state
 
     monkeypatch.setenv("FEDELASTIC_CACHE", str(tmp_path / "cache"))
