@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     state, doc["pretrain_curve"] = pretrain(d, args)
     doc["pretrain_s"] = time.time() - start
     state = eta.fold_norms("mobilenetv2", {"width_mult": args.width_mult},
-                           eta.recalibrate_norms("mobilenetv2", {"width_mult": args.width_mult}, state, d["src_x"], args.device))  # fmt: skip
+                           {k: v.cpu() for k, v in eta.recalibrate_norms("mobilenetv2", {"width_mult": args.width_mult}, state, d["src_x"], args.device).items()})  # fmt: skip
     probe, _ = eta.build("mobilenetv2", {"width_mult": args.width_mult})
     probe.load_state_dict(state)
     probe.to(args.device)
