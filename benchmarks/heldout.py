@@ -53,7 +53,7 @@ from fedelastic.modelinfo import describe  # noqa: E402
 
 HELD_OUT = (
     "resnet18", "mobilenet_v3_small", "efficientnet_b0", "mnasnet0_5", "shufflenet_v2_x0_5",
-    "squeezenet1_1", "regnet_x_400mf", "densenet121", "vgg11", "swin_t",
+    "squeezenet1_1", "regnet_x_400mf", "densenet121", "vgg11", "regnet_y_400mf",
 )  # fmt: skip
 SELECTIONS = ("full", "last", "suffix", "sparse")
 CLOCK = time.thread_time
@@ -107,7 +107,9 @@ def median_uncertainty(samples: list[float], rng: np.random.Generator, n: int = 
     return float(np.std(meds) / np.median(s))
 
 
-def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log) -> dict:
+def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log, reuse: dict | None = None) -> dict:
+    """One held-out model: real steps and per-layer table (or those of ``reuse``, a row of an
+    earlier run), and each profile's prediction of them."""
     torch.manual_seed(0)
     model = getattr(zoo, name)(weights=None)
     x = torch.randn(8, 3, 64, 64)
@@ -115,21 +117,19 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log)
     info = describe(model, x[:1], model_name=name)
     sels = selections(info)
     t0 = time.perf_counter()
-    real = real_step_times(model, info, x, y, sels, reps)
-    table = measure_layers(model, x, model_name=name, repeats=layer_repeats, warmup=1, clock="cpu")
-    rng = np.random.default_rng(0)
-    row: dict = {
-        "model": name,
-        "tensors": info.num_tensors,
-        "params": info.num_params,
-        "real_s": {k: float(np.median(v)) for k, v in real.items()},
-        "real_median_rel_sd": {k: median_uncertainty(v, rng) for k, v in real.items()},
-        "samples": len(real["full"]),
-        "pred_s": {},
-        "layer_err": {},
-    }
-    meas = np.array([[t.fwd_s, t.dx_s, t.dw_s] for t in (table.layers.get(layer.name) for layer in info.layers) if t])
-    names_measured = [layer.name for layer in info.layers if layer.name in table.layers]
+    row: dict = {"model": name, "tensors": info.num_tensors, "params": info.num_params, "pred_s": {}, "layer_err": {}}
+    if reuse is None:
+        real = real_step_times(model, info, x, y, sels, reps)
+        table = measure_layers(model, x, model_name=name, repeats=layer_repeats, warmup=1, clock="cpu")
+        rng = np.random.default_rng(0)
+        row["real_s"] = {k: float(np.median(v)) for k, v in real.items()}
+        row["real_median_rel_sd"] = {k: median_uncertainty(v, rng) for k, v in real.items()}
+        row["samples"] = len(real["full"])
+        row["layers"] = {n: [t.fwd_s, t.dx_s, t.dw_s] for n, t in table.layers.items()}
+    else:
+        row.update({k: reuse[k] for k in ("real_s", "real_median_rel_sd", "samples", "layers")})
+    names_measured = [layer.name for layer in info.layers if layer.name in row["layers"]]
+    meas = np.array([row["layers"][n] for n in names_measured])
     for label, device in profiles.items():
         cost = CostModel(info, device, 8)
         row["pred_s"][label] = {k: cost.step_time_s(r) for k, r in sels.items()}
@@ -146,7 +146,7 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log)
     return row
 
 
-def summary(rows: list[dict], label: str) -> dict:
+def summary(rows: list[dict], label: str, band: float = 0.0) -> dict:
     cell, speed, layers = [], [], []
     for r in rows:
         pred, real = r["pred_s"][label], r["real_s"]
@@ -164,7 +164,13 @@ def summary(rows: list[dict], label: str) -> dict:
         "speedup_median_abs": float(np.median(speed_a)),
         "layer_median_abs": float(np.median(layer_a)),
         "layers": len(layers),
+        "band": band,  # the profile's 1-sigma step band ([uncertainty] step)
+        "coverage": float(np.mean(cell_a <= band)),  # cells whose real step falls inside it (1 sigma: ~68%)
     }
+
+
+def band(profile) -> float:
+    return profile.uncertainty.value if profile.uncertainty is not None else 0.0
 
 
 def markdown(res: dict) -> str:
@@ -173,14 +179,14 @@ def markdown(res: dict) -> str:
         f"{res['wall_s']:.0f} s wall). Profile: `{res['profile']}` ({res['profile_models']}). Raw numbers: `{res['out']}`.",
         "",
         "| pricing | cells within +-10% | within +-25% | median abs error (signed) | speedup within +-5% | "
-        "speedup median abs error | per-layer median abs error |",
-        "|---|---|---|---|---|---|---|",
+        "speedup median abs error | per-layer median abs error | stated 1-sigma band: cells inside |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, s in res["summary"].items():
         lines.append(
             f"| {label} | {s['within_10']:.0%} of {s['cells']} | {s['within_25']:.0%} | {s['median_abs']:.1%} "
             f"({s['median_signed']:+.1%}) | {s['speedup_within_5']:.0%} | {s['speedup_median_abs']:.1%} | "
-            f"{s['layer_median_abs']:.1%} (of {s['layers']}) |"
+            f"{s['layer_median_abs']:.1%} (of {s['layers']}) | {s['band']:.1%}: {s['coverage']:.0%} |"
         )
     labels = list(res["summary"])
     lines += [
@@ -202,6 +208,27 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def refit(path: Path, samples: Path) -> Path:
+    """A copy of the profile ``path`` (beside it, ``*_refit.toml``) with ``[sampled]`` refitted to ``samples``
+    by the current code, calibrated on the profile's own measured tables (registry models, factory defaults)."""
+    import tomllib
+
+    from fedelastic.kernelsample import load_samples
+    from fedelastic.models import describe_model
+    from fedelastic.profiler import sampled_into
+    from fedelastic.profiles import write_profile
+
+    profile = load_profile(path)
+    raw = tomllib.loads(path.read_text())
+    out = path.with_name(path.stem + "_refit.toml")
+    pairs = [(describe_model(m), t) for m, t in profile.measured.items()]
+    by = raw["sampled"]["source"].split(":")[0]
+    raw["name"] = out.stem
+    sampled_into(raw, pairs, load_samples(samples.read_text()), str(out), by, progress=print)
+    write_profile(raw, out)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", type=Path, required=True, help="a profile written by `fedelastic profile measure`")
@@ -210,21 +237,32 @@ def main() -> int:
     parser.add_argument("--layer-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "heldout.json")
     parser.add_argument("--markdown", type=Path, help="also write the tables (markdown) here")
+    parser.add_argument("--refit-samples", type=Path, help="refit [sampled] of --profile to these samples (JSON of --save-samples) first")
+    parser.add_argument("--reuse", type=Path, help="an earlier --out: reuse its real steps and layer tables, re-price only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     zoo = import_torchvision()
+    if args.refit_samples:
+        args.profile = refit(args.profile, args.refit_samples)
     profile = load_profile(args.profile)
     if not profile.sampled:
         raise SystemExit(f"{args.profile}: no [sampled] kernel predictors (measure it without --no-kernel-samples)")
     profiles = {"after (sampled kernels)": profile, "before (fitted kernel classes)": dataclasses.replace(profile, sampled={})}
     t0 = time.perf_counter()
+    earlier = {r["model"]: r for r in json.loads(args.reuse.read_text())["rows"]} if args.reuse else {}
     rows = []
     for name in args.models:
-        rows.append(evaluate(name, zoo, profiles, args.reps, args.layer_repeats, lambda m: print(m, flush=True)))
+        if args.reuse and name not in earlier:
+            continue
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        rows.append(evaluate(name, zoo, profiles, args.reps, args.layer_repeats, log, earlier.get(name)))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps(rows))  # kept if a later model fails
     import platform
 
     res = {
         "command": "python " + " ".join(["benchmarks/heldout.py", *sys.argv[1:]]),
+        "real_from": str(args.reuse) if args.reuse else "this run",
         "date": time.strftime("%Y-%m-%d"),
         "host": f"{platform.node()}, {platform.machine()}",
         "torch": torch.__version__,
@@ -232,7 +270,7 @@ def main() -> int:
         "profile_models": ", ".join(profile.measured),
         "out": str(args.out),
         "wall_s": time.perf_counter() - t0,
-        "summary": {label: summary(rows, label) for label in profiles},
+        "summary": {label: summary(rows, label, band(p)) for label, p in profiles.items()},
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .devices import DeviceProfile, MeasuredTable, parse_profile
-from .fit import FitResult
-from .kernelsample import _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile, samples_json
+from .fit import FitResult, _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile
+from .kernelsample import samples_json
 from .measure import host_memory_available, measure_copy_bandwidth, measure_layers, measure_peak_flops
 from .models import build_with_input, describe_model
 from .profiles import (
@@ -152,38 +152,81 @@ def sample_into(
     clock: str,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, list]:
-    """Sample the kernel classes for ``seconds``, write ``[sampled]``, and replace ``[uncertainty]
-    step`` by the sampled predictors' RMS step error on the measured ``pairs`` (none of them was
-    used to fit the predictors: each is a held-out model)."""
-    import numpy as np
-
-    from .costmodel import CostModel
-    from .devices import parse_profile
-    from .kernelsample import fit_predictors, predictors_toml, sample_kernels
+    """Sample the kernel classes for ``seconds`` and write them in (:func:`sampled_into`)."""
+    from .kernelsample import sample_kernels
 
     say = progress or (lambda _msg: None)
     say(f"sampling the kernels for {seconds / 60:.3g} min")
     samples = sample_kernels(seconds, batch=batch, clock=clock, progress=say)
-    predictors = fit_predictors(samples)
-    raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
-    device = parse_profile(raw, src)
-    unmeasured = dataclasses.replace(device, measured={})
-    errs = []
-    for info, table in pairs:
-        pred = CostModel(info, unmeasured, table.batch_size).full_step_time_s()
-        errs.append(pred / table.step_s - 1)
-        say(f"{info.model_name}: step predicted from the sampled kernels {pred * 1e3:.1f} ms, measured "
-            f"{table.step_s * 1e3:.1f} ms ({errs[-1]:+.1%})")  # fmt: skip
-    rms = float(np.sqrt(np.mean(np.square(errs))))
-    names = ", ".join(info.model_name for info, _ in pairs)
-    raw["uncertainty"] = {
-        "step": {
-            "value": float(f"{max(rms, 1e-4):.3g}"),
-            "unit": "1",
-            "source": f"{by}: RMS error of the sampled-kernel step of {names} (measured, never fitted to)",
-        }
-    }
+    sampled_into(raw, pairs, samples, src, by, progress=say)
     return samples
+
+
+def sampled_into(
+    raw: dict[str, Any],
+    pairs: Sequence[tuple[Any, MeasuredTable]],
+    samples: dict[str, list],
+    src: str,
+    by: str,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Fit the predictors to ``samples`` and write ``[sampled]`` and ``[uncertainty] step``.
+
+    A kernel timed alone is not what a model's step pays for it: its forward runs faster (its
+    input stays in cache, its output reuses a freed buffer), its backward pays no gradient
+    accumulation. The measured ``pairs`` calibrate that: per layer, ``scale * t + seconds`` for the
+    forward and for the backward (:func:`~fedelastic.kernelsample.fit_calibration`, over every
+    layer of every table). The band is the RMS error of each model's layers (forward, dX and dW
+    summed) predicted with the calibration fitted to the *other* models (leave one model out);
+    with a single model, its uncalibrated error (none is left to check the calibration).
+    """
+    import numpy as np
+
+    from .kernelsample import fit_calibration, fit_predictors, predicted_layers, predictors_toml
+
+    say = progress or (lambda _msg: None)
+    predictors: dict[str, Any] = dict(fit_predictors(samples))
+    rows = []
+    for info, table in pairs:
+        pred, _ = predicted_layers(predictors, info, table.batch_size)
+        names = [n for n in pred if n in table.layers]
+        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names])))
+    pred_all, meas_all = (np.concatenate([r[i] for r in rows]) for i in (0, 1))
+    errs = []
+    for k, (_pred, meas) in enumerate(rows):
+        rest = [r for j, r in enumerate(rows) if j != k]
+        cal = (
+            fit_calibration(np.concatenate([r[0] for r in rest]), np.concatenate([r[1] for r in rest]))
+            if rest
+            else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
+        )
+        held = {**predictors, "calibration": cal}
+        errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
+        say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
+    predictors["calibration"] = fit_calibration(pred_all, meas_all)
+    raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
+    how = (
+        "leave-one-model-out RMS error of the sampled kernels' layers (forward, dX, dW summed)"
+        if len(pairs) > 1
+        else "error of the uncalibrated sampled kernels' layers (one model: none left to check the calibration)"
+    )
+    names = ", ".join(info.model_name for info, _ in pairs)
+    rms = float(np.sqrt(np.mean(np.square(errs))))
+    raw["uncertainty"] = {
+        "step": {"value": float(f"{max(rms, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how} ({names})"}
+    }
+
+
+def _row(t) -> tuple[float, float, float]:
+    return (t.fwd_s, t.dx_s, t.dw_s)
+
+
+def predicted_total(predictors: dict[str, Any], info: Any, batch_size: int) -> float:
+    """Seconds of every layer's forward, dX and dW as the sampled kernels price them."""
+    from .kernelsample import predicted_layers
+
+    layers, _ = predicted_layers(predictors, info, batch_size)
+    return float(sum(sum(v) for v in layers.values()))
 
 
 def _origin(source: str, width: int = 80) -> str:

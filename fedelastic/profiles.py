@@ -208,9 +208,11 @@ def dumps_profile(raw: dict[str, Any]) -> str:
         lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
     sampled = raw.get("sampled", {})
     if sampled:
-        lines += ["", "[sampled]", f"source = {_toml_value(sampled.get('source', ''))}"]
+        lines += ["", "[sampled]", f"source = {_toml_value(sampled['source'])}"]
+        if "calibration" in sampled:
+            lines.append(f"calibration = {_inline(sampled['calibration'])}")
     for cls, table in sampled.items():
-        if isinstance(table, dict):
+        if isinstance(table, dict) and cls != "calibration":
             lines += ["", f"[sampled.{_toml_key(cls)}]"]
             lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
     for model, table in raw.get("measured", {}).items():
