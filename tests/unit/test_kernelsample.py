@@ -170,8 +170,12 @@ def test_a_profile_with_a_sampled_section_validates(tmp_path):
     assert parse_profile(tomllib.loads(text), "x.toml").sampled["relu"]["dx"].coef[0] == 200e-6
 
 
-def test_sampling_times_every_phase_and_the_samples_refit():
+def test_sampling_times_every_phase_and_the_samples_refit(monkeypatch):
+    import fedelastic.kernelsample as ks
+
     torch.set_num_threads(1)
+    sizes = iter(range(2, 100))  # small configurations: the drawing itself is not under test
+    monkeypatch.setattr(ks, "draw_config", lambda cls, rng, batch: {"b": 2, "c": 4, "size": next(sizes), "kind": 2})
     samples = sample_kernels(0, classes=("relu", "add"), min_per_class=4, repeats=2, clock="cpu")
     assert {c: len(v) for c, v in samples.items()} == {"relu": 4, "add": 4}
     for cls, rows in samples.items():
