@@ -80,7 +80,7 @@ def selections(info, seed: int = 0) -> dict[str, np.ndarray]:
     return {"full": np.ones(n), "last": last, "suffix": suffix, "sparse": sparse}
 
 
-def real_step_times(model, info, x, y, sels: dict[str, np.ndarray], reps: int) -> dict[str, list[float]]:
+def real_step_times(model, info, x, y, sels: dict[str, np.ndarray], reps: int, clock=CLOCK) -> dict[str, list[float]]:
     """Interleaved real steps: each round runs every selection (one warm-up, two timed steps)."""
     out: dict[str, list[float]] = {k: [] for k in sels}
     for _ in range(reps):
@@ -88,12 +88,12 @@ def real_step_times(model, info, x, y, sels: dict[str, np.ndarray], reps: int) -
             params = apply_selection(model, info, ratios)
             opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=1e-12, momentum=0.9)
             for i in range(3):
-                t0 = CLOCK()
+                t0 = clock()
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
                 if i:
-                    out[key].append(CLOCK() - t0)
+                    out[key].append(clock() - t0)
     for p in model.parameters():
         p.requires_grad_(True)
     model.train()

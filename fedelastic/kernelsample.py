@@ -457,21 +457,26 @@ def _build(cls: str, cfg: dict[str, Any]):
     raise ValueError(f"unknown kernel class {cls!r}")
 
 
-def time_config(cls: str, cfg: dict[str, Any], clock: Callable[[], float], repeats: int = 5, warmup: int = 1):
-    """(features, {phase: seconds}) of one configuration, timed as the module docstring says."""
+def time_config(
+    cls: str, cfg: dict[str, Any], clock: Callable[[], float], repeats: int = 5, warmup: int = 1, device: str = "cpu"
+):
+    """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring says."""
     import torch
 
     from .measure import _median_time
 
     if cls == "optimizer":
         sizes = np.full(cfg["tensors"], max(cfg["elements"] // cfg["tensors"], 1))
-        params = [torch.nn.Parameter(torch.randn(int(s))) for s in sizes]
+        params = [torch.nn.Parameter(torch.randn(int(s), device=device)) for s in sizes]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.SGD(params, lr=1e-12, momentum=0.9)
         t = _median_time(opt.step, repeats, warmup + 1, clock)  # the first step allocates the momentum
         return np.array([float(len(sizes)), float(sizes.sum())]), {"step": t}
     fn, inputs, feats = _build(cls, cfg)
+    inputs = tuple(x.to(device) for x in inputs)
+    if isinstance(fn, torch.nn.Module):
+        fn.to(device)
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     if isinstance(fn, torch.nn.Module):
         fn.eval()
@@ -517,12 +522,14 @@ def sample_kernels(
     repeats: int = 5,
     min_per_class: int = 8,
     classes: tuple[str, ...] = tuple(CLASSES),
+    device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[tuple[np.ndarray, dict[str, float]]]]:
     """Time random configurations of every class (:data:`CLASSES`) for about ``seconds`` of wall time.
 
     Classes are drawn in proportion to :data:`WEIGHTS`, after ``min_per_class`` of each; the
-    drawing stops at the deadline (a configuration started before it finishes).
+    drawing stops at the deadline (a configuration started before it finishes). ``device``: where
+    the kernels run (``cuda`` with the ``cuda`` clock: every stamp waits for the device).
     """
     from .measure import get_clock
 
@@ -536,7 +543,7 @@ def sample_kernels(
     order = [c for _ in range(min_per_class) for c in names]
     while True:
         cls = order.pop(0) if order else str(rng.choice(names, p=weights / weights.sum()))
-        out[cls].append(time_config(cls, draw_config(cls, rng, batch), clock_fn, repeats))
+        out[cls].append(time_config(cls, draw_config(cls, rng, batch), clock_fn, repeats, device=device))
         done = sum(map(len, out.values()))
         if done % 50 == 0:
             say(f"{done} kernel configurations timed ({time.perf_counter() - start:.0f} s)")

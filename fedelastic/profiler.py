@@ -182,28 +182,11 @@ def sampled_into(
     """
     import numpy as np
 
-    from .kernelsample import fit_calibration, fit_predictors, predicted_layers, predictors_toml
+    from .kernelsample import fit_predictors, predictors_toml
 
     say = progress or (lambda _msg: None)
     predictors: dict[str, Any] = dict(fit_predictors(samples))
-    rows = []
-    for info, table in pairs:
-        pred, _ = predicted_layers(predictors, info, table.batch_size)
-        names = [n for n in pred if n in table.layers]
-        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names])))
-    pred_all, meas_all = (np.concatenate([r[i] for r in rows]) for i in (0, 1))
-    errs = []
-    for k, (_pred, meas) in enumerate(rows):
-        rest = [r for j, r in enumerate(rows) if j != k]
-        cal = (
-            fit_calibration(np.concatenate([r[0] for r in rest]), np.concatenate([r[1] for r in rest]))
-            if rest
-            else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
-        )
-        held = {**predictors, "calibration": cal}
-        errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
-        say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
-    predictors["calibration"] = fit_calibration(pred_all, meas_all)
+    predictors["calibration"], errs = calibrate(predictors, pairs, say)
     raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
     how = (
         "leave-one-model-out RMS error of the sampled kernels' layers (forward, dX, dW summed)"
@@ -215,6 +198,35 @@ def sampled_into(
     raw["uncertainty"] = {
         "step": {"value": float(f"{max(rms, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how} ({names})"}
     }
+
+
+def calibrate(
+    predictors: dict[str, Any], pairs: Sequence[tuple[Any, MeasuredTable]], say: Callable[[str], None]
+) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    """The calibration fitted to every table of ``pairs`` and, per model, the error of its layers
+    (forward, dX, dW summed) with the calibration fitted to the others (uncalibrated if alone)."""
+    import numpy as np
+
+    from .kernelsample import fit_calibration, predicted_layers
+
+    rows = []
+    for info, table in pairs:
+        pred, _ = predicted_layers(predictors, info, table.batch_size)
+        names = [n for n in pred if n in table.layers]
+        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names])))
+    errs = []
+    for k, (_pred, meas) in enumerate(rows):
+        rest = [r for j, r in enumerate(rows) if j != k]
+        cal = (
+            fit_calibration(np.concatenate([r[0] for r in rest]), np.concatenate([r[1] for r in rest]))
+            if rest
+            else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
+        )
+        held = {**predictors, "calibration": cal}
+        errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
+        say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
+    pred_all, meas_all = (np.concatenate([r[i] for r in rows]) for i in (0, 1))
+    return fit_calibration(pred_all, meas_all), errs
 
 
 def _row(t) -> tuple[float, float, float]:
