@@ -207,3 +207,20 @@ def test_state_copy_keeps_the_module_versions():
     plain = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="version"):
         model.load_state_dict(plain)
+
+
+def test_calibrate_fits_the_tables_and_leaves_each_model_out_for_its_band():
+    from fedelastic.profiler import calibrate
+
+    info = small_info()
+    layers, _ = predicted_layers(CONSTANT, info, 2)
+    # a table whose every layer pays twice its forward timed alone (by hand), and the same backward
+    rows = {n: LayerTiming(2 * f, dx, dw) for n, (f, dx, dw) in layers.items()}
+    table = MeasuredTable(batch_size=2, source="test", layers=rows)
+    cal, errs = calibrate(CONSTANT, [(info, table), (info, table)], lambda _m: None)
+    assert cal["fwd"] == pytest.approx((2.0, 0.0), abs=1e-9) and cal["bwd"] == (1.0, 0.0)
+    assert errs == pytest.approx([0.0, 0.0], abs=1e-9)  # each predicted by the other's calibration
+    _, alone = calibrate(CONSTANT, [(info, table)], lambda _m: None)
+    fwd = sum(f for f, _, _ in layers.values())
+    total = sum(map(sum, layers.values()))
+    assert alone == pytest.approx([total / (total + fwd) - 1])  # one model: its uncalibrated error
