@@ -374,6 +374,8 @@ def cmd_profile(args) -> None:
             profile, fit, table = measure_profile(
                 args.model,
                 args.out,
+                sample_seconds=args.sample_minutes * 60 if args.kernel_samples else 0.0,
+                save_samples=args.save_samples,
                 batch_size=args.batch_size,
                 input_size=args.input_size,
                 num_classes=args.num_classes,
@@ -573,7 +575,10 @@ def pretrain_command(scenario: Annotated[str, typer.Argument(help="scenario file
 
 @profile_app.command("measure")
 def profile_measure(
-    model: Annotated[str, typer.Option(help="registry model name or package.module:callable")],
+    model: Annotated[
+        list[str],
+        typer.Option(help="registry model name or package.module:callable (repeatable: one table each, one fit)"),
+    ],
     out: Annotated[Path, typer.Option(help="profile file to write (its stem is the device name)")],
     batch_size: Annotated[int, typer.Option()] = 8,
     input_size: Annotated[int | None, typer.Option(help="input height and width (default: the factory's)")] = None,
@@ -591,12 +596,18 @@ def profile_measure(
     ] = "wall",
     like: Annotated[str | None, typer.Option(help=r"profile (name or file) to copy \[power] and \[network] from")] = None,
     device_class: Annotated[str, typer.Option(click_type=click.Choice(["mcu", "sbc", "gpu-edge", "phone"]))] = "sbc",
+    kernel_samples: Annotated[
+        bool, typer.Option(help="also time sampled kernels and fit the predictors that price unmeasured models")
+    ] = True,
+    sample_minutes: Annotated[float, typer.Option(help="minutes of kernel sampling (longer: more configurations)")] = 10.0,
+    save_samples: Annotated[Path | None, typer.Option(help="also write the timed kernel configurations (JSON)")] = None,
 ) -> int:
     """measure this machine with torch and write its device profile"""
     return _call(
         "profile", cmd_profile, action="measure", model=model, out=out, batch_size=batch_size,
         input_size=input_size, num_classes=num_classes, in_channels=in_channels, option=option or [], name=name,
         repeats=repeats, warmup=warmup, threads=threads, clock=clock, like=like, device_class=device_class,
+        kernel_samples=kernel_samples, sample_minutes=sample_minutes, save_samples=save_samples,
     )  # fmt: skip
 
 

@@ -50,10 +50,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .devices import DeviceProfile
-from .kernels import DW, DX, FWD, OPS, measured_table, step_kernels
+from .kernels import DW, DX, FWD, OPS, measured_table, predicted_table, step_kernels
 from .kernels import kernel_parameters as kernel_parameters  # re-exported: part of this module's API
 from .kernels import kernel_times as kernel_times
 from .kernels import shape_mismatch as shape_mismatch
+from .kernelsample import optimizer_seconds
 from .modelinfo import ModelInfo
 
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -154,6 +155,10 @@ class CostModel:
             device.launch_overhead_s.value
         )  # paid once by every step that trains anything (+ the loss, if measured)
         self.measured = measured_table(device, info)
+        self.predicted = self.measured is None and bool(device.sampled)  # priced by the sampled kernels
+        if self.predicted:
+            self.measured = predicted_table(device, info, batch_size)
+            self._apply_sampled_optimizer()
         if self.measured is not None:
             self._apply_measured(layer_fwd)
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
@@ -174,6 +179,15 @@ class CostModel:
         on = self.kernel_slot == slot
         np.add.at(out, self.kernel_index[on], times[on])
         return out
+
+    def _apply_sampled_optimizer(self) -> None:
+        """The optimizer update from the profile's sampled predictor (SGD with momentum; other
+        optimizers scaled by the streams they read and write)."""
+        sampled = optimizer_seconds(self.device.sampled, self.info.tensor_numel)
+        if sampled is not None:
+            per_tensor, once = sampled
+            self.t_opt = per_tensor * (3 + 2 * self.optimizer_state) / 5.0
+            self.t_bwd_fixed += once
 
     def _apply_measured(self, layer_fwd: np.ndarray) -> None:
         table, info = self.measured, self.info
@@ -211,7 +225,7 @@ class CostModel:
 
     def _compute_roofline_share(self) -> float:
         full = self.full_step_time_s()
-        if self.measured is None or full <= 0:
+        if self.measured is None or self.predicted or full <= 0:
             return 1.0
         covered = 0.0
         for li, layer in enumerate(self.info.layers):

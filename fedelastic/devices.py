@@ -143,6 +143,8 @@ class DeviceProfile:
     #: the framework copies convolution activations between memory layouts (TensorFlow's layout
     #: optimizer on a GPU: NHWC <-> NCHW around every conv); priced by kernel-aware profiles only
     layout_transposes: bool = False
+    #: sampled kernel predictors (``[sampled]``: class -> phase -> predictor; see fedelastic.kernelsample)
+    sampled: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes_per_element(self) -> int:
@@ -189,6 +191,7 @@ _TOP_KEYS = {
     "measured",
     "kernels",
     "layout_transposes",
+    "sampled",
 }
 
 
@@ -203,6 +206,8 @@ KEY_HELP: dict[str, str] = {
     "measured": "measured per-layer tables, one per model (written by `fedelastic profile` tools, never by hand)",
     "kernels": "fitted roofline of each kernel class (v2; see the cost model)",
     "layout_transposes": "price the framework's layout copies around convs (v2; default false)",
+    "sampled": "per kernel class and phase, a predictor fitted to kernels timed on the device (written by "
+    "`fedelastic profile measure`, never by hand); prices every model it has no measured table of",
     "memory.train": "memory available to training (for MCUs, the SRAM budget: trained weights, gradients, "
     "optimizer state, saved activations, workspace; every weight too when there is no memory.flash)",
     "memory.flash": "flash that holds the frozen weights, read in place (MCUs); absent: all weights count "
@@ -438,7 +443,14 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         kernels=_kernels(src, raw["kernels"]) if "kernels" in raw else {},
         uncertainty=q.get("uncertainty.step"),
         layout_transposes=raw.get("layout_transposes", False),
+        sampled=_sampled(src, raw["sampled"]) if "sampled" in raw else {},
     )
+
+
+def _sampled(src: str, raw: Any) -> dict[str, Any]:
+    from .kernelsample import parse_sampled
+
+    return parse_sampled(src, raw)
 
 
 def load_profile(path: str | Path) -> DeviceProfile:

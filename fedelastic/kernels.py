@@ -166,6 +166,23 @@ _FIGURE_TEXT = {
 }
 
 
+def predicted_table(device: DeviceProfile, info: ModelInfo, batch_size: int) -> MeasuredTable:
+    """A per-layer table of ``info`` at ``batch_size`` priced by ``device``'s sampled kernel
+    predictors (:func:`fedelastic.kernelsample.predicted_layers`); layers they cannot price are
+    left out (the kernel/roofline model prices those)."""
+    from .devices import LayerTiming
+    from .kernelsample import predicted_layers
+
+    layers, after = predicted_layers(device.sampled, info, batch_size)
+    return MeasuredTable(
+        batch_size=batch_size,
+        source=f"{device.name}: predicted by its sampled kernels",
+        layers={name: LayerTiming(*t) for name, t in layers.items()},
+        unattributed_fwd_s=after,
+        model=info.model_name,
+    )
+
+
 def measured_table(device: DeviceProfile, info: ModelInfo) -> MeasuredTable | None:
     """``device``'s measured table of ``info.model_name``, if it was measured on a model of this shape.
 

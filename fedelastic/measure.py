@@ -82,6 +82,15 @@ def _median_time(fn: Callable[[], Any], repeats: int, warmup: int, clock: Callab
     return float(np.median(times))
 
 
+def _state_copy(model):
+    """A detached copy of ``model``'s state dict that keeps its ``_metadata`` (module versions:
+    torchvision's MNASNet, for one, refuses a state dict without them)."""
+    state = model.state_dict()
+    copy = type(state)((k, v.detach().clone()) for k, v in state.items())
+    copy._metadata = getattr(state, "_metadata", None)  # type: ignore[attr-defined]
+    return copy
+
+
 def _owner_layers(model) -> list[tuple[str, Any]]:
     """Modules that own parameters directly, in ``named_modules()`` order (as ModelInfo)."""
     return [(n, m) for n, m in model.named_modules() if next(iter(m.parameters(recurse=False)), None) is not None]
@@ -304,7 +313,7 @@ def measure_layers(
         say(f"left to the roofline (they own parameters and have children): {nested}")
     names = [n for n, _ in owners]
     norms = {n for n, m in owners if _is_norm(m)}
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = _state_copy(model)
     flags = [p.requires_grad for p in model.parameters()]
     was_training = model.training
     loss_fn = torch.nn.functional.cross_entropy

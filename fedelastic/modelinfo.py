@@ -50,6 +50,10 @@ class LayerInfo:
     tensors: tuple[int, ...]
     groups: int = 1  # conv groups: a grouped (depthwise) conv's output channel needs only its own inputs
     batch_stats: bool = False  # a BatchNorm (its statistics can be frozen); other norms normalise per sample
+    # geometry, for the sampled kernel predictors (fedelastic.kernelsample); 0: not recorded
+    in_channels: int = 0  # conv in_channels, linear in_features, norm features
+    kernel: int = 0  # conv kernel area (kh * kw)
+    stride: int = 0  # conv stride area (sh * sw)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class OpInfo:
     in_numel: int
     out_numel: int
     above: int
+    module: str = ""  # the module's class name (ReLU, MaxPool2d...), for the sampled kernel predictors
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,15 @@ def _fn_kind(name: str) -> str | None:
     if name in _FN_LAYOUT:
         return "layout"
     return None
+
+
+def _geometry(module: nn.Module) -> tuple[int, int, int]:
+    """(in_channels, kernel area, stride area) of a layer (0 where it has none)."""
+    shape = getattr(module, "normalized_shape", None)
+    cin = getattr(module, "in_channels", getattr(module, "in_features", getattr(module, "num_features", 0)))
+    cin = int(shape[-1]) if shape else int(cin or 0)
+    kernel, stride = getattr(module, "kernel_size", None), getattr(module, "stride", None)
+    return cin, int(np.prod(kernel)) if kernel else 0, int(np.prod(stride)) if stride else 0
 
 
 def _kind(module: nn.Module) -> str:
@@ -374,7 +388,7 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
             continue
         if id(mod) not in owner_ids:
             kind = "mask" if isinstance(mod, _module_types()[1]) else "saved"
-            ops_raw.append((name, kind, in_n, out_n, len(layers)))
+            ops_raw.append((name, kind, in_n, out_n, len(layers), type(mod).__name__))
             continue
         kind = _kind(mod)
         idx = []
@@ -394,13 +408,16 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
         groups = int(getattr(mod, "groups", 1)) if kind == "conv" else 1
         batch_stats = isinstance(mod, nn.modules.batchnorm._BatchNorm)
         layers.append(
-            LayerInfo(name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups, batch_stats)
-        )
+            LayerInfo(
+                name, kind, int(macs), int(in_n), int(out_n), int(out_ch), tuple(idx), groups, batch_stats,
+                *_geometry(mod),
+            )
+        )  # fmt: skip
         layer_io.append(io.get(id(mod), (None, None)))
     missing = [n for n, p in model.named_parameters() if n not in set(names)]
     if missing:
         raise ValueError(f"parameters not reached by a forward pass: {missing[:5]}")
-    ops = tuple(OpInfo(n, k, i, o, min(a, len(layers))) for n, k, i, o, a in ops_raw)
+    ops = tuple(OpInfo(n, k, i, o, min(a, len(layers)), m) for n, k, i, o, a, m in ops_raw)
     fn_ops = tuple(replace(f, above=min(f.above, len(layers))) for f in functional)
     info = ModelInfo(
         model_name=model_name,

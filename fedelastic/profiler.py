@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .devices import DeviceProfile, MeasuredTable, parse_profile
 from .fit import FitResult, _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile
+from .kernelsample import samples_json
 from .measure import host_memory_available, measure_copy_bandwidth, measure_layers, measure_peak_flops
 from .models import build_with_input, describe_model
 from .profiles import (
@@ -32,8 +33,13 @@ from .profiles import (
 __all__ = ["import_trace_into", "measure_profile"]
 
 
+#: Default seconds of kernel sampling (``profile measure --sample-minutes``): with the model's
+#: own measurement, the command stays within 15 minutes on a 2-core host.
+DEFAULT_SAMPLE_SECONDS = 600.0
+
+
 def measure_profile(
-    model_name: str,
+    model_name: str | Sequence[str],
     out: str | Path,
     *,
     batch_size: int = 8,
@@ -48,9 +54,21 @@ def measure_profile(
     like: str | Path | None = None,
     device_class: str = "sbc",
     model_options: dict[str, Any] | None = None,
+    sample_seconds: float = DEFAULT_SAMPLE_SECONDS,
+    save_samples: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[DeviceProfile, FitResult, MeasuredTable]:
-    """Measure this machine on one model and write its profile to ``out`` (what ``profile measure`` does)."""
+    """Measure this machine and write its profile to ``out`` (what ``profile measure`` does).
+
+    Every model of ``model_name`` (one name or several) is measured layer by layer; the profile
+    holds all their tables, and the roofline and kernel classes are fitted to all of them. With
+    ``sample_seconds > 0`` (the default) the kernels training runs are also sampled for about that
+    long (:mod:`fedelastic.kernelsample`) and one predictor per kernel class is written
+    (``[sampled]``): it prices every model the profile has no measured table of, and
+    ``[uncertainty] step`` is then its error on the measured models' steps (which it never saw).
+    ``save_samples``: also write the timed kernel configurations there (JSON). Returns the
+    profile, the roofline fit and the last model's table.
+    """
     import tomllib
 
     import torch
@@ -58,6 +76,11 @@ def measure_profile(
     from .devices import get_profile
     from .modelinfo import describe
 
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names:
+        raise ValueError("profile measure needs at least one --model")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--model repeats a model: {names}")
     out = Path(out)
     name = name or out.stem
     if name != out.stem:
@@ -67,17 +90,21 @@ def measure_profile(
     threads = torch.get_num_threads()
     by = measured_by(threads, clock)
     say = progress or (lambda _msg: None)
-    torch.manual_seed(0)
-    model, shape = build_with_input(
-        model_name, num_classes=num_classes, input_size=input_size, in_channels=in_channels, **(model_options or {})
-    )
-    sample = torch.randn(batch_size, *shape)
-    info = describe(model, sample[:1], model_name=model_name)
-    say(f"{model_name}: {len(info.layers)} layers, {info.num_params:,} parameters, input {tuple(sample.shape)}")
-    table = measure_layers(
-        model, sample, model_name=model_name, repeats=repeats, warmup=warmup, source=by, clock=clock, progress=say
-    )
-    table = dataclasses.replace(table, shape=info.shape())  # the cost model uses it only on a model of this shape
+    pairs: list[tuple[Any, MeasuredTable]] = []
+    shapes = []
+    for model_id in names:
+        torch.manual_seed(0)
+        model, shape = build_with_input(
+            model_id, num_classes=num_classes, input_size=input_size, in_channels=in_channels, **(model_options or {})
+        )
+        sample = torch.randn(batch_size, *shape)
+        info = describe(model, sample[:1], model_name=model_id)
+        say(f"{model_id}: {len(info.layers)} layers, {info.num_params:,} parameters, input {tuple(sample.shape)}")
+        table = measure_layers(
+            model, sample, model_name=model_id, repeats=repeats, warmup=warmup, source=by, clock=clock, progress=say
+        )
+        pairs.append((info, dataclasses.replace(table, shape=info.shape())))  # used only on a model of this shape
+        shapes.append(f"{model_id} at input {tuple(shape)}")
     say("peak FP32 throughput")
     peak = measure_peak_flops(repeats=repeats, warmup=warmup, clock=clock)
     memory = host_memory_available()
@@ -87,23 +114,131 @@ def measure_profile(
     copy_bw = measure_copy_bandwidth(repeats=repeats, warmup=warmup, clock=clock)
     say("fitting the roofline")
     # bounded by physics: no faster than the measured torch.mm peak, no more bandwidth than the best copy
-    fit = fit_roofline([(info, table)], start, max_peak_eff=peak[0], max_bandwidth=copy_bw[0])
+    fit = fit_roofline(pairs, start, max_peak_eff=peak[0], max_bandwidth=copy_bw[0])
     for doubt in fit.warnings:
-        say(f"warning: roofline fit: {doubt} (bounds: torch.mm {peak[0] / 1e9:.4g} GFLOP/s, copy {copy_bw[0] / 1e9:.4g} GB/s)")
+        say(
+            f"warning: roofline fit: {doubt} (bounds: torch.mm {peak[0] / 1e9:.4g} GFLOP/s, copy {copy_bw[0] / 1e9:.4g} GB/s)"
+        )
     raw = build_profile_dict(
         name,
-        tables={model_name: table},
+        tables={info.model_name: table for info, table in pairs},
         fit=fit,
         peak_flops=peak,
         memory=memory,
         measured_by=by,
         device_class=device_class,
         like=base_raw,
-        notes=f"Measured on {model_name} at batch {batch_size}, input {tuple(shape)}.",
+        notes=f"Measured on {', '.join(shapes)}, batch {batch_size}.",
     )
     say("fitting the kernel classes")
-    fit_kernels_into(raw, [(info, table)], str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
-    return write_profile(raw, out), fit, table
+    fit_kernels_into(raw, pairs, str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
+    if sample_seconds > 0:
+        samples = sample_into(
+            raw, pairs, str(out), by, seconds=sample_seconds, batch=batch_size, clock=clock, progress=say
+        )
+        if save_samples:
+            Path(save_samples).write_text(samples_json(samples))
+    return write_profile(raw, out), fit, pairs[-1][1]
+
+
+def sample_into(
+    raw: dict[str, Any],
+    pairs: Sequence[tuple[Any, MeasuredTable]],
+    src: str,
+    by: str,
+    *,
+    seconds: float,
+    batch: int,
+    clock: str,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list]:
+    """Sample the kernel classes for ``seconds`` and write them in (:func:`sampled_into`)."""
+    from .kernelsample import sample_kernels
+
+    say = progress or (lambda _msg: None)
+    say(f"sampling the kernels for {seconds / 60:.3g} min")
+    samples = sample_kernels(seconds, batch=batch, clock=clock, progress=say)
+    sampled_into(raw, pairs, samples, src, by, progress=say)
+    return samples
+
+
+def sampled_into(
+    raw: dict[str, Any],
+    pairs: Sequence[tuple[Any, MeasuredTable]],
+    samples: dict[str, list],
+    src: str,
+    by: str,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Fit the predictors to ``samples`` and write ``[sampled]`` and ``[uncertainty] step``.
+
+    A kernel timed alone is not what a model's step pays for it: its forward runs faster (its
+    input stays in cache, its output reuses a freed buffer), its backward pays no gradient
+    accumulation. The measured ``pairs`` calibrate that: per layer, ``scale * t + seconds`` for the
+    forward and for the backward (:func:`~fedelastic.kernelsample.fit_calibration`, over every
+    layer of every table). The band is the RMS error of each model's layers (forward, dX and dW
+    summed) predicted with the calibration fitted to the *other* models (leave one model out);
+    with a single model, its uncalibrated error (none is left to check the calibration).
+    """
+    import numpy as np
+
+    from .kernelsample import fit_predictors, predictors_toml
+
+    say = progress or (lambda _msg: None)
+    predictors: dict[str, Any] = dict(fit_predictors(samples))
+    predictors["calibration"], errs = calibrate(predictors, pairs, say)
+    raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
+    how = (
+        "leave-one-model-out RMS error of the sampled kernels' layers (forward, dX, dW summed)"
+        if len(pairs) > 1
+        else "error of the uncalibrated sampled kernels' layers (one model: none left to check the calibration)"
+    )
+    names = ", ".join(info.model_name for info, _ in pairs)
+    rms = float(np.sqrt(np.mean(np.square(errs))))
+    raw["uncertainty"] = {
+        "step": {"value": float(f"{max(rms, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how} ({names})"}
+    }
+
+
+def calibrate(
+    predictors: dict[str, Any], pairs: Sequence[tuple[Any, MeasuredTable]], say: Callable[[str], None]
+) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    """The calibration fitted to every table of ``pairs`` and, per model, the error of its layers
+    (forward, dX, dW summed) with the calibration fitted to the others (uncalibrated if alone)."""
+    import numpy as np
+
+    from .kernelsample import fit_calibration, predicted_layers
+
+    rows = []
+    for info, table in pairs:
+        pred, _ = predicted_layers(predictors, info, table.batch_size)
+        names = [n for n in pred if n in table.layers]
+        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names])))
+    errs = []
+    for k, (_pred, meas) in enumerate(rows):
+        rest = [r for j, r in enumerate(rows) if j != k]
+        cal = (
+            fit_calibration(np.concatenate([r[0] for r in rest]), np.concatenate([r[1] for r in rest]))
+            if rest
+            else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
+        )
+        held = {**predictors, "calibration": cal}
+        errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
+        say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
+    pred_all, meas_all = (np.concatenate([r[i] for r in rows]) for i in (0, 1))
+    return fit_calibration(pred_all, meas_all), errs
+
+
+def _row(t) -> tuple[float, float, float]:
+    return (t.fwd_s, t.dx_s, t.dw_s)
+
+
+def predicted_total(predictors: dict[str, Any], info: Any, batch_size: int) -> float:
+    """Seconds of every layer's forward, dX and dW as the sampled kernels price them."""
+    from .kernelsample import predicted_layers
+
+    layers, _ = predicted_layers(predictors, info, batch_size)
+    return float(sum(sum(v) for v in layers.values()))
 
 
 def _origin(source: str, width: int = 80) -> str:

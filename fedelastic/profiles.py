@@ -199,13 +199,22 @@ def dumps_profile(raw: dict[str, Any]) -> str:
         if not isinstance(value, dict):
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for section, table in raw.items():
-        if not isinstance(table, dict) or section in ("measured", "kernels"):
+        if not isinstance(table, dict) or section in ("measured", "kernels", "sampled"):
             continue
         lines += ["", f"[{_toml_key(section)}]"]
         lines += [f"{_toml_key(k)} = {_inline(v) if isinstance(v, dict) else _toml_value(v)}" for k, v in table.items()]
     for cls, table in raw.get("kernels", {}).items():
         lines += ["", f"[kernels.{_toml_key(cls)}]"]
         lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
+    sampled = raw.get("sampled", {})
+    if sampled:
+        lines += ["", "[sampled]", f"source = {_toml_value(sampled['source'])}"]
+        if "calibration" in sampled:
+            lines.append(f"calibration = {_inline(sampled['calibration'])}")
+    for cls, table in sampled.items():
+        if isinstance(table, dict) and cls != "calibration":
+            lines += ["", f"[sampled.{_toml_key(cls)}]"]
+            lines += [f"{_toml_key(k)} = {_inline(v)}" for k, v in table.items()]
     for model, table in raw.get("measured", {}).items():
         lines += ["", f"[measured.{_toml_key(model)}]"]
         lines += [

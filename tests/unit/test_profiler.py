@@ -23,9 +23,10 @@ from tests.support import small_info
 def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     out = tmp_path / "tiny_host.toml"
     argv = ["profile", "measure", "--model", "small_cnn", "--out", str(out), "--batch-size", "4"]
-    argv += ["--repeats", "2", "--warmup", "1", "--threads", "1", "--option", "width=4"]
+    argv += ["--repeats", "2", "--warmup", "1", "--threads", "1", "--option", "width=4", "--no-kernel-samples"]
     assert main(argv) == 0
     profile = load_profile(out)  # validates schema v2
+    assert profile.sampled == {}  # --no-kernel-samples: today's fitted classes only
     assert profile.name == "tiny_host" and profile.train_dtype == "fp32"
     # the kernel classes are fitted too: the ones small_cnn has kernels of, and a one-model band
     assert {"gemm_fwd", "gemm_dx", "gemm_dw"} <= set(profile.kernels)
@@ -52,6 +53,18 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     assert cost.measured is table
     first = info.layers[1]
     assert cost.t_fwd[first.tensors[0]] == pytest.approx(2 * table.layers[first.name].fwd_s)
+
+
+def test_a_repeated_model_keeps_every_table_and_fits_them_together(tmp_path):
+    out = tmp_path / "two.toml"
+    argv = ["profile", "measure", "--model", "small_cnn", "--model", "mcu_net", "--out", str(out), "--batch-size", "2"]
+    argv += ["--repeats", "1", "--warmup", "1", "--threads", "1", "--option", "width=4", "--input-size", "8"]
+    assert main([*argv, "--no-kernel-samples"]) == 0
+    profile = load_profile(out)
+    assert set(profile.measured) == {"small_cnn", "mcu_net"}  # not only the last one
+    assert "small_cnn, mcu_net" in profile.efficiency.source  # one roofline fitted to both
+    assert "leave-one-model-out" in profile.uncertainty.source  # two models: a held-out band
+    assert main([*argv[:5], "--model", "small_cnn", "--out", str(out), "--no-kernel-samples"]) == 2  # twice: refused
 
 
 def test_measure_cli_rejects_a_name_that_is_not_the_file_stem(tmp_path):
