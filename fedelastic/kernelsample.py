@@ -463,7 +463,7 @@ def time_config(
     """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring says."""
     import torch
 
-    from .measure import _median_time
+    from .clocks import _median_time
 
     if cls == "optimizer":
         sizes = np.full(cfg["tensors"], max(cfg["elements"] // cfg["tensors"], 1))
@@ -531,7 +531,7 @@ def sample_kernels(
     drawing stops at the deadline (a configuration started before it finishes). ``device``: where
     the kernels run (``cuda`` with the ``cuda`` clock: every stamp waits for the device).
     """
-    from .measure import get_clock
+    from .clocks import get_clock
 
     clock_fn = get_clock(clock)
     rng = np.random.default_rng(seed)

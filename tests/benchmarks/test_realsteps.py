@@ -48,7 +48,7 @@ def test_emulated_speedup_on_the_measured_host_profile_is_within_10_percent_of_r
     try:
         opts = {"num_classes": 10, "input_size": 32}
         profile, _, _ = measure_profile("mcu_net", tmp_path / "host.toml", batch_size=8, repeats=10, warmup=2,
-                                        threads=1, clock="cpu", **opts)  # fmt: skip
+                                        threads=1, clock="cpu", sample_seconds=0, **opts)  # fmt: skip
         torch.manual_seed(0)
         model, shape = build_with_input("mcu_net", **opts)
         info = describe(model, torch.zeros(1, *shape), model_name="mcu_net")
