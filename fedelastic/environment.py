@@ -170,7 +170,7 @@ class RunEnvironment:
     @cached_property
     def training_path(self) -> tuple[bool, str]:
         """(vectorised?, why): ``simulation.vectorize`` resolved once (:func:`fedelastic.vectorized.choose_path`)."""
-        from ..vectorized import choose_path
+        from .vectorized import choose_path
 
         return choose_path(self)
 
