@@ -168,7 +168,8 @@ def import_graph(package: Path) -> dict[str, set[str]]:
     Every import statement counts, wherever it is: at the top, inside a function (a lazy import is
     still a dependency, and a cycle through one only waits for the call that closes it) or under
     ``TYPE_CHECKING`` (the types are part of the interface). ``from . import x`` names the
-    submodule ``x`` when there is one, else the package.
+    submodule ``x`` when there is one, else the package. A relative import that climbs above the
+    package (it fails when it runs) is a ValueError naming the file and line.
     """
     files = {".".join(f.relative_to(package.parent).with_suffix("").parts): f for f in package.rglob("*.py")}
     modules = {name.removesuffix(".__init__"): f for name, f in files.items()}
@@ -181,6 +182,8 @@ def import_graph(package: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
+                if node.level > len(here):  # Python raises "attempted relative import beyond top-level package"
+                    raise ValueError(f"{path}:{node.lineno}: a relative import climbs above the package {here[0]}")
                 base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module or ""
                 found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
             else:

@@ -34,7 +34,7 @@ same terms in another order (tests/unit/test_vectorized.py states the tolerance)
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,8 +62,9 @@ from .training import (
     step_cap,
 )
 
-if TYPE_CHECKING:
-    from .environment import RunEnvironment
+#: ``env`` below is a :class:`~fedelastic.environment.RunEnvironment`, untyped here: the environment
+#: resolves its training path through this module (an import back would be a cycle).
+RunEnvironment = Any
 
 _SOURCE = "<vectorised training>"
 

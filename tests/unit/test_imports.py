@@ -63,6 +63,13 @@ def test_a_cycle_through_a_lazy_or_type_only_import_is_found(tmp_path):
     assert docgen.import_cycles({"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"p"}}) == [["p", "q"], ["x", "y"]]
 
 
+def test_a_relative_import_above_the_package_is_refused(tmp_path):
+    pkg = _package(tmp_path, {"a.py": "def f():\n    from ..b import c\n"})  # pkg/a.py: ".." leaves pkg
+    with pytest.raises(ValueError, match=r"a\.py:2: a relative import climbs above the package pkg"):
+        docgen.import_graph(pkg)
+    assert docgen.import_graph(_package(tmp_path / "ok", {"s/a.py": "from ..b import c\n", "b.py": ""}))["pkg.s.a"] == {"pkg.b"}
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return docgen.import_graph(ROOT / "fedelastic")
