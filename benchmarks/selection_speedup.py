@@ -120,7 +120,7 @@ def time_configs(model, info, params, batch, selections: dict, repeats: int, war
     nodes = {}
     for r in range(warmup + repeats):
         for key, sel in selections.items():
-            applied = _Applied(model, info, params, sel)
+            applied = _Applied(model, info, params, sel, "train")  # trained from scratch: BN statistics train
             c0, w0 = time.thread_time(), time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
