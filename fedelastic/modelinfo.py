@@ -214,8 +214,9 @@ def _kind(module: nn.Module) -> str:
     return "other"
 
 
-def _macs(module: nn.Module, kind: str, inp: torch.Tensor, out: torch.Tensor) -> int:
-    batch = out.shape[0] if out.dim() > 0 else 1
+def _macs(module: nn.Module, kind: str, inp: torch.Tensor, out: torch.Tensor, batch: int) -> int:
+    """Multiply-accumulates per sample of a batch of ``batch`` (a module may fold other axes into
+    its tensors' first one, as Swin's windows do)."""
     if kind == "conv":
         kernel = int(np.prod(module.kernel_size))
         return out.numel() // batch * (module.in_channels // module.groups) * kernel
@@ -304,21 +305,28 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     depth = [0]  # leaf modules running: a torch call at depth 0 is functional
     batch = sample.shape[0]
 
+    def record(name: str, mod, args, out) -> None:
+        if id(mod) in seen:
+            return
+        inp, o = first_tensor(args), first_tensor(out)
+        in_n = inp.numel() // batch if inp is not None else 0
+        out_n = o.numel() // batch if o is not None else 0
+        kind = _kind(mod)
+        macs = _macs(mod, kind, inp, o, batch) if (inp is not None and o is not None) else 0
+        seen[id(mod)] = (order[0], name, mod, in_n, out_n, macs, o.shape[1] if o is not None and o.dim() > 1 else 1)
+        io[id(mod)] = (inp, o)
+        order[0] += 1
+
     def hook(name: str):
         def fn(mod, args, out):
             depth[0] -= 1
-            if id(mod) in seen:
-                return
-            inp, o = first_tensor(args), first_tensor(out)
-            in_n = inp.numel() // batch if inp is not None else 0
-            out_n = o.numel() // batch if o is not None else 0
-            kind = _kind(mod)
-            macs = _macs(mod, kind, inp, o) if (inp is not None and o is not None) else 0
-            seen[id(mod)] = (order[0], name, mod, in_n, out_n, macs, o.shape[1] if o is not None and o.dim() > 1 else 1)
-            io[id(mod)] = (inp, o)
-            order[0] += 1
+            record(name, mod, args, out)
 
         return fn
+
+    # a leaf whose weights its parent passes to a functional call (Swin's attention calls
+    # F.linear(x, self.qkv.weight, ...)) never runs its own forward: it is recorded at that call
+    leaf_of = {id(p): (name, mod) for name, mod in leaves for p in mod.parameters(recurse=False)}
 
     def enter(_mod, _args):
         depth[0] += 1
@@ -337,6 +345,11 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     class Functional(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if depth[0] == 0:
+                owner = next((leaf_of[id(a)] for a in args if id(a) in leaf_of), None)
+                if owner is not None and id(owner[1]) not in seen:
+                    record(*owner, args, out)
+                    return out
             name = getattr(func, "__name__", "")
             kind = _fn_kind(name) if depth[0] == 0 else None
             o = first_tensor(out) if kind else None

@@ -499,3 +499,24 @@ def test_a_table_shape_is_checked_and_written_back():
     bad = {"measured": {"mlp": {**raw["measured"]["mlp"], "shape": {"input": 0}}}}
     with pytest.raises(ConfigError, match=r"x\.toml.*measured\.mlp\.shape\.input"):
         parse_profile({**base, **bad}, "x.toml", stem="jetson_nano")
+
+
+def test_describe_counts_a_leaf_whose_weights_its_parent_calls_functionally():
+    """Swin's attention calls F.linear(x, self.qkv.weight, ...) on windows folded into the batch
+    axis: the leaf never runs its own forward. Hand count: 4 windows of 3 tokens of width 5 into
+    an output of width 7 is 4 * 3 * 5 * 7 = 420 MACs a sample."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Windowed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(5, 7)
+
+        def forward(self, x):  # (batch, 12, 5) -> (batch * 4 windows, 3, 5)
+            w = F.linear(x.reshape(-1, 3, 5), self.qkv.weight, self.qkv.bias)
+            return w.reshape(x.shape[0], -1).sum(dim=1, keepdim=True)
+
+    info = describe(Windowed(), torch.randn(2, 12, 5))
+    assert [(layer.name, layer.kind, layer.macs) for layer in info.layers] == [("qkv", "linear", 420)]
+    assert info.num_tensors == 2
