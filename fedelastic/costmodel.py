@@ -558,11 +558,16 @@ class CostModel:
         """Device time of a selection: its cost-model ``evaluations`` and other elementary ``ops``.
 
         Each evaluation is a few vector passes over the model's tensors
-        (``8 * num_tensors`` operations); everything is priced at the device's sustained
-        arithmetic rate (``peak_flops * efficiency``), as a compiled selector would run on it.
+        (``8 * num_tensors`` operations). The counted operations are priced at the device's scalar
+        rate (``compute.scalar_ops_per_s``: what the selector's DP or greedy runs at, measured by
+        ``fedelastic profile measure``); a profile without one is priced at its tensor rate
+        (``peak_flops * efficiency``), which charges this host's selector 270-20,000x too little
+        (benchmarks/studies/bands.md).
         """
         total = evaluations * _OPS_PER_EVALUATION_PER_TENSOR * self.info.num_tensors + ops
-        return float(total / (self.device.peak_flops.value * self.device.efficiency.value))
+        scalar = self.device.scalar_ops_per_s
+        rate = scalar.value if scalar is not None else self.device.peak_flops.value * self.device.efficiency.value
+        return float(total / rate)
 
     # ---- communication and energy -----------------------------------------------------------
     def bytes_up(self, ratios: np.ndarray) -> float:

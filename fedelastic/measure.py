@@ -364,6 +364,29 @@ def measure_peak_flops(size: int = 1024, repeats: int = 10, warmup: int = 2, clo
     return 2.0 * size**3 / t, f"torch.mm {size}x{size} fp32, median of {repeats}"
 
 
+def measure_scalar_rate(units: int = 160, repeats: int = 5, warmup: int = 1, clock: str = "wall") -> tuple[float, str]:
+    """The selector's counted operations per second on this machine, and how it was measured.
+
+    Times the exact DP (:func:`fedelastic.selector.select_exact`, as ElasticTrainer's strategies
+    call it) on a seeded random instance of ``units`` tensors (ResNet-50 has 161) at half the
+    backward budget, and divides the operations it counts by its median time: the rate
+    ``compute.scalar_ops_per_s`` prices every selector's counted work at.
+    """
+    from .selector import select_exact
+
+    rng = np.random.default_rng(0)
+    importance, t_dw, t_dx = rng.lognormal(0.0, 1.0, units), rng.uniform(1e-4, 1e-3, units), rng.uniform(1e-4, 1e-3, units)
+    budget = 0.5 * float(t_dw.sum() + t_dx.sum())
+    ops: list[float] = []
+    select_exact(importance, t_dw, t_dx, budget, ops=ops)
+    t = _median_time(lambda: select_exact(importance, t_dw, t_dx, budget), repeats, warmup, get_clock(clock))
+    counted = float(sum(ops))
+    return counted / t, (
+        f"the exact selector DP on a seeded {units}-tensor instance, {counted:.3g} counted operations "
+        f"in {1e3 * t:.3g} ms, median of {repeats}"
+    )
+
+
 def measure_copy_bandwidth(
     sizes_mib: tuple[int, ...] = (1, 8, 64), repeats: int = 10, warmup: int = 2, clock: str = "wall"
 ) -> tuple[float, str]:

@@ -18,7 +18,13 @@ from typing import Any
 from .devices import DeviceProfile, MeasuredTable, parse_profile
 from .fit import FitResult, _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile
 from .kernelsample import samples_json
-from .measure import host_memory_available, measure_copy_bandwidth, measure_layers, measure_peak_flops
+from .measure import (
+    host_memory_available,
+    measure_copy_bandwidth,
+    measure_layers,
+    measure_peak_flops,
+    measure_scalar_rate,
+)
 from .models import build_with_input, describe_model
 from .profiles import (
     apply_fit,
@@ -108,6 +114,8 @@ def measure_profile(
     say("peak FP32 throughput")
     peak = measure_peak_flops(repeats=repeats, warmup=warmup, clock=clock)
     memory = host_memory_available()
+    say("selector operations per second")
+    scalar_rate = measure_scalar_rate(repeats=max(repeats, 3), warmup=warmup, clock=clock)
     base_raw = tomllib.loads(Path(get_profile(str(like)).path).read_text()) if like else None
     start = _start_device(peak[0])
     say("memory copy bandwidth")
@@ -129,6 +137,7 @@ def measure_profile(
         device_class=device_class,
         like=base_raw,
         notes=f"Measured on {', '.join(shapes)}, batch {batch_size}.",
+        scalar_rate=scalar_rate,
     )
     say("fitting the kernel classes")
     fit_kernels_into(raw, pairs, str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
@@ -176,28 +185,27 @@ def sampled_into(
     input stays in cache, its output reuses a freed buffer), its backward pays no gradient
     accumulation. The measured ``pairs`` calibrate that: per layer, ``scale * t + seconds`` for the
     forward and for the backward (:func:`~fedelastic.kernelsample.fit_calibration`, over every
-    layer of every table). The band is the RMS error of each model's layers (forward, dX and dW
-    summed) predicted with the calibration fitted to the *other* models (leave one model out);
-    with a single model, its uncalibrated error (none is left to check the calibration).
+    layer of every table). The band is sized by each model's error (its layers' forward, dX and dW
+    summed) predicted with the calibration fitted to the *other* models (leave one model out;
+    :func:`fedelastic.bands.lomo_band`); with a single model nothing is held out and the stated
+    single-model rule applies (:data:`fedelastic.bands.SINGLE_MODEL_BAND`).
     """
-    import numpy as np
-
+    from .bands import LOMO_RULE, SINGLE_MODEL_BAND, SINGLE_MODEL_RULE, lomo_band
     from .kernelsample import fit_predictors, predictors_toml
 
     say = progress or (lambda _msg: None)
     predictors: dict[str, Any] = dict(fit_predictors(samples))
     predictors["calibration"], errs = calibrate(predictors, pairs, say)
     raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
-    how = (
-        "leave-one-model-out RMS error of the sampled kernels' layers (forward, dX, dW summed)"
-        if len(pairs) > 1
-        else "error of the uncalibrated sampled kernels' layers (one model: none left to check the calibration)"
-    )
     names = ", ".join(info.model_name for info, _ in pairs)
-    rms = float(np.sqrt(np.mean(np.square(errs))))
-    raw["uncertainty"] = {
-        "step": {"value": float(f"{max(rms, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how} ({names})"}
-    }
+    if len(pairs) > 1:
+        band = lomo_band(errs)
+        how = f"{LOMO_RULE}, the sampled kernels' layers (forward, dX, dW summed); errors: " + ", ".join(
+            f"{info.model_name} {e:+.1%}" for (info, _), e in zip(pairs, errs)
+        )
+    else:
+        band, how = SINGLE_MODEL_BAND, f"{SINGLE_MODEL_RULE} ({names})"
+    raw["uncertainty"] = {"step": {"value": float(f"{max(band, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how}"}}
 
 
 def calibrate(

@@ -93,6 +93,7 @@ def build_profile_dict(
     device_class: str = "sbc",
     like: dict[str, Any] | None = None,
     notes: str = "",
+    scalar_rate: tuple[float, str] | None = None,
 ) -> dict[str, Any]:
     """A schema-v1 profile (as a TOML-ready dict) for a measured device.
 
@@ -111,6 +112,8 @@ def build_profile_dict(
     measured_by : str
         ``"fedelastic profile measure on <host>, <date>, torch <ver>, <n> threads"``: prefixes the
         source of every measured or fitted number.
+    scalar_rate : (float, str), optional
+        Measured selector operations per second and how (``compute.scalar_ops_per_s``).
     like : dict, optional
         A raw profile whose ``[power]`` and ``[network]`` (and ``availability``) are copied
         (e.g. the datasheet profile of the same board); otherwise unverified placeholders.
@@ -145,6 +148,10 @@ def build_profile_dict(
     raw["compute"] = {
         "peak_fp32": _quantity(peak_flops[0] / 1e9, "GFLOP/s", f"measured: {peak_flops[1]}; {measured_by}")
     }
+    if scalar_rate is not None:
+        raw["compute"]["scalar_ops_per_s"] = _quantity(
+            scalar_rate[0] / 1e9, "GOP/s", f"measured: {scalar_rate[1]}; {measured_by}"
+        )
     apply_fit(raw, fit, f"fitted: {measured_by}", bandwidth=False)
     raw["compute"]["mem_bandwidth"] = _quantity(
         fit.mem_bandwidth / 1e9, "GB/s", f"fitted: {measured_by}: effective bandwidth ({', '.join(fit.models)})"
