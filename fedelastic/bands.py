@@ -66,13 +66,15 @@ def t_quantile(p: float, df: int) -> float:
     return float(np.interp(p, cdf, x))
 
 
-def lomo_band(errors: np.ndarray | list[float]) -> float:
+def lomo_band(errors: np.ndarray | list[float], df: int | None = None) -> float:
     """The one-sigma (68.27%) band of a new model's relative step error, from ``n >= 2``
-    leave-one-model-out errors: ``t_n(0.8413) * RMS(errors)``."""
+    leave-one-model-out errors: ``t_n(0.8413) * RMS(errors)``. ``df``: the number of models, where
+    a model gave several errors (one per measured batch size; they are not independent)."""
     e = np.asarray(errors, float)
-    if e.size < 2:
-        raise ValueError(f"lomo_band needs at least two held-out errors, got {e.size}")
-    return t_quantile(_UPPER, int(e.size)) * float(np.sqrt(np.mean(e**2)))
+    n = int(e.size if df is None else df)
+    if n < 2:
+        raise ValueError(f"lomo_band needs at least two held-out models' errors, got {n}")
+    return t_quantile(_UPPER, n) * float(np.sqrt(np.mean(e**2)))
 
 
 def coverage(predicted: np.ndarray, real: np.ndarray, band: float) -> float:

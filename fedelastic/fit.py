@@ -519,7 +519,10 @@ def fit_kernels(
     total = float(weights.sum())
     pred_total = sum(float(p[d.ok].sum()) for p, d in zip(preds, data))
     models = tuple(dict.fromkeys(d.info.model_name for d in data))
-    if leave_one_out and len(models) >= 2:
+    if not leave_one_out:  # asked not to hold out (benchmarks): the in-sample residual, not a held-out band
+        uncertainty = float(np.sqrt(np.sum(weights * rel**2) / total))
+        how = "time-weighted RMS of the in-sample per-layer residuals (leave_one_out=False: not a held-out band)"
+    elif len(models) >= 2:
         errs = []
         for held in models:
             rest = [d for d in data if d.info.model_name != held]
@@ -527,13 +530,10 @@ def fit_kernels(
             for d in data:
                 if d.info.model_name == held:
                     errs.append(float(_predict(d, p_rest, launch)[d.ok].sum() / d.meas[d.ok].sum() - 1))
-        uncertainty = lomo_band(errs)
+        uncertainty = lomo_band(errs, df=len(models))  # a model's tables (batch sizes) are not independent
         how = f"{LOMO_RULE}; errors over {', '.join(models)}: " + ", ".join(f"{e:+.1%}" for e in errs)
-    elif len(models) == 1:
+    else:
         uncertainty, how = SINGLE_MODEL_BAND, SINGLE_MODEL_RULE
-    else:  # asked not to hold out (benchmarks): the in-sample residual, never written as a profile's band
-        uncertainty = float(np.sqrt(np.sum(weights * rel**2) / total))
-        how = "time-weighted RMS of the in-sample per-layer residuals (leave_one_out=False: not a held-out band)"
     order = np.argsort(np.abs(rel))
     cum = np.cumsum(weights[order]) / total
     return KernelFit(

@@ -163,16 +163,20 @@ def device_table(clients: pd.DataFrame) -> str:
             "fits": g[ClientCol.FITS].mean().map("{:.0%}".format),
             "trained nothing": g[ClientCol.DEVICE].first().map(lambda d: idle.percent(nothing.share[d])),
             "failed": g[ClientCol.ERROR].apply(lambda e: int((e.fillna("") != "").sum())),
-            "train s/round": _with_band(g, ClientCol.EMULATED_TRAIN_TIME_S, ClientCol.EMULATED_TRAIN_TIME_BAND_S),
+            "train s/round": g[ClientCol.EMULATED_TRAIN_TIME_S].mean().map("{:.3g}".format),
             "comm s/round": g[ClientCol.EMULATED_COMM_TIME_S].mean().map("{:.3g}".format),
-            "energy J/round": _with_band(
-                g, (ClientCol.EMULATED_ENERGY_J, ClientCol.EMULATED_IDLE_ENERGY_J), ClientCol.EMULATED_ENERGY_BAND_J
-            ),
+            "energy J/round": g[ClientCol.EMULATED_ENERGY_J].mean().map("{:.3g}".format),
             "peak memory": g[ClientCol.EMULATED_PEAK_MEMORY_BYTES].max().map(fmt_bytes),
             "device memory": g[ClientCol.DEVICE_MEMORY_BYTES].max().map(fmt_bytes),
             "params trained": g[ClientCol.FRACTION_PARAMS_TRAINED].mean().map("{:.0%}".format),
         }
     )
+    for header, column in (
+        ("train s band", ClientCol.EMULATED_TRAIN_TIME_BAND_S),
+        ("energy J band (with idle)", ClientCol.EMULATED_ENERGY_BAND_J),
+    ):
+        if column in clients:  # the emulation's one-sigma band (a run written before it has none)
+            t.insert(t.columns.get_loc("peak memory"), header, g[column].mean().map("± {:.3g}".format))
     flagged = set(idle.flagged(nothing))
     why = "".join(
         f"<li{_BAD if device in flagged else ''}>{html.escape(line)}</li>"
@@ -182,15 +186,6 @@ def device_table(clients: pd.DataFrame) -> str:
 
 
 _BAD = ' class="bad"'
-
-
-def _with_band(g, figure: str | tuple[str, str], band: str) -> pd.Series:
-    """Per device, the mean of ``figure`` (or of two columns' sum) and ``± x%``: its one-sigma band
-    (mean band over mean figure; no band column: a run written before it)."""
-    value = g[figure[0]].mean() + g[figure[1]].mean() if isinstance(figure, tuple) else g[figure].mean()
-    if band not in g.obj:
-        return value.map("{:.3g}".format)
-    return pd.Series([f"{v:.3g} ± {b / v:.0%}" if v > 0 else f"{v:.3g}" for v, b in zip(value, g[band].mean())], index=value.index)
 
 
 def _rate(x) -> str:
