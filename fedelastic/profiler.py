@@ -23,6 +23,7 @@ from .measure import (
     measure_copy_bandwidth,
     measure_layers,
     measure_peak_flops,
+    measure_power,
     measure_scalar_rate,
 )
 from .models import build_with_input, describe_model
@@ -116,6 +117,8 @@ def measure_profile(
     memory = host_memory_available()
     say("selector operations per second")
     scalar_rate = measure_scalar_rate(repeats=max(repeats, 3), warmup=warmup, clock=clock)
+    say("power (RAPL or a Jetson's rails, where readable)")
+    power = host_power()
     base_raw = tomllib.loads(Path(get_profile(str(like)).path).read_text()) if like else None
     start = _start_device(peak[0])
     say("memory copy bandwidth")
@@ -138,6 +141,7 @@ def measure_profile(
         like=base_raw,
         notes=f"Measured on {', '.join(shapes)}, batch {batch_size}.",
         scalar_rate=scalar_rate,
+        power=power,
     )
     say("fitting the kernel classes")
     fit_kernels_into(raw, pairs, str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
@@ -148,6 +152,26 @@ def measure_profile(
         if save_samples:
             Path(save_samples).write_text(samples_json(samples))
     return write_profile(raw, out), fit, pairs[-1][1]
+
+
+def host_power(root: str | Path = "/", seconds: float = 2.0) -> dict[str, tuple[float, str]]:
+    """``{"train": (W, how), "idle": (W, how)}`` read from this machine's power sensors
+    (:func:`~fedelastic.measure.measure_power`) while a 512x512 ``torch.mm`` loop runs (compute-bound
+    kernels: what training is mostly made of) and while it sleeps; empty where none is readable."""
+    import time
+
+    import torch
+
+    a = torch.randn(512, 512)
+    train = measure_power(lambda: torch.mm(a, a), seconds, root=root)
+    if train is None:
+        return {}
+    idle = measure_power(lambda: time.sleep(0.05), seconds, root=root)
+    assert idle is not None
+    return {
+        "train": (train[0], f"{train[2]}, while torch.mm 512x512 ran (compute-bound; a step's memory-bound kernels may draw less)"),
+        "idle": (idle[0], f"{idle[2]}, while the process slept"),
+    }
 
 
 def sample_into(

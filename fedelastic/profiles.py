@@ -94,6 +94,7 @@ def build_profile_dict(
     like: dict[str, Any] | None = None,
     notes: str = "",
     scalar_rate: tuple[float, str] | None = None,
+    power: dict[str, tuple[float, str]] | None = None,
 ) -> dict[str, Any]:
     """A schema-v1 profile (as a TOML-ready dict) for a measured device.
 
@@ -114,6 +115,10 @@ def build_profile_dict(
         source of every measured or fitted number.
     scalar_rate : (float, str), optional
         Measured selector operations per second and how (``compute.scalar_ops_per_s``).
+    power : dict of str to (float, str), optional
+        Powers measured on this machine (W, how), by ``[power]`` key (``train``, ``idle``): they
+        replace the copied or placeholder values. ``[uncertainty] power`` is not set: the radio
+        powers stay unmeasured, so the unverified-power band still applies.
     like : dict, optional
         A raw profile whose ``[power]`` and ``[network]`` (and ``availability``) are copied
         (e.g. the datasheet profile of the same board); otherwise unverified placeholders.
@@ -169,6 +174,8 @@ def build_profile_dict(
             )
             for key, (value, unit) in keys.items()
         }
+    for key, (watts, how) in (power or {}).items():
+        raw["power"][key] = _quantity(watts, "W", f"measured: {how}; {measured_by}")
     if like and "availability" in like:
         raw["availability"] = {k: dict(v) for k, v in like["availability"].items()}
     raw["measured"] = {model: measured_table_toml(t) for model, t in tables.items()}

@@ -96,3 +96,63 @@ def test_bad_band_and_rate_entries_are_named(profile_raw):
     assert error(lambda r: r["compute"].update(scalar_ops_per_s=bad_unit)).key == "compute.scalar_ops_per_s.unit"
     assert error(lambda r: r["uncertainty"].update(power={"value": 0.1, "unit": "1"})).key == "uncertainty.power.source"
     assert error(lambda r: r["uncertainty"].pop("step")).key == "uncertainty.step"
+
+
+class _FakeClock:
+    """A clock that moves 0.5 s per reading, so that a slice's length is known exactly."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.5
+        return self.t
+
+
+def test_power_is_read_from_rapl_counters_on_a_fake_sysfs(tmp_path):
+    from fedelastic.measure import measure_power
+
+    zones = tmp_path / "sys/class/powercap"
+    for zone in ("intel-rapl:0", "intel-rapl:1", "intel-rapl:0:0"):  # two packages and a subzone (not counted twice)
+        (zones / zone).mkdir(parents=True)
+        (zones / zone / "energy_uj").write_text("0")
+        (zones / zone / "max_energy_range_uj").write_text("10000000")  # 10 J
+    counters = [zones / "intel-rapl:0/energy_uj", zones / "intel-rapl:1/energy_uj"]
+
+    def work():  # each call: package 0 spends 3 J (wrapping at 10 J), package 1 spends 1 J
+        e0 = (int(counters[0].read_text()) + 3_000_000) % 10_000_000
+        counters[0].write_text(str(e0))
+        counters[1].write_text(str(int(counters[1].read_text()) + 1_000_000))
+
+    # a slice of 1.0 s: the clock read at its start and after each call (0.5 s apart), so two calls:
+    # 2 x (3 + 1) J = 8 J in 1.0 s, the wrap of package 0's counter undone
+    watts, spread, how = measure_power(work, seconds=5.0, samples=5, root=tmp_path, clock=_FakeClock())
+    assert watts == pytest.approx(8.0) and spread == pytest.approx(0.0) and "RAPL" in how and "2 zone" in how
+
+
+def test_power_is_read_from_jetson_rails_on_a_fake_sysfs(tmp_path):
+    from fedelastic.measure import measure_power
+
+    dev = tmp_path / "sys/bus/i2c/drivers/ina3221x/0-0041/iio:device1"
+    dev.mkdir(parents=True)
+    for n, (rail, mw) in enumerate((("VDD_IN", 4500), ("VDD_SYS_CPU", 900), ("VDD_SYS_DDR", 600))):
+        (dev / f"rail_name_{n}").write_text(rail + "\n")
+        (dev / f"in_power{n}_input").write_text(str(mw))
+    watts, _, how = measure_power(lambda: None, seconds=1.0, root=tmp_path, clock=_FakeClock())
+    assert watts == pytest.approx(4.5) and "in_power0_input" in how  # VDD_IN alone: it holds the others
+    (dev / "rail_name_0").write_text("VDD_SYS_GPU\n")  # no module input rail: every rail summed
+    assert measure_power(lambda: None, 1.0, root=tmp_path, clock=_FakeClock())[0] == pytest.approx(6.0)
+    assert measure_power(lambda: None, 1.0, root=tmp_path / "none") is None  # no sensor: nothing made up
+
+
+def test_profile_measure_writes_measured_power_where_a_sensor_is(tmp_path):
+    from fedelastic.profiler import host_power
+
+    dev = tmp_path / "sys/bus/i2c/drivers/ina3221x/0-0040/iio:device0"
+    dev.mkdir(parents=True)
+    (dev / "rail_name_0").write_text("VDD_IN")
+    (dev / "in_power0_input").write_text("7000")
+    power = host_power(tmp_path, seconds=0.05)
+    assert power["train"][0] == pytest.approx(7.0) and power["idle"][0] == pytest.approx(7.0)
+    assert "torch.mm" in power["train"][1] and "slept" in power["idle"][1]
+    assert host_power(tmp_path / "none") == {}
