@@ -130,6 +130,9 @@ class DeviceProfile:
     downlink_bit_per_s: Quantity
     latency_s: Quantity
     energy_per_mac_j: Quantity | None = None
+    #: energy by phase: draw while compute-bound and while memory-bound kernels run (both or neither)
+    power_compute_w: Quantity | None = None
+    power_memory_w: Quantity | None = None
     energy_per_byte_j: Quantity | None = None
     #: flash (non-volatile, read in place) that holds the frozen weights; None: every weight sits in
     #: ``memory_train_bytes`` (boards and phones that load the model into RAM)
@@ -172,6 +175,8 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
         "idle": ("power", True),
         "transmit": ("power", True),
         "receive": ("power", True),
+        "compute": ("power", False),
+        "memory": ("power", False),
         "energy_per_mac": ("energy", False),
         "energy_per_byte": ("energy", False),
     },
@@ -229,6 +234,9 @@ KEY_HELP: dict[str, str] = {
     "power.idle": "whole-device draw while idle (waiting for the round to end)",
     "power.transmit": "whole-device draw while sending",
     "power.receive": "whole-device draw while receiving",
+    "power.compute": "whole-device draw while compute-bound kernels run (energy by phase; with power.memory, "
+    "replaces power.train for training)",
+    "power.memory": "whole-device draw while memory-bound kernels run (energy by phase; give it with power.compute)",
     "power.energy_per_mac": "dynamic energy per MAC, added on top of the state powers",
     "power.energy_per_byte": "dynamic energy per byte moved, added on top of the state powers",
     "network.uplink": "sustained uplink throughput, > 0",
@@ -423,6 +431,9 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         raise ConfigError(src, "availability.probability.value", "a probability in [0, 1]", avail.value)
     if "notes" in raw and not isinstance(raw["notes"], str):
         raise ConfigError(src, "notes", "a string", raw["notes"])
+    for key, other in (("power.compute", "power.memory"), ("power.memory", "power.compute")):
+        if q[key] is not None and q[other] is None:
+            raise ConfigError(src, other, f"a power quantity too, since {key} is given (energy by phase needs both)")
     positive = ["memory.train", "compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key]
     optional = [k for k in ("memory.flash", "compute.scalar_ops_per_s") if q.get(k) is not None]
     for key in positive + optional:
@@ -447,6 +458,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         downlink_bit_per_s=q["network.downlink"],  # type: ignore[arg-type]
         latency_s=q["network.latency"],  # type: ignore[arg-type]
         energy_per_mac_j=q["power.energy_per_mac"],
+        power_compute_w=q["power.compute"],
+        power_memory_w=q["power.memory"],
         energy_per_byte_j=q["power.energy_per_byte"],
         availability=q.get("availability.probability"),
         measured=_measured(src, raw["measured"]) if "measured" in raw else {},

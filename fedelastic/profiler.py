@@ -155,21 +155,27 @@ def measure_profile(
 
 
 def host_power(root: str | Path = "/", seconds: float = 2.0) -> dict[str, tuple[float, str]]:
-    """``{"train": (W, how), "idle": (W, how)}`` read from this machine's power sensors
-    (:func:`~fedelastic.measure.measure_power`) while a 512x512 ``torch.mm`` loop runs (compute-bound
-    kernels: what training is mostly made of) and while it sleeps; empty where none is readable."""
+    """Powers read from this machine's sensors (:func:`~fedelastic.measure.measure_power`), by
+    ``[power]`` key: ``compute`` while a 512x512 ``torch.mm`` loop runs (compute-bound kernels),
+    ``memory`` while a 64 MiB copy loop runs (memory-bound kernels), ``train`` their mean (a step
+    mixes both; the cost model uses the two phases), ``idle`` while the process sleeps. Empty where no
+    sensor is readable."""
     import time
 
     import torch
 
-    a = torch.randn(512, 512)
-    train = measure_power(lambda: torch.mm(a, a), seconds, root=root)
-    if train is None:
+    a, src = torch.randn(512, 512), torch.randn(16 * 2**20)
+    dst = torch.empty_like(src)
+    compute = measure_power(lambda: torch.mm(a, a), seconds, root=root)
+    if compute is None:
         return {}
+    memory = measure_power(lambda: dst.copy_(src), seconds, root=root)
     idle = measure_power(lambda: time.sleep(0.05), seconds, root=root)
-    assert idle is not None
+    assert memory is not None and idle is not None
     return {
-        "train": (train[0], f"{train[2]}, while torch.mm 512x512 ran (compute-bound; a step's memory-bound kernels may draw less)"),
+        "compute": (compute[0], f"{compute[2]}, while torch.mm 512x512 ran (compute-bound)"),
+        "memory": (memory[0], f"{memory[2]}, while a 64 MiB tensor copy ran (memory-bound)"),
+        "train": ((compute[0] + memory[0]) / 2, f"mean of power.compute and power.memory ({compute[2]})"),
         "idle": (idle[0], f"{idle[2]}, while the process slept"),
     }
 

@@ -153,6 +153,36 @@ def test_profile_measure_writes_measured_power_where_a_sensor_is(tmp_path):
     (dev / "rail_name_0").write_text("VDD_IN")
     (dev / "in_power0_input").write_text("7000")
     power = host_power(tmp_path, seconds=0.05)
-    assert power["train"][0] == pytest.approx(7.0) and power["idle"][0] == pytest.approx(7.0)
-    assert "torch.mm" in power["train"][1] and "slept" in power["idle"][1]
+    assert {k: v[0] for k, v in power.items()} == pytest.approx({"compute": 7.0, "memory": 7.0, "train": 7.0, "idle": 7.0})
+    assert "torch.mm" in power["compute"][1] and "copy" in power["memory"][1] and "slept" in power["idle"][1]
     assert host_power(tmp_path / "none") == {}
+
+
+def test_energy_by_phase_mixes_the_compute_and_memory_powers(profile_raw):
+    import copy
+    import dataclasses
+
+    from fedelastic.costmodel import CostModel
+    from fedelastic.devices import parse_profile
+    from fedelastic.errors import ConfigError
+    from tests.support import small_info
+
+    info = small_info()
+    base = get_profile("raspberry_pi_4")
+    assert CostModel(info, base, 4).train_power_w() == base.power_train_w.value  # no phases: power.train
+    phases = dict(power_compute_w=Quantity(10.0, "t"), power_memory_w=Quantity(4.0, "t"), launch_overhead_s=Quantity(0.0, "t"))
+    # memory free (1e25 B/s): every kernel is compute-bound, the draw is power.compute's
+    fast_memory = dataclasses.replace(base, **phases, mem_bandwidth_bytes_per_s=Quantity(1e25, "t"))
+    cost = CostModel(info, fast_memory, 4)
+    assert cost.train_power_w() == pytest.approx(10.0, rel=1e-6)
+    assert cost.energy_j(2.0, 0.0, 0.0) == pytest.approx(20.0, rel=1e-6)  # 10 W x 2 s
+    # compute free (1e30 FLOP/s): every kernel is memory-bound, the draw is power.memory's
+    fast_compute = dataclasses.replace(base, **phases, peak_flops=Quantity(1e30, "t"))
+    assert CostModel(info, fast_compute, 4).train_power_w() == pytest.approx(4.0, rel=1e-6)
+    # as shipped (a real roofline): in between
+    assert 4.0 < CostModel(info, dataclasses.replace(base, **phases), 4).train_power_w() < 10.0
+    raw = copy.deepcopy(profile_raw)
+    raw["power"]["compute"] = {"value": 8, "unit": "W", "source": "t"}
+    with pytest.raises(ConfigError) as info_:
+        parse_profile(raw, "jetson_nano.toml")
+    assert info_.value.key == "power.memory"
