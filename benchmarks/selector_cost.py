@@ -12,14 +12,18 @@ at 224x224, batch 4, importance draw 0, rho 0.4 / 0.5 / 0.6):
 * its thread CPU time on this host (median of ``--repeats`` calls, one torch thread);
 * the host's implied time per counted operation (``time / ops``) and how much it varies across instances:
   if counted operations predict the time, it is about constant;
-* the prediction today's pricing makes for this host: the same work at the host's measured ``torch.mm``
-  peak (``fedelastic.measure.measure_peak_flops``, efficiency 1), against the measured time.
+* the two pricings' predictions for this host, against the measured time: *before*, the same work at
+  the host's measured ``torch.mm`` peak (``fedelastic.measure.measure_peak_flops``, efficiency 1: the
+  tensor rate a profile without ``compute.scalar_ops_per_s`` is priced at); *after*, at the host's scalar
+  rate as ``fedelastic profile measure`` measures it (``fedelastic.measure.measure_scalar_rate``, the exact
+  DP on a synthetic 160-tensor instance), measured at the start and the end of the run (their mean).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedelastic.costmodel import _OPS_PER_EVALUATION_PER_TENSOR, CostModel  # noqa: E402
 from fedelastic.devices import load_profile  # noqa: E402
-from fedelastic.measure import measure_peak_flops  # noqa: E402
+from fedelastic.measure import measure_peak_flops, measure_scalar_rate  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
 from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
 
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     peak, peak_source = measure_peak_flops(clock="cpu")
+    rates = [measure_scalar_rate(clock="cpu")[0]]
     rows = []
     tx2 = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
     for name in MODELS:
@@ -79,13 +84,28 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(f"{name} {strategy}/{solver} rho {rho}: {row['counted']:.3g} ops, host {1e3 * row['host_s']:.1f} ms, "
                       f"{1e9 * row['host_s'] / row['counted']:.2f} ns/op, priced at the host peak {1e3 * row['host_peak_priced_s']:.4f} ms", flush=True)  # fmt: skip
+    rates.append(measure_scalar_rate(clock="cpu")[0])
+    rate = float(np.mean(rates))
+    for r in rows:
+        r["host_scalar_priced_s"] = r["counted"] / rate
     per_op = np.array([r["host_s"] / r["counted"] for r in rows])
+
+    def spread(x: np.ndarray) -> dict:
+        return {"median": float(np.median(x)), "min": float(x.min()), "max": float(x.max()),
+                "within_2x": float(np.mean((x >= 0.5) & (x <= 2.0)))}  # fmt: skip
+
     under = np.array([r["host_s"] / r["host_peak_priced_s"] for r in rows])
-    doc = {"date": time.strftime("%Y-%m-%d"), "host_peak_flops": peak, "host_peak_source": peak_source, "rows": rows,
+    after = np.array([r["host_s"] / r["host_scalar_priced_s"] for r in rows])
+    big = np.array([r["host_s"] / r["host_scalar_priced_s"] for r in rows if r["host_s"] >= 0.02])
+    doc = {"date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg(), "host_peak_flops": peak, "host_peak_source": peak_source,
+           "host_scalar_rates": rates, "rows": rows,
            "ns_per_op": {"median": 1e9 * float(np.median(per_op)), "min": 1e9 * float(per_op.min()), "max": 1e9 * float(per_op.max())},
-           "host_over_peak_priced": {"median": float(np.median(under)), "min": float(under.min()), "max": float(under.max())}}  # fmt: skip
+           "host_over_peak_priced": spread(under), "host_over_scalar_priced": spread(after),
+           "host_over_scalar_priced_20ms_up": spread(big) | {"n": int(big.size)}}  # fmt: skip
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({k: doc[k] for k in ("host_peak_flops", "ns_per_op", "host_over_peak_priced")}, indent=1))
+    keys = ("load_average", "host_peak_flops", "host_scalar_rates", "ns_per_op", "host_over_peak_priced",
+            "host_over_scalar_priced", "host_over_scalar_priced_20ms_up")  # fmt: skip
+    print(json.dumps({k: doc[k] for k in keys}, indent=1))
     for solver in sorted({r["solver"] for r in rows}):
         sub = [r for r in rows if r["solver"] == solver]
         x = np.log([r["counted"] for r in sub])

@@ -577,6 +577,21 @@ _SHOWN = (
     ("fraction_params_trained", "trained", "{:.0%}"),
 )
 
+# the summary columns holding the emulation's one-sigma band of a shown column
+_BANDS = {"sim_time_s": "sim_time_band_s", "energy_j": "energy_band_j"}
+BAND_LEGEND = (
+    "~x%: the emulation's one-sigma band (the device profiles' stated errors, summed over rounds), mean over seeds"
+)
+
+
+def with_band(t: pd.DataFrame, stem: str, cells: list[str]) -> list[str]:
+    """``cells`` of column ``stem`` with the emulation's one-sigma band appended (``~x%`` of the mean),
+    where ``summary_by_strategy`` has one (a band of NaN: a run written before the band columns)."""
+    key = f"{_BANDS.get(stem)}_mean"
+    if key not in t:
+        return cells
+    return [c if np.isnan(b) else f"{c} ~{b / m:.0%}" for c, b, m in zip(cells, t[key], t[f"{stem}_mean"])]
+
 
 def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
     """A finished comparison's table for a terminal, and its legend.
@@ -611,6 +626,9 @@ def mean_table(out: Path) -> tuple[pd.DataFrame, list[str]]:
         if stem == "peak_memory_bytes":
             mean, ci, low, high, fmt = mean / 2**20, ci / 2**20, low / 2**20, high / 2**20, "{:.3g}"
         cells = [interval_text(*v, fmt) for v in zip(mean, ci, low, high)]
+        if f"{_BANDS.get(stem)}_mean" in t:
+            cells = with_band(t, stem, cells)
+            legend += [] if BAND_LEGEND in legend else [BAND_LEGEND]
         if stem == "time_to_target_s":
             lower = t["time_to_target_s_is_lower_bound"].fillna(False).astype(bool)
             cells = [("≥" if lb else "") + c + f" ({n})" for c, lb, n in zip(cells, lower, t.reached_target)]

@@ -558,11 +558,16 @@ class CostModel:
         """Device time of a selection: its cost-model ``evaluations`` and other elementary ``ops``.
 
         Each evaluation is a few vector passes over the model's tensors
-        (``8 * num_tensors`` operations); everything is priced at the device's sustained
-        arithmetic rate (``peak_flops * efficiency``), as a compiled selector would run on it.
+        (``8 * num_tensors`` operations). The counted operations are priced at the device's scalar
+        rate (``compute.scalar_ops_per_s``: what the selector's DP or greedy runs at, measured by
+        ``fedelastic profile measure``); a profile without one is priced at its tensor rate
+        (``peak_flops * efficiency``), which charges this host's selector 270-20,000x too little
+        (benchmarks/studies/bands.md).
         """
         total = evaluations * _OPS_PER_EVALUATION_PER_TENSOR * self.info.num_tensors + ops
-        return float(total / (self.device.peak_flops.value * self.device.efficiency.value))
+        scalar = self.device.scalar_ops_per_s
+        rate = scalar.value if scalar is not None else self.device.peak_flops.value * self.device.efficiency.value
+        return float(total / rate)
 
     # ---- communication and energy -----------------------------------------------------------
     def bytes_up(self, ratios: np.ndarray) -> float:
@@ -583,18 +588,45 @@ class CostModel:
         dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]] - self._branch_skip(selected, per_layer=True)
         return self._fwd_macs + dx + float(ratios @ self.tensor_macs)
 
+    def train_power_w(self) -> float:
+        """Whole-device draw while training: ``power.train``; with ``power.compute`` and ``power.memory``
+        (energy by phase), their mix weighted by the full step's roofline time in compute-bound kernels
+        (``flops / P_c >= bytes / B_c``) and in the rest (memory-bound kernels, launch overheads). The
+        share is the full step's, whatever the selection; worked out once."""
+        d = self.device
+        if d.power_compute_w is None or d.power_memory_w is None:
+            return d.power_train_w.value
+        power = self.__dict__.get("_train_power_w")
+        if power is None:
+            p = self.kernel_params[self.kernel_class]
+            bound = self.kernel_flops / p[:, 0] >= self.kernel_bytes / p[:, 1]
+            compute_s = float(np.where(bound, self.kernel_time - p[:, 2], 0.0).sum())
+            total = float(self.kernel_time.sum())
+            share = compute_s / total if total > 0 else 0.0
+            power = self._train_power_w = share * d.power_compute_w.value + (1 - share) * d.power_memory_w.value
+        return power
+
     def energy_j(
         self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
     ) -> float:
-        """Energy on this device (:func:`device_energy_j`)."""
-        return device_energy_j(self.device, train_time_s, up_s, down_s, macs, moved_bytes)
+        """Energy on this device (:func:`device_energy_j`), training at :meth:`train_power_w`."""
+        return device_energy_j(self.device, train_time_s, up_s, down_s, macs, moved_bytes, self.train_power_w())
 
 
 def device_energy_j(
-    d: DeviceProfile, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
+    d: DeviceProfile,
+    train_time_s: float,
+    up_s: float,
+    down_s: float,
+    macs: float = 0.0,
+    moved_bytes: float = 0.0,
+    train_power_w: float | None = None,
 ) -> float:
-    """Energy: power x time per state (training, sending, receiving), plus the optional per-MAC and per-byte terms."""
-    energy = d.power_train_w.value * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
+    """Energy: power x time per state (training, sending, receiving), plus the optional per-MAC and
+    per-byte terms. ``train_power_w``: the training draw (default ``power.train``; energy by phase:
+    :meth:`CostModel.train_power_w`)."""
+    train_w = d.power_train_w.value if train_power_w is None else train_power_w
+    energy = train_w * train_time_s + d.power_transmit_w.value * up_s + d.power_receive_w.value * down_s
     if d.energy_per_mac_j is not None:
         energy += d.energy_per_mac_j.value * macs
     if d.energy_per_byte_j is not None:

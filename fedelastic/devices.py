@@ -130,6 +130,9 @@ class DeviceProfile:
     downlink_bit_per_s: Quantity
     latency_s: Quantity
     energy_per_mac_j: Quantity | None = None
+    #: energy by phase: draw while compute-bound and while memory-bound kernels run (both or neither)
+    power_compute_w: Quantity | None = None
+    power_memory_w: Quantity | None = None
     energy_per_byte_j: Quantity | None = None
     #: flash (non-volatile, read in place) that holds the frozen weights; None: every weight sits in
     #: ``memory_train_bytes`` (boards and phones that load the model into RAM)
@@ -140,6 +143,9 @@ class DeviceProfile:
     path: str = ""
     kernels: dict[str, KernelClass] = field(default_factory=dict)
     uncertainty: Quantity | None = None  # relative 1-sigma error of a roofline-priced step time
+    power_uncertainty: Quantity | None = None  # relative 1-sigma error of the powers (None: unverified)
+    #: counted scalar operations of a selector per second (None: priced at peak x efficiency)
+    scalar_ops_per_s: Quantity | None = None
     #: the framework copies convolution activations between memory layouts (TensorFlow's layout
     #: optimizer on a GPU: NHWC <-> NCHW around every conv); priced by kernel-aware profiles only
     layout_transposes: bool = False
@@ -162,12 +168,15 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
         "mem_bandwidth": ("bandwidth", True),
         "efficiency": ("ratio", True),
         "launch_overhead": ("time", True),
+        "scalar_ops_per_s": ("ops", False),
     },
     "power": {
         "train": ("power", True),
         "idle": ("power", True),
         "transmit": ("power", True),
         "receive": ("power", True),
+        "compute": ("power", False),
+        "memory": ("power", False),
         "energy_per_mac": ("energy", False),
         "energy_per_byte": ("energy", False),
     },
@@ -177,7 +186,7 @@ _QUANTITIES: dict[str, dict[str, tuple[str, bool]]] = {
         "latency": ("time", True),
     },
     "availability": {"probability": ("ratio", True)},
-    "uncertainty": {"step": ("ratio", True)},
+    "uncertainty": {"step": ("ratio", True), "power": ("ratio", False)},
 }
 _OPTIONAL_SECTIONS = ("availability", "uncertainty")
 _KERNEL_KEYS = {"efficiency": "ratio", "bandwidth": "bandwidth", "overhead": "time", "width": "count"}
@@ -197,7 +206,7 @@ _TOP_KEYS = {
 
 #: What each profile key means (rendered into docs/reference/profile-keys.md by fedelastic.docgen).
 KEY_HELP: dict[str, str] = {
-    "schema_version": "2 (or 1: a v1 file has no [kernels], [uncertainty] or layout_transposes)",
+    "schema_version": "2 (or 1: a v1 file has no [kernels] or layout_transposes)",
     "name": "equals the file stem",
     "display_name": "human name, including the power mode where it matters",
     "device_class": "one of " + ", ".join(DEVICE_CLASSES),
@@ -218,17 +227,27 @@ KEY_HELP: dict[str, str] = {
     "compute.mem_bandwidth": "memory bandwidth, > 0",
     "compute.efficiency": "share of the peak that large kernels reach, in (0, 1]",
     "compute.launch_overhead": "fixed cost added to every kernel",
+    "compute.scalar_ops_per_s": "rate of the selector's counted scalar operations (DP cells, greedy steps; "
+    "`fedelastic profile measure` times them); absent: the selector is priced at peak x efficiency, "
+    "hundreds of times too cheap",
     "power.train": "whole-device draw while training",
     "power.idle": "whole-device draw while idle (waiting for the round to end)",
     "power.transmit": "whole-device draw while sending",
     "power.receive": "whole-device draw while receiving",
+    "power.compute": "whole-device draw while compute-bound kernels run (energy by phase; with power.memory, "
+    "replaces power.train for training)",
+    "power.memory": "whole-device draw while memory-bound kernels run (energy by phase; give it with power.compute)",
     "power.energy_per_mac": "dynamic energy per MAC, added on top of the state powers",
     "power.energy_per_byte": "dynamic energy per byte moved, added on top of the state powers",
     "network.uplink": "sustained uplink throughput, > 0",
     "network.downlink": "sustained downlink throughput, > 0",
     "network.latency": "paid once per transfer",
     "availability.probability": "chance that the device is reachable in a round (the section is optional)",
-    "uncertainty.step": "relative one-sigma error of a roofline-priced step time (v2; the section is optional)",
+    "uncertainty.step": "relative one-sigma error of a step time the profile prices without a measured table "
+    "(the section is optional; absent: no band): sized by leave-one-model-out errors, or a stated rule "
+    "where there is one model or none ([uncertainty](../explanation/cost-model.md#uncertainty))",
+    "uncertainty.power": "relative one-sigma error of the power figures (measured: their spread); absent: "
+    "0.3, the rule for unverified power",
     "kernels.<class>.efficiency": "share of the dtype's peak the class's kernels reach",
     "kernels.<class>.bandwidth": "effective memory bandwidth of the class's kernels",
     "kernels.<class>.overhead": "per-kernel time on top of compute.launch_overhead",
@@ -366,7 +385,7 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
     if raw.get("schema_version") not in SCHEMA_VERSIONS:
         raise ConfigError(src, "schema_version", f"one of {list(SCHEMA_VERSIONS)}", raw.get("schema_version"))
     if raw["schema_version"] == 1:
-        for key in ("kernels", "uncertainty", "layout_transposes"):
+        for key in ("kernels", "layout_transposes"):
             if key in raw:
                 raise ConfigError(src, key, "schema_version = 2 (this section is new in v2)", raw["schema_version"])
     for key in ("name", "display_name", "device_class", "train_dtype"):
@@ -412,8 +431,12 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         raise ConfigError(src, "availability.probability.value", "a probability in [0, 1]", avail.value)
     if "notes" in raw and not isinstance(raw["notes"], str):
         raise ConfigError(src, "notes", "a string", raw["notes"])
+    for key, other in (("power.compute", "power.memory"), ("power.memory", "power.compute")):
+        if q[key] is not None and q[other] is None:
+            raise ConfigError(src, other, f"a power quantity too, since {key} is given (energy by phase needs both)")
     positive = ["memory.train", "compute.mem_bandwidth", "network.uplink", "network.downlink", peak_key]
-    for key in positive + (["memory.flash"] if q.get("memory.flash") is not None else []):
+    optional = [k for k in ("memory.flash", "compute.scalar_ops_per_s") if q.get(k) is not None]
+    for key in positive + optional:
         if q[key].value <= 0:  # type: ignore[union-attr]
             raise ConfigError(src, f"{key}.value", "a positive number", q[key].value)  # type: ignore[union-attr]
     return DeviceProfile(
@@ -435,6 +458,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         downlink_bit_per_s=q["network.downlink"],  # type: ignore[arg-type]
         latency_s=q["network.latency"],  # type: ignore[arg-type]
         energy_per_mac_j=q["power.energy_per_mac"],
+        power_compute_w=q["power.compute"],
+        power_memory_w=q["power.memory"],
         energy_per_byte_j=q["power.energy_per_byte"],
         availability=q.get("availability.probability"),
         measured=_measured(src, raw["measured"]) if "measured" in raw else {},
@@ -442,6 +467,8 @@ def parse_profile(raw: dict, src: str, stem: str | None = None) -> DeviceProfile
         path=src,
         kernels=_kernels(src, raw["kernels"]) if "kernels" in raw else {},
         uncertainty=q.get("uncertainty.step"),
+        power_uncertainty=q.get("uncertainty.power"),
+        scalar_ops_per_s=q.get("compute.scalar_ops_per_s"),
         layout_transposes=raw.get("layout_transposes", False),
         sampled=_sampled(src, raw["sampled"]) if "sampled" in raw else {},
     )

@@ -31,9 +31,9 @@ with none (e.g. depthwise kernels when no table has a depthwise conv) takes its 
 values (:data:`~fedelastic.devices.KERNEL_CLASSES`), or the global ones.
 
 Uncertainty. With two or more tables, each model is left out in turn, the rest refitted, and the
-left-out model's whole-step time (sum of its entries) predicted: the root mean square of those
-relative errors is the profile's ``[uncertainty] step``. With one table, the time-weighted root
-mean square of the fit's per-entry relative residuals stands in (an optimistic band).
+left-out model's whole-step time (sum of its entries) predicted: those relative errors size the
+profile's ``[uncertainty] step`` (:func:`fedelastic.bands.lomo_band`). With one table nothing is
+held out: the stated single-model rule applies (:data:`fedelastic.bands.SINGLE_MODEL_BAND`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .bands import LOMO_RULE, SINGLE_MODEL_BAND, SINGLE_MODEL_RULE, lomo_band
 from .costmodel import CostModel
 from .devices import KERNEL_CLASSES, DeviceProfile, KernelClass, Quantity
 from .kernels import DW, DX, FWD, OPS, kernel_times
@@ -518,7 +519,10 @@ def fit_kernels(
     total = float(weights.sum())
     pred_total = sum(float(p[d.ok].sum()) for p, d in zip(preds, data))
     models = tuple(dict.fromkeys(d.info.model_name for d in data))
-    if leave_one_out and len(models) >= 2:
+    if not leave_one_out:  # asked not to hold out (benchmarks): the in-sample residual, not a held-out band
+        uncertainty = float(np.sqrt(np.sum(weights * rel**2) / total))
+        how = "time-weighted RMS of the in-sample per-layer residuals (leave_one_out=False: not a held-out band)"
+    elif len(models) >= 2:
         errs = []
         for held in models:
             rest = [d for d in data if d.info.model_name != held]
@@ -526,11 +530,10 @@ def fit_kernels(
             for d in data:
                 if d.info.model_name == held:
                     errs.append(float(_predict(d, p_rest, launch)[d.ok].sum() / d.meas[d.ok].sum() - 1))
-        uncertainty = float(np.sqrt(np.mean(np.square(errs))))
-        how = f"RMS of leave-one-model-out step errors over {', '.join(models)}"
+        uncertainty = lomo_band(errs, df=len(models))  # a model's tables (batch sizes) are not independent
+        how = f"{LOMO_RULE}; errors over {', '.join(models)}: " + ", ".join(f"{e:+.1%}" for e in errs)
     else:
-        uncertainty = float(np.sqrt(np.sum(weights * rel**2) / total))
-        how = "time-weighted RMS of the in-sample per-layer residuals (one model: optimistic)"
+        uncertainty, how = SINGLE_MODEL_BAND, SINGLE_MODEL_RULE
     order = np.argsort(np.abs(rel))
     cum = np.cumsum(weights[order]) / total
     return KernelFit(

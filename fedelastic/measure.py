@@ -29,8 +29,12 @@ one of its tensors trains), so that the cost model's constant forward is the fro
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -362,6 +366,98 @@ def measure_peak_flops(size: int = 1024, repeats: int = 10, warmup: int = 2, clo
     a, b = torch.randn(size, size), torch.randn(size, size)
     t = _median_time(lambda: torch.mm(a, b), repeats, warmup, get_clock(clock))
     return 2.0 * size**3 / t, f"torch.mm {size}x{size} fp32, median of {repeats}"
+
+
+def measure_scalar_rate(units: int = 160, repeats: int = 5, warmup: int = 1, clock: str = "wall") -> tuple[float, str]:
+    """The selector's counted operations per second on this machine, and how it was measured.
+
+    Times the exact DP (:func:`fedelastic.selector.select_exact`, as ElasticTrainer's strategies
+    call it) on a seeded random instance of ``units`` tensors (ResNet-50 has 161) at half the
+    backward budget, and divides the operations it counts by its median time: the rate
+    ``compute.scalar_ops_per_s`` prices every selector's counted work at.
+    """
+    from .selector import select_exact
+
+    rng = np.random.default_rng(0)
+    importance, t_dw, t_dx = rng.lognormal(0.0, 1.0, units), rng.uniform(1e-4, 1e-3, units), rng.uniform(1e-4, 1e-3, units)
+    budget = 0.5 * float(t_dw.sum() + t_dx.sum())
+    ops: list[float] = []
+    select_exact(importance, t_dw, t_dx, budget, ops=ops)
+    t = _median_time(lambda: select_exact(importance, t_dw, t_dx, budget), repeats, warmup, get_clock(clock))
+    counted = float(sum(ops))
+    return counted / t, (
+        f"the exact selector DP on a seeded {units}-tensor instance, {counted:.3g} counted operations "
+        f"in {1e3 * t:.3g} ms, median of {repeats}"
+    )
+
+
+def _rapl_zones(root: Path) -> list[Path]:
+    """Top-level RAPL zones (one per package: ``intel-rapl:N``, not their ``:N:M`` subzones) with a readable counter."""
+    zones = sorted((root / "sys/class/powercap").glob("intel-rapl:*"))
+    return [z for z in zones if z.name.count(":") == 1 and os.access(z / "energy_uj", os.R_OK)]
+
+
+def _ina_rails(root: Path) -> list[Path]:
+    """A Jetson's INA3221 power readings (``in_power<N>_input``, mW): the module input rail ``VDD_IN``
+    alone where one is named so (it already holds the others), else every rail."""
+    rails = sorted((root / "sys/bus/i2c/drivers/ina3221x").glob("*/iio:device*/in_power*_input"))
+    rails = [r for r in rails if os.access(r, os.R_OK)]
+
+    def name(rail: Path) -> str:
+        label = rail.with_name("rail_name_" + rail.name.removeprefix("in_power").removesuffix("_input"))
+        return label.read_text().strip() if label.exists() else ""
+
+    whole = [r for r in rails if name(r) == "VDD_IN"]
+    return whole or rails
+
+
+def measure_power(
+    work: Callable[[], Any],
+    seconds: float = 2.0,
+    samples: int = 5,
+    root: str | Path = "/",
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[float, float, str] | None:
+    """Mean whole-device power (W) while ``work`` runs over and over for ``seconds``, the relative
+    standard deviation of its ``samples`` slices, and how it was read; None where the machine exposes
+    no power sensor (a VM, most ARM boards without a Jetson's rails).
+
+    Read from RAPL on x86 (``/sys/class/powercap/intel-rapl:N/energy_uj``, the package counters
+    summed, wrap-around handled) or a Jetson's INA3221 rails (``/sys/bus/i2c/drivers/ina3221x/...``,
+    instantaneous mW, read at the end of each slice). RAPL counts the CPU package and DRAM, not the
+    board: a lower bound of the wall draw. ``root`` is where ``/sys`` is (a test's fake tree).
+    """
+    root = Path(root)
+    zones, rails = _rapl_zones(root), _ina_rails(root)
+    if not zones and not rails:
+        return None
+
+    def counters() -> list[float]:
+        return [float((z / "energy_uj").read_text()) for z in zones]
+
+    # a counter wraps at its max_energy_range_uj: a slice's delta is taken modulo it, per zone
+    ranges = [float((z / "max_energy_range_uj").read_text()) if (z / "max_energy_range_uj").exists() else math.inf for z in zones]
+    powers = []
+    for _ in range(samples):
+        e0, t0 = counters(), clock()
+        while True:
+            work()
+            t1 = clock()
+            if t1 - t0 >= seconds / samples:
+                break
+        if zones:
+            spent = sum((e1 - e) % r if math.isfinite(r) else e1 - e for e, e1, r in zip(e0, counters(), ranges))
+            powers.append(spent / 1e6 / (t1 - t0))
+        else:
+            powers.append(sum(float(r.read_text()) for r in rails) / 1e3)
+    mean = float(np.mean(powers))
+    spread = float(np.std(powers) / mean) if mean > 0 else 0.0
+    how = (
+        f"RAPL package energy counters ({len(zones)} zone(s): CPU package and DRAM, not the whole board)"
+        if zones
+        else f"Jetson INA3221 rail(s) {', '.join(r.parent.name + '/' + r.name for r in rails)}"
+    )
+    return mean, spread, f"{how}, mean of {samples} slices over {seconds:g} s (relative sd {spread:.1%})"
 
 
 def measure_copy_bandwidth(

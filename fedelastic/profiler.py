@@ -18,7 +18,14 @@ from typing import Any
 from .devices import DeviceProfile, MeasuredTable, parse_profile
 from .fit import FitResult, _start_device, datasheet_bandwidth, fit_roofline, fit_to_profile
 from .kernelsample import samples_json
-from .measure import host_memory_available, measure_copy_bandwidth, measure_layers, measure_peak_flops
+from .measure import (
+    host_memory_available,
+    measure_copy_bandwidth,
+    measure_layers,
+    measure_peak_flops,
+    measure_power,
+    measure_scalar_rate,
+)
 from .models import build_with_input, describe_model
 from .profiles import (
     apply_fit,
@@ -108,6 +115,10 @@ def measure_profile(
     say("peak FP32 throughput")
     peak = measure_peak_flops(repeats=repeats, warmup=warmup, clock=clock)
     memory = host_memory_available()
+    say("selector operations per second")
+    scalar_rate = measure_scalar_rate(repeats=max(repeats, 3), warmup=warmup, clock=clock)
+    say("power (RAPL or a Jetson's rails, where readable)")
+    power = host_power()
     base_raw = tomllib.loads(Path(get_profile(str(like)).path).read_text()) if like else None
     start = _start_device(peak[0])
     say("memory copy bandwidth")
@@ -129,6 +140,8 @@ def measure_profile(
         device_class=device_class,
         like=base_raw,
         notes=f"Measured on {', '.join(shapes)}, batch {batch_size}.",
+        scalar_rate=scalar_rate,
+        power=power,
     )
     say("fitting the kernel classes")
     fit_kernels_into(raw, pairs, str(out), f"fitted: {by}", max_bandwidth=copy_bw[0])
@@ -139,6 +152,32 @@ def measure_profile(
         if save_samples:
             Path(save_samples).write_text(samples_json(samples))
     return write_profile(raw, out), fit, pairs[-1][1]
+
+
+def host_power(root: str | Path = "/", seconds: float = 2.0) -> dict[str, tuple[float, str]]:
+    """Powers read from this machine's sensors (:func:`~fedelastic.measure.measure_power`), by
+    ``[power]`` key: ``compute`` while a 512x512 ``torch.mm`` loop runs (compute-bound kernels),
+    ``memory`` while a 64 MiB copy loop runs (memory-bound kernels), ``train`` their mean (a step
+    mixes both; the cost model uses the two phases), ``idle`` while the process sleeps. Empty where no
+    sensor is readable."""
+    import time
+
+    import torch
+
+    a, src = torch.randn(512, 512), torch.randn(16 * 2**20)
+    dst = torch.empty_like(src)
+    compute = measure_power(lambda: torch.mm(a, a), seconds, root=root)
+    if compute is None:
+        return {}
+    memory = measure_power(lambda: dst.copy_(src), seconds, root=root)
+    idle = measure_power(lambda: time.sleep(0.05), seconds, root=root)
+    assert memory is not None and idle is not None
+    return {
+        "compute": (compute[0], f"{compute[2]}, while torch.mm 512x512 ran (compute-bound)"),
+        "memory": (memory[0], f"{memory[2]}, while a 64 MiB tensor copy ran (memory-bound)"),
+        "train": ((compute[0] + memory[0]) / 2, f"mean of power.compute and power.memory ({compute[2]})"),
+        "idle": (idle[0], f"{idle[2]}, while the process slept"),
+    }
 
 
 def sample_into(
@@ -176,28 +215,27 @@ def sampled_into(
     input stays in cache, its output reuses a freed buffer), its backward pays no gradient
     accumulation. The measured ``pairs`` calibrate that: per layer, ``scale * t + seconds`` for the
     forward and for the backward (:func:`~fedelastic.kernelsample.fit_calibration`, over every
-    layer of every table). The band is the RMS error of each model's layers (forward, dX and dW
-    summed) predicted with the calibration fitted to the *other* models (leave one model out);
-    with a single model, its uncalibrated error (none is left to check the calibration).
+    layer of every table). The band is sized by each model's error (its layers' forward, dX and dW
+    summed) predicted with the calibration fitted to the *other* models (leave one model out;
+    :func:`fedelastic.bands.lomo_band`); with a single model nothing is held out and the stated
+    single-model rule applies (:data:`fedelastic.bands.SINGLE_MODEL_BAND`).
     """
-    import numpy as np
-
+    from .bands import LOMO_RULE, SINGLE_MODEL_BAND, SINGLE_MODEL_RULE, lomo_band
     from .kernelsample import fit_predictors, predictors_toml
 
     say = progress or (lambda _msg: None)
     predictors: dict[str, Any] = dict(fit_predictors(samples))
     predictors["calibration"], errs = calibrate(predictors, pairs, say)
     raw["sampled"] = predictors_toml(predictors, f"{by}: {sum(map(len, samples.values()))} timed kernel configurations")
-    how = (
-        "leave-one-model-out RMS error of the sampled kernels' layers (forward, dX, dW summed)"
-        if len(pairs) > 1
-        else "error of the uncalibrated sampled kernels' layers (one model: none left to check the calibration)"
-    )
     names = ", ".join(info.model_name for info, _ in pairs)
-    rms = float(np.sqrt(np.mean(np.square(errs))))
-    raw["uncertainty"] = {
-        "step": {"value": float(f"{max(rms, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how} ({names})"}
-    }
+    if len(pairs) > 1:
+        band = lomo_band(errs)
+        how = f"{LOMO_RULE}, the sampled kernels' layers (forward, dX, dW summed); errors: " + ", ".join(
+            f"{info.model_name} {e:+.1%}" for (info, _), e in zip(pairs, errs)
+        )
+    else:
+        band, how = SINGLE_MODEL_BAND, f"{SINGLE_MODEL_RULE} ({names})"
+    raw["uncertainty"] = {"step": {"value": float(f"{max(band, 1e-4):.3g}"), "unit": "1", "source": f"{by}: {how}"}}
 
 
 def calibrate(

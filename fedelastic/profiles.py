@@ -93,6 +93,8 @@ def build_profile_dict(
     device_class: str = "sbc",
     like: dict[str, Any] | None = None,
     notes: str = "",
+    scalar_rate: tuple[float, str] | None = None,
+    power: dict[str, tuple[float, str]] | None = None,
 ) -> dict[str, Any]:
     """A schema-v1 profile (as a TOML-ready dict) for a measured device.
 
@@ -111,6 +113,12 @@ def build_profile_dict(
     measured_by : str
         ``"fedelastic profile measure on <host>, <date>, torch <ver>, <n> threads"``: prefixes the
         source of every measured or fitted number.
+    scalar_rate : (float, str), optional
+        Measured selector operations per second and how (``compute.scalar_ops_per_s``).
+    power : dict of str to (float, str), optional
+        Powers measured on this machine (W, how), by ``[power]`` key (``train``, ``idle``): they
+        replace the copied or placeholder values. ``[uncertainty] power`` is not set: the radio
+        powers stay unmeasured, so the unverified-power band still applies.
     like : dict, optional
         A raw profile whose ``[power]`` and ``[network]`` (and ``availability``) are copied
         (e.g. the datasheet profile of the same board); otherwise unverified placeholders.
@@ -145,6 +153,10 @@ def build_profile_dict(
     raw["compute"] = {
         "peak_fp32": _quantity(peak_flops[0] / 1e9, "GFLOP/s", f"measured: {peak_flops[1]}; {measured_by}")
     }
+    if scalar_rate is not None:
+        raw["compute"]["scalar_ops_per_s"] = _quantity(
+            scalar_rate[0] / 1e9, "GOP/s", f"measured: {scalar_rate[1]}; {measured_by}"
+        )
     apply_fit(raw, fit, f"fitted: {measured_by}", bandwidth=False)
     raw["compute"]["mem_bandwidth"] = _quantity(
         fit.mem_bandwidth / 1e9, "GB/s", f"fitted: {measured_by}: effective bandwidth ({', '.join(fit.models)})"
@@ -162,6 +174,8 @@ def build_profile_dict(
             )
             for key, (value, unit) in keys.items()
         }
+    for key, (watts, how) in (power or {}).items():
+        raw["power"][key] = _quantity(watts, "W", f"measured: {how}; {measured_by}")
     if like and "availability" in like:
         raw["availability"] = {k: dict(v) for k, v in like["availability"].items()}
     raw["measured"] = {model: measured_table_toml(t) for model, t in tables.items()}

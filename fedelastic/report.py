@@ -171,6 +171,12 @@ def device_table(clients: pd.DataFrame) -> str:
             "params trained": g[ClientCol.FRACTION_PARAMS_TRAINED].mean().map("{:.0%}".format),
         }
     )
+    for header, column in (
+        ("train s band", ClientCol.EMULATED_TRAIN_TIME_BAND_S),
+        ("energy J band (with idle)", ClientCol.EMULATED_ENERGY_BAND_J),
+    ):
+        if column in clients:  # the emulation's one-sigma band (a run written before it has none)
+            t.insert(t.columns.get_loc("peak memory"), header, g[column].mean().map("± {:.3g}".format))
     flagged = set(idle.flagged(nothing))
     why = "".join(
         f"<li{_BAD if device in flagged else ''}>{html.escape(line)}</li>"
@@ -309,6 +315,13 @@ def _idle_warning(clients: pd.DataFrame) -> str:
     )
 
 
+def _run_band(rounds: pd.DataFrame, column: str, unit: str) -> str:
+    """`` (± x unit, the emulation's one-sigma band)``: the rounds' bands summed ('' before the band columns)."""
+    if column not in rounds:
+        return ""
+    return f" (± {rounds[column].sum():.3g} {unit}, the emulation's one-sigma band)"
+
+
 def run_sections(run_dir: Path) -> tuple[str, list[str]]:
     rounds = pd.read_parquet(run_dir / "rounds.parquet")
     clients = pd.read_parquet(run_dir / "clients.parquet")
@@ -321,7 +334,8 @@ def run_sections(run_dir: Path) -> tuple[str, list[str]]:
         f'<p>Status <b class="{"" if state == "completed" else "bad"}">{html.escape(state)}</b>'
         + (f": {html.escape(str(status['error']))}" if status.get("error") else "")
         + f". {int(last[RoundCol.ROUND])} rounds, final test accuracy <b>{accuracy:.3f}</b> after "
-        f"{last[RoundCol.SIM_TIME_S]:.1f} s of simulated time and {last[RoundCol.TOTAL_ENERGY_J]:.1f} J; "
+        f"{last[RoundCol.SIM_TIME_S]:.1f} s of simulated time{_run_band(rounds, RoundCol.ROUND_TIME_BAND_S, 's')} "
+        f"and {last[RoundCol.TOTAL_ENERGY_J]:.1f} J{_run_band(rounds, RoundCol.ROUND_ENERGY_BAND_J, 'J')}; "
         f"{clients[ClientCol.PARTITION_ID].nunique()} clients on {clients[ClientCol.DEVICE].nunique()} device types.</p>"
         + _idle_warning(clients)
     )
@@ -412,7 +426,7 @@ def pareto_figure(table: pd.DataFrame) -> str:
 
 
 def comparison_table(table: pd.DataFrame) -> str:
-    from .comparison import interval, interval_text
+    from .comparison import interval, interval_text, with_band
 
     shown = {
         "final_accuracy": "{:.3f}", "sim_time_s": "{:.3g}", "energy_j": "{:.3g}", "time_to_target_s": "{:.3g}",
@@ -432,10 +446,14 @@ def comparison_table(table: pd.DataFrame) -> str:
             clipped = [interval(m, c, stem) for m, c in zip(mean, ci)]
             low = table[f"{stem}_low"] if f"{stem}_low" in table else [lo for lo, _ in clipped]
             high = table[f"{stem}_high"] if f"{stem}_high" in table else [hi for _, hi in clipped]
-            out[stem] = [
-                ("≥ " if b else "") + interval_text(m, c, lo, hi, fmt)
-                for m, c, lo, hi, b in zip(mean, ci, low, high, bound.astype(bool))
-            ]
+            out[stem] = with_band(
+                table,
+                stem,
+                [
+                    ("≥ " if b else "") + interval_text(m, c, lo, hi, fmt)
+                    for m, c, lo, hi, b in zip(mean, ci, low, high, bound.astype(bool))
+                ],
+            )
     if "trained_nothing" in table:  # per device, over every seed; flagged above half (fedelastic.idle)
         from .idle import text
 

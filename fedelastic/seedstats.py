@@ -33,6 +33,10 @@ def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dic
         "final_accuracy": float(evaluated.iloc[-1]) if len(evaluated) else float("nan"),
         "sim_time_s": float(rounds[R.SIM_TIME_S].iloc[-1]),
         "energy_j": float(rounds[R.TOTAL_ENERGY_J].iloc[-1]),
+        # the emulation's one-sigma bands (rounds' bands add: a profile's error is systematic); NaN
+        # for a run written before the band columns
+        "sim_time_band_s": _total(rounds, R.ROUND_TIME_BAND_S),
+        "energy_band_j": _total(rounds, R.ROUND_ENERGY_BAND_J),
         "peak_memory_bytes": float(clients[C.EMULATED_PEAK_MEMORY_BYTES].max()),
         "fits_fraction": float(clients[C.FITS].mean()),
         "mean_train_time_per_round_s": float(clients[C.EMULATED_TRAIN_TIME_S].mean()),
@@ -45,6 +49,10 @@ def summarise(rounds: pd.DataFrame, clients: pd.DataFrame, target: float) -> dic
         row["time_to_target_s"] = float(hit[R.SIM_TIME_S].iloc[0]) if len(hit) else float("nan")
         row["energy_to_target_j"] = float(hit[R.TOTAL_ENERGY_J].iloc[0]) if len(hit) else float("nan")
     return row
+
+
+def _total(rounds: pd.DataFrame, column: str) -> float:
+    return float(rounds[column].sum()) if column in rounds else float("nan")
 
 
 def ci95(values: np.ndarray) -> float:

@@ -38,7 +38,9 @@ def report(run_dir: Path) -> None:
     accuracy = evaluated.iloc[-1] if len(evaluated) else float("nan")
     table = Table(
         title=escape(
-            f"{run_dir}  ({status['status']}; final accuracy {accuracy:.3f}, simulated {last[R.SIM_TIME_S]:.1f} s)"
+            f"{run_dir}  ({status['status']}; final accuracy {accuracy:.3f}, simulated {last[R.SIM_TIME_S]:.1f} s"
+            + (f" ±{rounds[R.ROUND_TIME_BAND_S].sum():.2g} s" if R.ROUND_TIME_BAND_S in rounds else "")
+            + ")"
         )
     )
     for col in (
@@ -64,7 +66,7 @@ def report(run_dir: Path) -> None:
             str(int(_failed(g))),
             f"{g[C.EMULATED_TRAIN_TIME_S].mean():.3g} s"
             + (
-                f" ± {g[C.EMULATED_TRAIN_TIME_BAND_S].mean():.2g}"
+                f" ±{g[C.EMULATED_TRAIN_TIME_BAND_S].mean() / g[C.EMULATED_TRAIN_TIME_S].mean():.0%}"
                 if C.EMULATED_TRAIN_TIME_BAND_S in g and g[C.EMULATED_TRAIN_TIME_BAND_S].mean() > 0
                 else ""
             ),

@@ -22,6 +22,8 @@ class RoundCol:
     VAL_ACCURACY: Final = "val_accuracy"  # only in a run with a validation share
     VAL_LOSS: Final = "val_loss"
     TOTAL_ENERGY_J: Final = "total_energy_j"
+    ROUND_TIME_BAND_S: Final = "round_time_band_s"
+    ROUND_ENERGY_BAND_J: Final = "round_energy_band_j"
     CLIENTS: Final = "clients"
     CLIENTS_FAILED: Final = "clients_failed"
     CLIENTS_NOT_FITTING: Final = "clients_not_fitting"
@@ -46,6 +48,7 @@ class ClientCol:
     EMULATED_COMM_TIME_S: Final = "emulated_comm_time_s"
     EMULATED_ENERGY_J: Final = "emulated_energy_j"
     EMULATED_IDLE_ENERGY_J: Final = "emulated_idle_energy_j"
+    EMULATED_ENERGY_BAND_J: Final = "emulated_energy_band_j"
     EMULATED_PEAK_MEMORY_BYTES: Final = "emulated_peak_memory_bytes"
     DEVICE_MEMORY_BYTES: Final = "device_memory_bytes"
     STATUS: Final = "status"

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..bands import trip_energy_band_j
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .clock import EXTRA, LATE, NO_UPDATE, Arrival, Trip
 from .clock import run_async as clock_run_async
@@ -209,6 +210,7 @@ class RoundEngine:
             emulated_comm_time_s=trip.down_s + trip.up_s,
             emulated_energy_j=energy,
             emulated_idle_energy_j=idle,
+            emulated_energy_band_j=trip_energy_band_j(profile, energy, idle, trip.train_s, m["emulated-train-time-band-s"]),
             device_memory_bytes=profile.memory_train_bytes.value,
             policy=self.policy.name,
             status=status,

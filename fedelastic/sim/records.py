@@ -81,6 +81,7 @@ class ClientRecord:
     emulated_comm_time_s: float = _col("download and upload time on the client's links (priced by the engine)", figure="client")
     emulated_energy_j: float = _col("energy of the trip, training and radio, up to the round's close (priced by the engine)", figure="client")
     emulated_idle_energy_j: float = _col("idle energy while waiting for the round to close", figure="client")
+    emulated_energy_band_j: float = _col("one-sigma band of the energy and idle energy together: the time band and the power's band combined ([uncertainty](../explanation/cost-model.md#uncertainty))", figure="client")
     emulated_peak_memory_bytes: float = _col("peak memory in RAM (an MCU's SRAM): the larger of training and probes", figure="client", wire="emulated-peak-memory-bytes")
     emulated_probe_peak_memory_bytes: float = _col("the probes' own peak memory", figure="client", wire="emulated-probe-peak-memory-bytes")
     device_memory_bytes: float = _col("the device's training memory", figure="client")
@@ -154,6 +155,8 @@ class RoundSummary:
     clients_too_slow: int = _col("clients the deadline left no time for even a forward pass", 0)
     mean_staleness: float = _col("async runs: mean staleness of the aggregated updates", NAN)
     wasted_energy_j: float = _col("energy of trips whose update was not used", 0.0)
+    round_time_band_s: float = _col("one-sigma band of the round's length: the largest training-time band of its clients (a round's length moves by at most that; [uncertainty](../explanation/cost-model.md#uncertainty))", 0.0)
+    round_energy_band_j: float = _col("one-sigma band of the round's energy: its clients' energy bands summed (a profile's error is the same for every client of that device, so bands add)", 0.0)
 
 
 def summarize(
@@ -185,6 +188,8 @@ def summarize(
         clients_too_slow=status.count(TOO_SLOW),
         mean_staleness=float(np.mean([r.staleness for r in counted])) if counted else NAN,
         wasted_energy_j=float(sum(r.wasted_energy_j for r in rows)),
+        round_time_band_s=float(max((r.emulated_train_time_band_s for r in fitted), default=0.0)),
+        round_energy_band_j=float(sum(r.emulated_energy_band_j for r in rows)),
     )
 
 

@@ -317,8 +317,12 @@ def test_selector_work_is_priced_on_the_device():
     info = _mlp_info()
     dev = get_profile("stm32h743")
     cost = CostModel(info, dev, batch_size=2)
+    # the scalar rate: 480 MHz / 4 cycles per counted operation = 1.2e8 op/s (the profile's derivation)
+    assert cost.selector_time_s(10, 1000.0) == pytest.approx((10 * 8 * info.num_tensors + 1000) / 1.2e8)
+    # a profile without one: its tensor rate, peak x efficiency
+    tensor = CostModel(info, dataclasses.replace(dev, scalar_ops_per_s=None), batch_size=2)
     rate = dev.peak_flops.value * dev.efficiency.value
-    assert cost.selector_time_s(10, 1000.0) == pytest.approx((10 * 8 * info.num_tensors + 1000) / rate)
+    assert tensor.selector_time_s(10, 1000.0) == pytest.approx((10 * 8 * info.num_tensors + 1000) / rate)
     before = cost.evaluations
     cost.peak_memory_bytes(np.ones(4))
     cost.backward_time_s(np.ones(4))

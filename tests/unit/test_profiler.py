@@ -31,7 +31,8 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     # the kernel classes are fitted too: the ones small_cnn has kernels of, and a one-model band
     assert {"gemm_fwd", "gemm_dx", "gemm_dw"} <= set(profile.kernels)
     assert all(0 < k.efficiency.value <= 1 and k.bandwidth.value > 0 for k in profile.kernels.values())
-    assert profile.uncertainty is not None and "in-sample" in profile.uncertainty.source
+    assert profile.uncertainty is not None and "one model" in profile.uncertainty.source
+    assert profile.uncertainty.value == 0.19  # the stated single-model rule, not the in-sample residual
     info = small_info()
     table = profile.measured["small_cnn"]
     assert table.batch_size == 4 and table.shape == info.shape()  # measured on width 4: recorded, and matched below
@@ -46,6 +47,8 @@ def test_measure_cli_writes_a_valid_profile_the_cost_model_uses(tmp_path):
     for q in (profile.peak_flops, profile.efficiency, profile.memory_train_bytes):
         assert "fedelastic profile measure on" in q.source and "1 threads" in q.source
     assert profile.peak_flops.source.startswith("measured:")
+    rate = profile.scalar_ops_per_s  # the selector's counted operations per second, timed on the exact DP
+    assert rate is not None and rate.source.startswith("measured: the exact selector DP") and 1e6 < rate.value < 1e11
     assert profile.efficiency.source.startswith("fitted:")
     for q in (profile.power_train_w, profile.power_idle_w, profile.uplink_bit_per_s, profile.latency_s):
         assert "unverified" in q.source

@@ -74,7 +74,8 @@ def _tables() -> tuple[pd.DataFrame, pd.DataFrame]:
     clients = [
         ClientRecord(r, 0, **pi, fits=True, steps=3, emulated_train_time_s=t, emulated_energy_j=e,
                      emulated_idle_energy_j=0.5, emulated_peak_memory_bytes=m, device_memory_bytes=4e6,
-                     fraction_params_trained=1.0, emulated_comm_time_s=0.25, status=COUNTED, counted=True).row()
+                     fraction_params_trained=1.0, emulated_comm_time_s=0.25, status=COUNTED, counted=True,
+                     emulated_train_time_band_s=0.1 * t, emulated_energy_band_j=0.5 * e).row()
         for r, t, e, m in ((1, 2.0, 1.0, 1e6), (2, 4.0, 3.0, 3e6))
     ] + [
         ClientRecord(r, 1, **nano, fits=False, steps=0, emulated_train_time_s=0.0, emulated_energy_j=0.0,
@@ -84,7 +85,8 @@ def _tables() -> tuple[pd.DataFrame, pd.DataFrame]:
     ]  # fmt: skip
     rounds = [
         RoundRecord(round=r, strategy="full", sim_time_s=s, test_accuracy=a, total_energy_j=j,
-                    summary=RoundSummary(clients=2 * (r > 0), clients_not_fitting=int(r > 0)), host_wall_s=0.1).row()
+                    summary=RoundSummary(clients=2 * (r > 0), clients_not_fitting=int(r > 0),
+                                         round_time_band_s=0.1 * r, round_energy_band_j=0.5 * r), host_wall_s=0.1).row()
         for r, s, a, j in ((0, 0.0, 0.1, 0.0), (1, 5.0, 0.5, 2.5), (2, 11.0, 0.75, 7.0))
     ]  # fmt: skip
     return pd.DataFrame(rounds), pd.DataFrame(clients)
@@ -100,12 +102,15 @@ def test_the_readers_read_tables_made_of_the_records_alone(tmp_path, capsys):
     assert headline["final_accuracy"] == 0.75 and headline["sim_time_s"] == 11.0 and headline["energy_j"] == 7.0
     assert headline["fits_fraction"] == 0.5 and headline["mean_train_time_per_round_s"] == 1.5
     assert headline["time_to_target_s"] == 11.0 and math.isclose(headline["host_wall_s"], 0.2)
+    assert math.isclose(headline["sim_time_band_s"], 0.3) and math.isclose(headline["energy_band_j"], 1.5)  # 0.1 + 0.2, 0.5 + 1.0
     energy = energy_by_class(clients)
     assert energy.loc["sbc"].tolist() == [1, 4.0, 1.0] and energy.loc["gpu-edge"].tolist() == [1, 0.0, 2.0]
     memory = memory_by_device(clients)
     assert memory.loc["jetson_nano"].tolist() == [9e6, 8e6, 9 / 8]
     pi_row = [c.strip() for c in device_table(clients).split("<td>raspberry_pi_4</td>")[1].split("</tr>")[0].splitlines() if c.strip()]
-    assert pi_row == [f"<td>{v}</td>" for v in ("sbc", 1, "100%", "0%", 0, 3, 0.25, 2, "3.0 MB", "4.0 MB", "100%")]
+    # bands: train (0.2 + 0.4) / 2, energy (0.5 + 1.5) / 2
+    pi_row_expected = ("sbc", 1, "100%", "0%", 0, 3, 0.25, 2, "± 0.3", "± 1", "3.0 MB", "4.0 MB", "100%")
+    assert pi_row == [f"<td>{v}</td>" for v in pi_row_expected]
 
     (tmp_path / "status.json").write_text(json.dumps({"status": "completed"}))
     rounds.to_parquet(tmp_path / "rounds.parquet")
@@ -114,7 +119,10 @@ def test_the_readers_read_tables_made_of_the_records_alone(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "final accuracy 0.750, simulated 11.0 s" in out
     page = write_html(tmp_path).read_text()
-    assert "2 rounds, final test accuracy <b>0.750</b> after 11.0 s of simulated time and 7.0 J; 2 clients" in page
+    assert (
+        "2 rounds, final test accuracy <b>0.750</b> after 11.0 s of simulated time (± 0.3 s, the emulation's one-sigma "
+        "band) and 7.0 J (± 1.5 J, the emulation's one-sigma band); 2 clients"
+    ) in page
 
 
 def test_the_progress_lines_read_a_round_record(capsys):
