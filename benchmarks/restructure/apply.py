@@ -452,7 +452,7 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
     if order is None:
         raise Mismatch(f"the parts of {old} would import each other in a cycle")
     if old not in written:
-        git("rm", "-q", str(source))
+        git("rm", "-qf", str(source))
     for target, body in written.items():
         path = root / path_of(target)
         path.write_text(body)
