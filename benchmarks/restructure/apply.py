@@ -168,10 +168,11 @@ TESTS: dict[str, str] = {
     "test_flower_reuse.py": "fl",
 }
 
-TEXT_DIRS = ("fedelastic", "strategies", "tests", "benchmarks", "simulations", "docs", "device_profiles")
+TEXT_DIRS = ("fedelastic", "strategies", "tests", "benchmarks", "simulations", "docs")
 TEXT_FILES = ("README.md", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".yml", ".yaml", ".json", ".html"}
-SKIP = ("benchmarks/restructure/",)  # this tool names the old paths on purpose
+# this tool names the old paths on purpose; recorded results keep the provenance they were written with
+SKIP = ("benchmarks/restructure/", "benchmarks/results/")
 MARK = "  # restructure:relative"
 FUTURE = "from __future__ import annotations\n"
 LAYOUT_HEADING = "## Where things are"
@@ -486,7 +487,7 @@ class Rewriter:
         self.shadowed = {o for o in self.moves if o in self.new_sub}  # devices, results, selection
         names = sorted([*self.moves, *self.splits], key=len, reverse=True)
         self.pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w])((?:\.\w+)?)")
-        self.from_line = re.compile(r"\bfrom (fedelastic(?:\.\w+)*) import (\w+(?:, \w+)*)(?! as)")
+        self.from_line = re.compile(r"\bfrom (fedelastic(?:\.\w+)*) import (\w+(?:, \w+)*)\b(?! as\b)")
 
     def targets(self, module: str, aliases: list[tuple[str, str | None]]) -> list[tuple[str, list]] | None:
         """New (module, aliases) statements for ``from module import aliases``, or None if unchanged."""
