@@ -326,6 +326,14 @@ def statement(module: str, aliases: list[tuple[str, str | None]], indent: str) -
     return f"{indent}from {module} import (\n{inner}{indent})"
 
 
+def with_comment(statement: str, comment: str) -> str:
+    """``statement`` with ``comment`` on its first line (after the parenthesis of a long one)."""
+    if not comment:
+        return statement
+    first, sep, rest = statement.partition("\n")
+    return f"{first}  {comment}{sep}{rest}"
+
+
 def replace_imports(text: str, path: Path, fn, suffix: str = "") -> str:
     """``text`` with each ``from ... import`` statement for which ``fn(node, path)`` returns new lines
     (a list of (module, aliases)) written anew; what follows a statement on its last line is kept,
@@ -344,7 +352,9 @@ def replace_imports(text: str, path: Path, fn, suffix: str = "") -> str:
         tail = lines[last][node.end_col_offset :].rstrip("\n")  # a comment
         end = suffix or (MARK if tail.endswith(MARK) else "")
         tail = tail.removesuffix(MARK)
-        body = [statement(m, a, indent) + end for m, a in new]
+        span = lines[first][node.col_offset :] if first != last else ""
+        inner = re.findall(r"#[^\n]*", span + "".join(lines[first + 1 : last]))  # `from x import (  # noqa`
+        body = [with_comment(statement(m, a, indent), inner[0].strip() if inner else "") + end for m, a in new]
         lines[first : last + 1] = ["\n".join(body[:-1] + [body[-1].removesuffix(end) + tail + end]) + "\n"]
     return "".join(lines)
 
@@ -379,14 +389,17 @@ def used_names(nodes: list[ast.stmt]) -> set[str]:
         for sub in ast.walk(node):
             if isinstance(sub, ast.Name):
                 names.add(sub.id)
-            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.isidentifier():
-                names.add(sub.value)  # a quoted annotation
+            annotation = getattr(sub, "annotation", None) or getattr(sub, "returns", None)
+            for part in ast.walk(annotation) if annotation is not None else ():
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):  # a quoted annotation
+                    names.update(re.findall(r"[A-Za-z_]\w*", part.value))
     return names
 
 
 def header_imports(tree: ast.Module, text: str, used: set[str]) -> list[str]:
     """The header's import statements that bind a name in ``used`` (filtered to those names)."""
-    out = []
+    out: list[str] = []
+    checking: list[str] = []
 
     def keep(node: ast.Import | ast.ImportFrom, indent: str) -> str | None:
         aliases = [a for a in node.names if (a.asname or a.name.split(".")[0]) in used or a.name == "annotations"]
@@ -405,8 +418,10 @@ def header_imports(tree: ast.Module, text: str, used: set[str]) -> list[str]:
         elif isinstance(node, ast.If):
             inner = [line for n in node.body if (line := keep(n, "    "))]  # type: ignore[arg-type]
             if inner:
-                out.append("if TYPE_CHECKING:\n" + "\n".join(inner))
-    return out
+                checking.append("if TYPE_CHECKING:\n" + "\n".join(inner))
+    if checking and "TYPE_CHECKING" not in used:
+        return header_imports(tree, text, used | {"TYPE_CHECKING"})
+    return out + checking
 
 
 def _marked(text: str, node: ast.stmt) -> bool:
@@ -437,7 +452,9 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
     for target, items in sorted(chunks.items()):
         used = used_names([n for n, _ in items])
         doc = docstring if target == spec["keep_docstring"] else spec["docs"][target]
-        head = [f'"""{doc}\n"""' if "\n" in doc else f'"""{doc}"""', "", *header_imports(tree, text, used)]
+        imports = header_imports(tree, text, used)
+        checking = [line for line in imports if line.startswith("if TYPE_CHECKING")]
+        head = [f'"""{doc}\n"""' if "\n" in doc else f'"""{doc}"""', "", *(i for i in imports if i not in checking)]
         siblings = []
         for other, names in sorted(defined.items()):
             needed = sorted((used & names) - defined[target])
@@ -448,7 +465,7 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
             if siblings or not imported <= spec["pure_imports"]:
                 raise Mismatch(f"the pure metrics of {old} would import {sorted(imported)} {siblings}")
         body = "\n\n\n".join(chunk for _, chunk in items)
-        written[target] = "\n".join(head + siblings) + "\n\n\n" + body + "\n"
+        written[target] = "\n".join(head + siblings + checking) + "\n\n\n" + body + "\n"
     order = graph_order({t: {o for o in defined if o != t and used_names([n for n, _ in chunks[t]]) & defined[o]} for t in chunks})
     if order is None:
         raise Mismatch(f"the parts of {old} would import each other in a cycle")
@@ -457,7 +474,7 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
     for target, body in written.items():
         path = root / path_of(target)
         path.write_text(body)
-        report.append(f"split {source} -> {path_of(target)} ({len(defined[target])} names)")
+        report.append(f"split {path_of(old)} -> {path_of(target)} ({len(defined[target])} names)")
     return where
 
 
@@ -484,6 +501,9 @@ class Rewriter:
         self.new_sub = {n.rsplit(".", 1)[0]: set() for n in self.moves.values()}
         for n in self.moves.values():
             self.new_sub[n.rsplit(".", 1)[0]].add(n.rsplit(".", 1)[1])
+        for where in self.splits.values():
+            for n in where.values():
+                self.new_sub.setdefault(n.rsplit(".", 1)[0], set()).add(n.rsplit(".", 1)[1])
         self.shadowed = {o for o in self.moves if o in self.new_sub}  # devices, results, selection
         names = sorted([*self.moves, *self.splits], key=len, reverse=True)
         self.pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w])((?:\.\w+)?)")
@@ -661,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             path.write_text(new)
     # 3. packages, splits, moves
-    for package, doc in PACKAGES.items():
+    for package in PACKAGES:
         (root / "fedelastic" / package).mkdir(exist_ok=True)
     splits = {old: split(old, root, report) for old in SPLITS}
     for old, new in MOVES.items():
@@ -712,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             init.write_text(names_shim(full(package), (full(MOVES[package]),), doc, True))
         else:
             init.write_text(f'"""{doc}"""\n')
-    for old, spec in SPLITS.items():
+    for old in SPLITS:
         targets = tuple(sorted({full(t) for t in splits[old].values()} - {full(old)}))
         names[full(old)] = {"new": sorted({full(t) for t in splits[old].values()}), "names": public_names(old_texts[old])}
         if full(old) in {full(t) for t in splits[old].values()}:  # part stays: its module forwards the rest
