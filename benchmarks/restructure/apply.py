@@ -42,24 +42,24 @@ FILES = HERE / "files"
 # ---- the map: old module -> new module (dotted, under fedelastic) --------------------------------
 
 MOVES: dict[str, str] = {
-    # devices/: what a device is and how it is measured
+    # devices/: what a device is (a profile, the kernel predictors it holds, units)
     "devices": "devices.profile",
     "units": "devices.units",
-    "clocks": "devices.clocks",
-    "measure": "devices.measure",
     "kernelsample": "devices.kernelsample",
-    "trace": "devices.chrome_trace",
-    "fit": "devices.roofline_fit",
-    "profiles": "devices.writer",
-    "profiler": "devices.commands",
+    "clocks": "devices.clocks",
+    # profiling/: measuring a device and writing its profile (above cost/: the fit prices with the cost model)
+    "measure": "profiling.measure",
+    "trace": "profiling.chrome_trace",
+    "fit": "profiling.roofline_fit",
+    "profiles": "profiling.writer",
+    "profiler": "profiling.commands",
     # cost/: what a selection costs on a device
     "costmodel": "cost.costmodel",
     "kernels": "cost.kernels",
     # selection/: choosing what to train
     "selection": "selection.strategy",
     "selector": "selection.budgeted",
-    "contribution": "selection.contribution",
-    "testing": "selection.contract",
+
     # train/: training a model for real
     "training": "train.trainer",
     "vectorized": "train.vectorized",
@@ -68,6 +68,7 @@ MOVES: dict[str, str] = {
     "probes": "train.probes",
     "pretrain": "train.pretrain",
     "evaluation": "train.evaluation",
+    "contribution": "train.contribution",
     # results/: what a run writes and how it is read back
     "results": "results.recorder",
     "tables": "results.tables",
@@ -87,16 +88,20 @@ MOVES: dict[str, str] = {
 #: flat modules that stay at the root: ground modules and entry points
 ROOT = (
     "__init__", "api", "app", "cli", "orchestrate", "signals",  # entry points
-    "config", "errors", "scenario", "plugins", "modelinfo", "environment", "docgen",  # ground and assembly
+    "config", "errors", "scenario", "plugins", "modelinfo", "environment",  # ground and the run's assembly
+    "testing", "docgen",  # tools: the strategy contract for users' tests, the generated docs
 )
 
 PACKAGES: dict[str, str] = {  # new package -> its docstring
-    "devices": "Devices: profiles (schema, loading, writing), measuring on this host, fitted rooflines, traces, units.",
+    "devices": "What a device is: its profile (schema, loading, the registry, fleet assignment), the sampled kernel "
+    "predictors\na profile holds, and units.",
+    "profiling": "Making a device's profile: measuring layers and kernels on this host, importing Chrome traces, "
+    "fitting\nthe roofline, writing the TOML, and the ``fedelastic profile`` commands.",
     "cost": "The cost model: the emulated time, memory, energy and communication of a selection on a device.",
-    "selection": "Choosing what a client trains: the strategy interface and registry, the budgeted selectors, "
-    "contribution analysis, and the contract every strategy keeps.",
+    "selection": "Choosing what a client trains: the strategy interface and registry, and the budgeted selectors "
+    "(pure numpy;\nthe strategy contract is :mod:`fedelastic.testing`).",
     "train": "Training for real: the local trainer, vectorised cohorts, optimizers, device numerics, probes, "
-    "pretraining and evaluation.",
+    "pretraining,\nevaluation, and Sparse Update's contribution analysis (it trains).",
     "results": "What a run writes and how it is read back: the recorder, tables, status, summary, plots, "
     "idle analysis, continual metrics and statistics over seeds.",
     "compare": "Comparisons over strategies x fleets x seeds, and the HTML report of a run or a comparison.",
@@ -132,10 +137,13 @@ SPLITS: dict[str, dict] = {
             "sim.battery": "Batteries, pure numpy: each client's charge on the simulated clock.",
             "sim.network": "Network, pure numpy: each client's uplink and downlink are its profile's nominal figures "
             "times a\nfactor drawn from a named distribution, or figures read from a trace file.",
+            "sim.fleet": "A run's fleet, pure numpy: who is online and charged, each client's links and full-training "
+            "times,\nbuilt from the deadline budgets (:mod:`~fedelastic.sim.deadline`), availability "
+            "(:mod:`~fedelastic.sim.availability`),\nbatteries (:mod:`~fedelastic.sim.battery`), links "
+            "(:mod:`~fedelastic.sim.network`) and trace files (:mod:`~fedelastic.sim.traces`).",
             "sim.traces": "Trace files of the fleet: availability windows and link rates per client, read and checked, "
             "and\nFedScale's client availability traces imported into the availability format.",
         },
-        "keep_docstring": "sim.fleet",
     },
     "continual": {
         "io": {  # to results.continual; every other name is a pure metric (results.continual_metrics)
@@ -150,6 +158,11 @@ SPLITS: dict[str, dict] = {
             "(:func:`report`). The metrics\nthemselves are pure: :mod:`fedelastic.results.continual_metrics`.",
         },
         "keep_docstring": "results.continual_metrics",
+        "docstring_edit": (  # the glue this sentence names is now the other module
+            "The metric functions are pure numpy; :func:`evaluate_tasks` (torch) and :func:`report` (files)\nare the glue.",
+            "These functions are pure numpy (the ``tasks`` table: pandas); evaluating the tasks (torch) and writing\n"
+            "``continual.json`` and the figure (files) are :mod:`fedelastic.results.continual`.",
+        ),
         "pure_imports": {"numpy", "math", "__future__", "typing", "collections", "dataclasses", "json"},
     },
 }
@@ -160,8 +173,8 @@ TESTS: dict[str, str] = {
     "test_report.py": "compare",
     "test_continual.py": "results", "test_idle.py": "results", "test_results_append.py": "results",
     "test_costmodel.py": "cost", "test_kernels.py": "cost",
-    "test_kernelsample.py": "devices", "test_profiler.py": "devices", "test_trace.py": "devices",
-    "test_selector.py": "selection", "test_empty_selection.py": "selection",
+    "test_kernelsample.py": "devices", "test_profiler.py": "profiling", "test_trace.py": "profiling",
+    "test_selector.py": "selection", "test_empty_selection.py": "train",
     "test_optim.py": "train", "test_pretrain.py": "train", "test_quant.py": "train", "test_vectorized.py": "train",
     "test_host_threads.py": "train", "test_imagenet_weights.py": "train",
     "test_divergence.py": "sim",
@@ -353,7 +366,7 @@ def replace_imports(text: str, path: Path, fn, suffix: str = "") -> str:
         end = suffix or (MARK if tail.endswith(MARK) else "")
         tail = tail.removesuffix(MARK)
         span = lines[first][node.col_offset :] if first != last else ""
-        inner = re.findall(r"#[^\n]*", span + "".join(lines[first + 1 : last]))  # `from x import (  # noqa: E402`
+        inner = re.findall(r"#[^\n]*", span + "".join(lines[first + 1 : last]))  # a comment inside, as after `from x import (`
         body = [with_comment(statement(m, a, indent), inner[0].strip() if inner else "") + end for m, a in new]
         lines[first : last + 1] = ["\n".join(body[:-1] + [body[-1].removesuffix(end) + tail + end]) + "\n"]
     return "".join(lines)
@@ -445,13 +458,19 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
             continue
         chunk = "".join(line for line in lines[start : node.end_lineno] if not banner_of(line))
         target = where[(top_names(node) or [f"<line {node.lineno}>"])[0]]
-        chunks.setdefault(target, []).append((node, chunk.strip("\n")))
+        chunks.setdefault(target, []).append((node, re.sub(r"\n{4,}", "\n\n\n", "\n" + chunk.rstrip("\n"))))
     defined = {t: {n for node, _ in c for n in top_names(node)} for t, c in chunks.items()}
     docstring = ast.get_docstring(tree, clean=False) or ""
     written = {}
     for target, items in sorted(chunks.items()):
         used = used_names([n for n, _ in items])
-        doc = docstring if target == spec["keep_docstring"] else spec["docs"][target]
+        doc = docstring if target == spec.get("keep_docstring") else spec["docs"][target]
+        if target == spec.get("keep_docstring") and "docstring_edit" in spec:
+            before, after = spec["docstring_edit"]
+            if before in doc:
+                doc = doc.replace(before, after).rstrip() + "\n"
+            else:
+                report.append(f"note: {path_of(old)}'s docstring no longer says {before[:40]!r}...: not edited")
         imports = header_imports(tree, text, used)
         checking = [line for line in imports if line.startswith("if TYPE_CHECKING")]
         head = [f'"""{doc}\n"""' if "\n" in doc else f'"""{doc}"""', "", *(i for i in imports if i not in checking)]
@@ -464,7 +483,7 @@ def split(old: str, root: Path, report: list[str]) -> dict[str, str]:
             imported = {line.split()[1].split(".")[0] for line in head if line.startswith(("import ", "from "))}
             if siblings or not imported <= spec["pure_imports"]:
                 raise Mismatch(f"the pure metrics of {old} would import {sorted(imported)} {siblings}")
-        body = "\n\n\n".join(chunk for _, chunk in items)
+        body = "".join(chunk for _, chunk in items).lstrip("\n")
         written[target] = "\n".join(head + siblings + checking) + "\n\n\n" + body + "\n"
     order = graph_order({t: {o for o in defined if o != t and used_names([n for n, _ in chunks[t]]) & defined[o]} for t in chunks})
     if order is None:
@@ -610,20 +629,24 @@ def public_names(text: str) -> list[str]:
     return sorted(names)
 
 
+def quoted(names: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f'"{n}"' for n in names) + ("," if len(names) == 1 else "") + ")"
+
+
 def shim(old: str, new: str) -> str:
     return (
         f'"""Deprecated: moved to :mod:`{new}` (issue 39); this path goes in fedelastic 0.2."""\n\n'
-        f"from fedelastic._shim import forward\n\nforward(__name__, {new!r})\n"
+        f'from fedelastic._shim import forward\n\nforward(__name__, "{new}")\n'
     )
 
 
 def names_shim(old: str, targets: tuple[str, ...], doc: str, package: bool) -> str:
     path = "__path__" if package else "None"
     return (
-        f'"""{doc}\n\n``{old}``\'s old names ({", ".join(f"``{t}``" for t in targets)}) still import from here, with a\n'
-        f'``DeprecationWarning`` (issue 39); they go in fedelastic 0.2."""\n\n'
+        f'"""{doc}\n\nThe names of the old module ``{old}`` (now in {", ".join(f"``{t}``" for t in targets)}) still import\n'
+        f'from here for one release, with a ``DeprecationWarning`` (issue 39)."""\n\n'
         f"from fedelastic._shim import forward_names\n\n"
-        f"__getattr__ = forward_names(__name__, {targets!r}, {path})\n"
+        f"__getattr__ = forward_names(__name__, {quoted(targets)}, {path})\n"
     )
 
 
@@ -748,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             path = root / path_of(old)
             path.write_text(
                 path.read_text() + "\n\n# names that moved out of this module (issue 39) import from here for one release\n"
-                f"__getattr__ = forward_names(__name__, {targets!r})\n"
+                f"__getattr__ = forward_names(__name__, {quoted(targets)})\n"
             )
             text = path.read_text().replace(FUTURE, FUTURE + "from .._shim import forward_names\n", 1)
             path.write_text(text)
