@@ -726,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             init.write_text("")
         git("mv", f"tests/unit/{test}", f"tests/unit/{folder}/{test}")
     report.append(f"regrouped {len(TESTS)} test files into tests/unit/<package>/")
+    left = sorted(p.name for p in (root / "tests" / "unit").glob("test_*.py") if p.name not in TESTS)
+    report.append(f"left in tests/unit/ (they test the root's modules, or TESTS does not name them): {', '.join(left)}")
     # a moved module one folder deeper: a path from its __file__ climbs one folder more
     for new in [*MOVES.values(), "results.continual", "results.continual_metrics"]:
         path = root / path_of(new)
