@@ -77,9 +77,10 @@ MOVES: dict[str, str] = {
     "plots": "results.plots",
     "idle": "results.idle",
     "seedstats": "results.seedstats",
-    # compare/: comparisons and the HTML report (which draws on their statistics)
-    "comparison": "compare.comparison",
-    "report": "compare.report",
+    # comparisons/: comparisons and the HTML report (which draws on their statistics); not `compare/`,
+    # which would shadow the API's `fedelastic.compare` once imported
+    "comparison": "comparisons.comparison",
+    "report": "comparisons.report",
     # into existing packages
     "divergence": "sim.divergence",
     "flower": "fl.your_app",
@@ -104,7 +105,7 @@ PACKAGES: dict[str, str] = {  # new package -> its docstring
     "pretraining,\nevaluation, and Sparse Update's contribution analysis (it trains).",
     "results": "What a run writes and how it is read back: the recorder, tables, status, summary, plots, "
     "idle analysis, continual metrics and statistics over seeds.",
-    "compare": "Comparisons over strategies x fleets x seeds, and the HTML report of a run or a comparison.",
+    "comparisons": "Comparisons over strategies x fleets x seeds, and the HTML report of a run or a comparison.",
 }
 
 #: split modules: old module -> (new module -> docstring, how each top-level name is placed)
@@ -169,8 +170,8 @@ SPLITS: dict[str, dict] = {
 
 #: tests/unit/<file> -> the folder of tests/unit/ it moves to (the package it tests)
 TESTS: dict[str, str] = {
-    "test_compare.py": "compare", "test_compare_controls.py": "compare", "test_compare_stats.py": "compare",
-    "test_report.py": "compare",
+    "test_compare.py": "comparisons", "test_compare_controls.py": "comparisons", "test_compare_stats.py": "comparisons",
+    "test_report.py": "comparisons",
     "test_continual.py": "results", "test_idle.py": "results", "test_results_append.py": "results",
     "test_costmodel.py": "cost", "test_kernels.py": "cost",
     "test_kernelsample.py": "devices", "test_profiler.py": "profiling", "test_trace.py": "profiling",
@@ -293,6 +294,16 @@ def check_tree(root: Path) -> str:
         raise Mismatch(f"destinations already present or tests missing: {taken}")
     for old in SPLITS:
         placement(old, (root / path_of(old)).read_text())
+    api = next(
+        (n.value for n in ast.parse((root / "fedelastic" / "__init__.py").read_text()).body
+         if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_API" for t in n.targets)),
+        None,
+    )
+    if not isinstance(api, ast.Dict):
+        raise Mismatch("fedelastic/__init__.py: no `_API = {...}` table of the lazy API")
+    clash = sorted({k.value for k in api.keys if isinstance(k, ast.Constant)} & set(PACKAGES))
+    if clash:  # an imported subpackage becomes an attribute of fedelastic and hides the API's name
+        raise Mismatch(f"new packages named like the API's {clash} (fedelastic/__init__.py _API)")
     for package in ("devices", "results", "selection"):  # a package takes the old module's name
         text = (root / "fedelastic" / f"{package}.py").read_text()
         names = {n for node in ast.parse(text).body for n in top_names(node)}

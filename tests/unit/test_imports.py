@@ -109,3 +109,13 @@ def test_nothing_below_the_entry_points_imports_them(graph):
     )
     assert wrong == []
     assert "fedelastic.orchestrate" in graph["fedelastic.api"]  # the check sees the entry points' own imports
+
+
+def test_no_subpackage_hides_a_name_of_the_lazy_api():
+    """Importing ``fedelastic.x`` sets the attribute ``x`` of ``fedelastic``, which then wins over the
+    lazy ``__getattr__``: a subpackage named ``compare`` would turn ``fe.compare`` into a module."""
+    import fedelastic
+
+    subpackages = {p.name for p in (ROOT / "fedelastic").iterdir() if (p / "__init__.py").exists()}
+    assert {"sim", "fl", "runtime"} <= subpackages  # the folders were read
+    assert sorted(subpackages & set(fedelastic._API)) == []
