@@ -316,11 +316,6 @@ def check_tree(root: Path) -> str:
 # ---- 2. relative imports made absolute, and back ---------------------------------------------------
 
 
-def module_name(path: Path) -> str:
-    parts = path.with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def package_of(path: Path) -> list[str]:
     return list(path.parent.parts)
 
