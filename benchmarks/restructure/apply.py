@@ -703,6 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(root)
     began = time.perf_counter()
     state = check_tree(root)
+    dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if SKIP[0] not in line]
+    if dirty and state == "fresh" and not args.check:
+        raise Mismatch(f"uncommitted changes (commit or stash them first, so the move can be told apart): {dirty[:3]}")
     if state == "applied":
         print("already restructured (fedelastic/cost/costmodel.py exists): nothing to do")
         return 0
