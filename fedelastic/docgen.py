@@ -237,14 +237,20 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def packages_page(package: Path) -> str:
-    """The package picture (Markdown with a Mermaid graph): each subpackage, the root's modules as one
-    box, and an arrow for each pair that imports, labelled with how many imports cross it."""
+    """The package picture (Markdown with a Mermaid graph): each subpackage and each of the root's own
+    modules a box, and an arrow for each pair that imports, labelled with how many imports cross it.
+
+    An old module path kept for a release (it imports only ``_shim`` and forwards to its new module at
+    run time) is left out of the boxes and counted below them, and so is ``_shim`` itself."""
     graph = import_graph(package)
     subpackages = {m for m in graph if "." in m and any(o.startswith(m + ".") for o in graph)}
+    shim = f"{package.name}._shim"
+    old_paths = sorted(m for m, targets in graph.items() if targets == {shim} and m not in subpackages)
+    graph = {m: targets - {shim} for m, targets in graph.items() if m not in {shim, *old_paths}}
 
     def box(module: str) -> str:
         top = ".".join(module.split(".")[:2])
-        return top if top in subpackages else package.name
+        return top if top in subpackages else module
 
     counts: dict[tuple[str, str], int] = {}
     for source, targets in graph.items():
@@ -260,7 +266,7 @@ def packages_page(package: Path) -> str:
         "# The packages and their imports",
         "",
         "Drawn from the source by `fedelastic.docgen.import_graph` (every import counts: top-level, inside a",
-        "function, under `TYPE_CHECKING`). A box is a subpackage (the root's own modules are one box); an",
+        "function, under `TYPE_CHECKING`). A box is a subpackage or one of the root's own modules; an",
         "arrow `A --> B` means modules of A import modules of B, labelled with how many module pairs do.",
         "Between modules there is no cycle, and only `fedelastic.fl` (the Flower and Ray adapters) imports",
         "`fedelastic.runtime` (`tests/unit/test_imports.py`).",
@@ -268,9 +274,16 @@ def packages_page(package: Path) -> str:
         "```mermaid",
         "graph TD",
     ]
-    lines += [f'    {ids[b]}["{b} ({sizes[b]} modules)"]' for b in boxes]
+    lines += [f'    {ids[b]}["{b} ({sizes[b]} modules)"]' if b in subpackages else f'    {ids[b]}["{b}"]' for b in boxes]
     lines += [f"    {ids[a]} -->|{n}| {ids[b]}" for (a, b), n in sorted(counts.items())]
     lines += ["```", ""]
+    both = [(a, b) for a, b in sorted(counts) if a < b and (b, a) in counts]
+    if both:
+        pairs = "; ".join(f"`{a}` and `{b}`" for a, b in both)
+        lines += [f"Packages that import each other (no module cycle, but no order between the packages): {pairs}.", ""]
+    if old_paths:
+        names = ", ".join(f"`{m}`" for m in old_paths)
+        lines += ["Old module paths kept for one release, each forwarding to its new module with a", f"`DeprecationWarning` (`{shim}`), not drawn: {names}.", ""]
     return "\n".join(lines)
 
 

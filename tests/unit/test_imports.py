@@ -1,5 +1,6 @@
 """fedelastic's import graph: no cycle between its modules, and the runtime patches of Flower and Ray
-(``fedelastic.runtime``) imported only by the adapters (``fedelastic.fl``) and by the runtime itself.
+(``fedelastic.runtime``) imported only by the adapters (``fedelastic.fl``) and by the runtime itself,
+and the entry points (command line, Python API, Flower App, run path) imported by nothing below them.
 
 Every import counts as an edge (``docgen.import_graph``): at the top of a module, inside a
 function, or under ``TYPE_CHECKING``. There is no list of allowed exceptions: a lazy import that
@@ -92,3 +93,29 @@ def test_only_the_adapters_import_the_runtime(graph):
     )
     assert wrong == []
     assert any(inside(t, ("fedelastic.runtime",)) for t in graph["fedelastic.fl.rayrun"])  # the check sees imports
+
+
+ENTRY_POINTS = ("fedelastic.cli", "fedelastic.api", "fedelastic.app", "fedelastic.orchestrate")  # the top level
+
+
+def test_nothing_below_the_entry_points_imports_them(graph):
+    """The command line, the Python API, the Flower App and the run path are the top of the graph: a
+    module under them that imported one would point upward (``__init__``'s lazy table is no import)."""
+    wrong = sorted(
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets & set(ENTRY_POINTS)
+        if source not in ENTRY_POINTS
+    )
+    assert wrong == []
+    assert "fedelastic.orchestrate" in graph["fedelastic.api"]  # the check sees the entry points' own imports
+
+
+def test_no_subpackage_hides_a_name_of_the_lazy_api():
+    """Importing ``fedelastic.x`` sets the attribute ``x`` of ``fedelastic``, which then wins over the
+    lazy ``__getattr__``: a subpackage named ``compare`` would turn ``fe.compare`` into a module."""
+    import fedelastic
+
+    subpackages = {p.name for p in (ROOT / "fedelastic").iterdir() if (p / "__init__.py").exists()}
+    assert {"sim", "fl", "runtime"} <= subpackages  # the folders were read
+    assert sorted(subpackages & set(fedelastic._API)) == []
