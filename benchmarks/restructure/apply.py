@@ -56,6 +56,7 @@ MOVES: dict[str, str] = {
     # cost/: what a selection costs on a device
     "costmodel": "cost.costmodel",
     "kernels": "cost.kernels",
+    "bands": "cost.bands",
     # selection/: choosing what to train
     "selection": "selection.strategy",
     "selector": "selection.budgeted",
