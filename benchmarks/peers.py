@@ -771,7 +771,12 @@ def main(argv=None) -> None:
             for v in order:
                 tag = f"{v}-{i}"
                 print(f"[run {i + 1}/{args.runs}] {v} ...", flush=True)
-                r = run_one(v.removesuffix(BUSY_TAG), args, tmp, tag, BUSY if v.endswith(BUSY_TAG) else 0)
+                try:
+                    r = run_one(v.removesuffix(BUSY_TAG), args, tmp, tag, BUSY if v.endswith(BUSY_TAG) else 0)
+                except SystemExit as exc:  # one failed run (e.g. Ray's start timing out on a loaded host): go on
+                    print(f"  FAILED: {exc}", flush=True)
+                    report.setdefault("failed", []).append({"run": tag, "error": str(exc)})
+                    continue
                 r["loadavg_after"] = os.getloadavg()[0]
                 runs[v].append(r)
                 report["order"].append(tag)
@@ -781,7 +786,7 @@ def main(argv=None) -> None:
                     f"load {r['loadavg_after']:.1f}{'; ' + r['training_path'] if r.get('training_path') else ''}",
                     flush=True,
                 )
-        report["summary"] = summarise(runs)
+        report["summary"] = summarise({v: rs for v, rs in runs.items() if rs})
     for rs in runs.values():
         for r in rs:
             r.pop("weights", None)

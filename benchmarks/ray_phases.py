@@ -2,6 +2,7 @@
 
     python benchmarks/ray_phases.py                  # 3 runs, medians
     python benchmarks/ray_phases.py --runs 5 --out benchmarks/results/ray_phases.json
+    python benchmarks/ray_phases.py --runs 1 --busy 2     # beside 2 busy-loop processes (peers.py --busy)
 
 Each run is a fresh process doing what ``peers.py``'s ``ray`` variant does (torch and
 ``torch._dynamo`` imported first, then ``fedelastic.api.run`` on the shared workload), with
@@ -91,11 +92,10 @@ if _traced_warm is not None:
 def load_with_driver_code(root, paths, key, payload):
     T = _phases()
     first = not any(k == "worker: first call reaches the loader" for k, _ in T)
-    t0 = _time.time()
-    app = _traced_load(root, paths, key, payload)
-    if first:
-        T.append(("worker: first call reaches the loader", t0))
-        T.append(("worker: app unpickled (imports done)", _time.time()))
+    if first:  # the stamps go in before the app is unpickled: its functions take the names they find then
+        T.append(("worker: first call reaches the loader", _time.time()))
+        driver_code_first(root, paths)
+        import fedelastic.fl.clientapp as clientapp
         import fedelastic.fl.cohort as cohort
 
         def stamped(fn, label):
@@ -108,8 +108,12 @@ def load_with_driver_code(root, paths, key, payload):
                     _dump(T)
             return inner
 
-        cohort.warm_up = stamped(cohort.warm_up, "worker: warm-up")
-        cohort.cohort_train = stamped(cohort.cohort_train, "worker: cohort call")
+        for module in (cohort, clientapp):  # the ClientApp calls the names it imported from cohort
+            module.warm_up = stamped(cohort.warm_up, "worker: warm-up")
+            module.cohort_train = stamped(cohort.cohort_train, "worker: cohort call")
+    app = _traced_load(root, paths, key, payload)
+    if first:
+        T.append(("worker: app unpickled (imports done)", _time.time()))
         _dump(T)
     return app
 """
@@ -185,16 +189,20 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
         import fedelastic.runtime.backend as backend
 
         wrap(backend, "_call_client", "ray: call")
-        if hasattr(runner, "_LOADER"):  # worker-side stamps through the shipped app's loader
-            source = runner._LOADER + _WORKER_TRACE
+        # worker-side stamps through the shipped app's loader: its module's source plus _WORKER_TRACE,
+        # run under a name no worker can import, so that Ray's cloudpickle ships it by value
+        import inspect
 
-            def loader(name="load_with_driver_code"):
-                namespace = {"__name__": "fedelastic_ray_phases_loader", "OUT": out + ".worker"}
-                exec(compile(source, "<ray_phases loader>", "exec"), namespace)  # noqa: S102 (this file's text)
-                return namespace[name]
+        import fedelastic.runtime.shipped_loader as shipped
 
-            runner._loader = loader
-            rayrun._loader = loader
+        source = inspect.getsource(shipped) + _WORKER_TRACE
+
+        def loader(name="load_with_driver_code"):
+            namespace = {"__name__": "fedelastic_ray_phases_loader", "OUT": out + ".worker"}
+            exec(compile(source, "<ray_phases loader>", "exec"), namespace)  # noqa: S102 (this file's text)
+            return namespace[name]
+
+        rayrun._loader = loader
 
     import importlib.util
 
@@ -236,13 +244,17 @@ def measured(out: str, tmp: str, dynamo: bool) -> None:
 # the parent: runs, phases, medians
 
 
-def _one(i: int, tmp: str, dynamo: bool = False) -> dict:
+def _one(i: int, tmp: str, dynamo: bool = False, busy: int = 0) -> dict:
     out = str(Path(tmp) / f"run{i}.json")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
     }
+    sys.path.insert(0, str(HERE.parent))
+    from peers import busy_loops
+
+    spinners = busy_loops(busy)
     launch = time.time()
     proc = subprocess.run(
         [sys.executable, str(HERE), "--measure", out, "--tmp", str(Path(tmp) / f"runs{i}")]
@@ -253,6 +265,9 @@ def _one(i: int, tmp: str, dynamo: bool = False) -> dict:
         cwd=ROOT,
     )
     end = time.time()
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
     if proc.returncode:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise SystemExit(f"ray_phases.py: run {i} failed")
@@ -350,6 +365,7 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", help="write the stamps and phases as JSON here")
     p.add_argument("--dynamo", action="store_true", help="import torch._dynamo first (peers.py before session 19)")
+    p.add_argument("--busy", type=int, default=0, help="run beside this many busy-loop processes (peers.py --busy)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -360,7 +376,7 @@ def main(argv=None) -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="fedelastic-ray-phases-") as tmp:
         for i in range(args.runs):
-            runs.append(_one(i, tmp, args.dynamo))
+            runs.append(_one(i, tmp, args.dynamo, args.busy))
             ph = phases(runs[-1])
             print(
                 f"[run {i + 1}/{args.runs}] start-up {ph['START-UP (launch -> round 0 row)']:.2f} s, wall {ph['PROCESS WALL (launch -> exit)']:.2f} s",

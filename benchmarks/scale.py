@@ -1,12 +1,14 @@
 """Scale: a 10,000-client fleet, 100 clients a round, 100 rounds; is the driver flat? (issue 10)
 
-    python benchmarks/scale.py                      # the issue's sizes, Ray (the default path)
+    python benchmarks/scale.py                      # issue 10's sizes, Ray (the default path)
+    python benchmarks/scale.py --backends inprocess ray --clients 100000 --per-round 1000 --rounds 50  # issue 40
     python benchmarks/scale.py --backends ray inprocess --windows-days 8
     python benchmarks/scale.py --rounds 3 --query-chunk 10000 256 10000 256   # the partition query, A/B
     python benchmarks/scale.py --clients 500 --per-round 20 --rounds 20 --samples 12000   # shrunk
 
-The scenario: ``synth_digits`` (``--samples`` images, 60,000 by default; 5% held out for the
-server's test set), IID partitions over ``--clients`` clients (5-6 images each at 10,000),
+The scenario: ``synth_digits`` (``--samples`` images, by default 60,000 or 1.1 per client if that is
+more; 5% held out for the server's test set, at most 3,000 images, which it evaluates every round), IID partitions over ``--clients`` clients (5-6
+images each at 10,000, 1-2 at 100,000),
 ``small_cnn`` at width 8, strategy ``full``, one local epoch of batch 16 (one step), a mixed
 fleet of three device profiles, ``--per-round`` clients sampled per round for ``--rounds``
 rounds, through ``fedelastic.fl.runner.run_scenario`` (the same path as ``fedelastic run``).
@@ -21,7 +23,11 @@ Start-up phases are timed apart (wall, driver CPU, tree CPU): Flower's node regi
 wait for the nodes, and the partition query (one message to every node; ``--query-chunk``
 sets how many are in flight at once, a number >= the fleet sends them all at once as before).
 
-Summary per variant: RSS growth from round 10 to the last round (the issue's goal: < 10%); for
+Per client a round: the median round's wall time and process-tree CPU over the clients in it,
+beside the floor under them, a bare torch loop doing each client's training (load the global
+weights, one epoch of plain SGD on its partition) timed in the worker after the run.
+
+Summary per variant: RSS growth from round 10 (``--warm-up``) to the last round (the issue's goal: < 10%); for
 per-round wall time and CPU time, the median and a trend: the slope of a least-squares line
 through rounds 10..R times the span, as a share of the median (0%: flat); the rounds in which
 a results file was rewritten. ``--windows-days`` adds the memory held by ``sessions`` online
@@ -69,7 +75,7 @@ def scenario_dict(args, backend: str, output_dir: str) -> dict:
             "dataset": "synth_digits",
             "size": args.samples,
             "partitioner": "iid",
-            "test_fraction": 0.05,
+            "test_fraction": min(0.05, 3000 / args.samples),  # the server's test set: 3,000 images at most
             "min_partition_size": 1,
         },
         "model": {"name": "small_cnn", "options": {"width": 8}},
@@ -213,6 +219,7 @@ def worker(args, backend: str) -> dict:
 
     run_dir = run_scenario(scenario, progress=progress)
     status = json.loads((run_dir / "status.json").read_text())
+    bare = bare_client_ms(scenario, args.per_round)
     result = {
         "backend": backend,
         "records": records,
@@ -224,6 +231,7 @@ def worker(args, backend: str) -> dict:
         "client_results": status.get("client_results"),
         "file_rewrites": watch[0].rewrites if watch else None,
         "process_wall_s": time.perf_counter() - start,
+        "bare_client_ms": bare,
     }
     if 10 in snapshots and args.rounds in snapshots:
         diff = snapshots[args.rounds].compare_to(snapshots[10], "traceback")  # type: ignore[attr-defined]
@@ -234,6 +242,32 @@ def worker(args, backend: str) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def bare_client_ms(scenario, clients: int) -> dict[str, float]:
+    """The floor under a client's cost: milliseconds per client of a bare torch loop doing what a
+    client's training does, in this process after the run (the global weights loaded into the
+    model, then one epoch of plain SGD over the client's partition at the scenario's batch size),
+    over the first ``clients`` partitions (at most 500), with 1 torch thread: wall and this thread's CPU time."""
+    import torch
+
+    from fedelastic.environment import environment
+
+    env, t = environment(scenario), scenario.train
+    model = env.client_model
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    parts = [env.data.client(p) for p in range(min(clients, 500, scenario.num_clients))]
+    torch.set_num_threads(1)
+    start, cpu = time.perf_counter(), time.thread_time()
+    for part in parts:
+        model.load_state_dict(weights)
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr)
+        for i in range(0, len(part), t.batch_size):
+            x, y = torch.from_numpy(part.x[i : i + t.batch_size]), torch.from_numpy(part.y[i : i + t.batch_size])
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y.long()).backward()
+            opt.step()
+    return {"wall": 1000 * (time.perf_counter() - start) / len(parts), "cpu": 1000 * (time.thread_time() - cpu) / len(parts)}
 
 
 def windows_growth(clients: int, days: int, seed: int = 0) -> dict:
@@ -309,6 +343,13 @@ def summarise(result: dict, first: int = 10) -> dict:
             "slope_per_round": slope,
             "trend_pct": 100.0 * slope * (x[-1] - x[0]) / median if median else float("nan"),  # slope x span / median
         }
+    clients = float(np.median([r["clients"] for r in span]))
+    out["ms_per_client"] = {
+        "round_wall": 1000 * out["round_s"]["median"] / clients,
+        "tree_cpu": 1000 * out["tree_cpu_s"]["median"] / clients,
+    }
+    for key, ms in result.get("bare_client_ms", {}).items():  # the same training in a bare torch loop
+        out["ms_per_client"][f"bare_loop_{key}"] = ms
     out.update(
         {
             "rounds_with_rewritten_files": result["file_rewrites"],
@@ -328,16 +369,18 @@ def table(summaries: dict[str, dict]) -> str:
     a, b = first.get("from_round", 10), first.get("rounds", "R")
     lines = [
         f"| variant | driver RSS r{a} -> r{b} MB | growth | tree RSS MB | growth | round wall s, median | wall trend | "
-        "tree CPU s/round, median | CPU trend | rounds with rewritten files | query s | start to round 0 s |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "tree CPU s/round, median | CPU trend | ms/client: wall, CPU (bare loop: wall, CPU) | rounds with rewritten files | "
+        "query s | start to round 0 s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name, s in summaries.items():
-        st = s["startup"]
+        st, pc = s["startup"], s["ms_per_client"]
         lines.append(
             f"| {name} | {s['driver_rss_mb'][0]:.0f} -> {s['driver_rss_mb'][1]:.0f} | {s['driver_rss_growth_pct']:+.1f}% "
             f"| {s['tree_rss_mb'][0]:.0f} -> {s['tree_rss_mb'][1]:.0f} | {s['tree_rss_growth_pct']:+.1f}% "
             f"| {s['round_s']['median']:.3f} | {s['round_s']['trend_pct']:+.0f}% "
             f"| {s['tree_cpu_s']['median']:.3f} | {s['tree_cpu_s']['trend_pct']:+.0f}% "
+            f"| {pc['round_wall']:.2f}, {pc['tree_cpu']:.2f} ({pc['bare_loop_wall']:.2f}, {pc['bare_loop_cpu']:.2f}) "
             f"| {s['rounds_with_rewritten_files']} | {st.get('discover_partitions_s', float('nan')):.1f} "
             f"({st.get('discover_partitions_driver_cpu_s', float('nan')):.1f}) "
             f"| {st['process_to_round_0_s']:.1f} |"
@@ -350,8 +393,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=10_000)
     parser.add_argument("--per-round", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--samples", type=int, default=60_000, help="synth_digits images (60,000: the built-in set)")
+    parser.add_argument(
+        "--samples", type=int, default=0,
+        help="synth_digits images (default: 60,000, or 1.1 per client for a larger fleet: every client holds one)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-up", type=int, default=10, help="rounds left out of the summary's growth and trends")
     parser.add_argument("--backends", nargs="*", default=["ray"], choices=["ray", "inprocess"])
     parser.add_argument(
         "--query-chunk",
@@ -370,6 +417,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.samples = args.samples or max(60_000, -(-11 * args.clients // 10))
     if args.worker:
         print(json.dumps(worker(args, args.worker)))
         return
@@ -391,7 +439,7 @@ def main() -> None:
             if proc.returncode:
                 raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            summaries[name] = summarise(runs[name])
+            summaries[name] = summarise(runs[name], args.warm_up)
             print(table({name: summaries[name]}), file=sys.stderr)
     windows = windows_growth(args.clients, args.windows_days, args.seed) if args.windows_days else None
     if windows:

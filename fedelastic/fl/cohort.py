@@ -200,7 +200,7 @@ class CohortGrid(PassThroughGrid):
         t = sc.train
         self._steps = {}
         for p in range(sc.num_clients):
-            self._steps[p] = local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps)
+            self._steps[p] = local_steps(len(env.data.partitions[p]), t.batch_size, t.local_epochs, t.max_steps)
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
         """A plain message to a virtual node (Flower's grid below knows only the cohort nodes)."""

@@ -104,7 +104,7 @@ def build_fleet(env: RunEnvironment) -> Fleet:
     """The run's :class:`~fedelastic.sim.fleet.Fleet`: every partition's profile, cost model and local steps."""
     sc, t = env.scenario, env.scenario.train
     steps = [
-        local_steps(len(env.data.client(p)), t.batch_size, t.local_epochs, t.max_steps) for p in range(sc.num_clients)
+        local_steps(len(env.data.partitions[p]), t.batch_size, t.local_epochs, t.max_steps) for p in range(sc.num_clients)
     ]
     profiles, costs = [env.profile(d) for d in env.devices], [env.cost(d) for d in env.devices]
     return Fleet(sc, profiles, costs, steps, env.info.num_tensors, env.strategy)

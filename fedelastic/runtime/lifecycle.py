@@ -88,10 +88,17 @@ def ray_processes() -> dict[int, str]:
 #: Ray's default costs the start-up a whole second (about one start in five here).
 LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
 
+# Ray starts its worker processes at nice 15 (its ``worker_niceness``): on a quiet machine they
+# compete only with the driver, but beside another job at nice 0 (a browser, a build) the CPU
+# scheduler gives each worker about 36/1024 of the weight of that job's processes, and a run
+# trained at ~0.1 of its quiet speed beside 2 busy loops on 2 cores (benchmarks/studies/throughput.md,
+# "A busy machine"). A local cluster's workers get the driver's niceness instead.
+
 
 def ray_init_args(sim) -> dict:
-    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only, and
-    :data:`LOCAL_SYSTEM_CONFIG` for a local cluster (a running cluster keeps its own settings).
+    """Ray's init arguments: no dashboard, Ray's own log lines at ERROR and above only, and for a
+    local cluster workers at the driver's niceness (not Ray's nice 15) and, where Ray's
+    patches are active, :data:`LOCAL_SYSTEM_CONFIG` (a running cluster keeps its own settings).
 
     No ``runtime_env``: a job-wide one makes Ray start fresh workers for the job instead of using
     those ``ray.init`` starts (``rayrun.ShippedClientApp`` puts the driver's code first instead).
@@ -99,8 +106,8 @@ def ray_init_args(sim) -> dict:
     args: dict = {"include_dashboard": False, "logging_level": logging.ERROR}
     if sim.ray_address:
         args["address"] = sim.ray_address
-    elif _starts_local_cluster() and patches.active("ray"):
-        args["_system_config"] = dict(LOCAL_SYSTEM_CONFIG)
+    elif _starts_local_cluster():
+        args["_system_config"] = {"worker_niceness": os.nice(0)} | (LOCAL_SYSTEM_CONFIG if patches.active("ray") else {})
     return args
 
 

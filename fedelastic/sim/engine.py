@@ -146,11 +146,7 @@ class RoundEngine:
             if math.isinf(t):
                 raise RuntimeError(f"no client is online and charged at {self.sim_time_s:.1f} s or later")
             self.sim_time_s = float(t)
-        if fleet.windows is None:
-            draws = rng.random(n)
-            available = [p for p in range(n) if draws[p] < fleet.probability[p] and fleet.charged(p, t)]
-        else:
-            available = [p for p in range(n) if fleet.online(p, t) and fleet.charged(p, t)]
+        available = fleet.reachable(t, rng.random(n) if fleet.windows is None else None)
         self.unavailable = n - len(available)
         k = self.policy.sample_size(self.sc.server.clients_per_round or n, n)
         if k >= len(available):

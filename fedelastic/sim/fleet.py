@@ -458,7 +458,7 @@ class Fleet:
             self.windows = SessionAvailability(n, sc.seed, av.mean_session_s, av.mean_offline_s, amplitude, av.day_s)
         elif av.model == "trace":
             self.windows = load_availability_trace(av.trace, n, av.period_s)
-        self.probability = [a.value if (a := p.availability) is not None else 1.0 for p in profiles]
+        self.probability = np.array([a.value if (a := p.availability) is not None else 1.0 for p in profiles])
         if net.model == "trace":
             self.up_bps, self.down_bps = load_network_trace(net.trace, n)
         else:
@@ -503,6 +503,16 @@ class Fleet:
 
     def online(self, pid: int, t: float) -> bool:
         return self.windows is None or self.windows.online(pid, t)
+
+    def reachable(self, t: float, draws: np.ndarray | None) -> list[int]:
+        """The partitions that can train at ``t``, in order: with ``draws`` (one per partition; the
+        profiles' availability), those whose draw is below their probability, else those online;
+        of these, the charged ones. Linear in the fleet, in numpy where there are no batteries or windows."""
+        if draws is None:
+            ids = [p for p in range(len(self)) if self.windows is None or self.windows.online(p, t)]
+        else:
+            ids = np.flatnonzero(draws < self.probability).tolist()
+        return ids if self.batteries is None else [p for p in ids if self.batteries.can_train(p, t)]
 
     def forget_before(self, t: float) -> None:
         """The clock is at ``t`` and never goes back: online windows that ended before it may go."""

@@ -83,6 +83,7 @@ def test_a_local_cluster_gets_quick_socket_retries_and_a_running_one_keeps_its_s
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's temp dir: no cluster recorded by `ray start` there
     local = lifecycle.ray_init_args(make_scenario(simulation={"backend": "ray"}).simulation)
     config = local["_system_config"]
+    assert config["worker_niceness"] == os.nice(0)  # not Ray's nice 15
     # the same 10 s in all as Ray's default (1000 ms x 10 attempts), tried every 50 ms
     assert config["raylet_client_connect_timeout_milliseconds"] * config["raylet_client_num_connect_attempts"] == 10_000
     assert config["raylet_client_connect_timeout_milliseconds"] == 50
@@ -130,7 +131,9 @@ def test_the_early_actors_join_only_a_flower_build_this_module_knows(monkeypatch
 @pytest.mark.patched
 def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_run_does(make_scenario, monkeypatch):
     """The actors made as Ray came up (warmed with the driver's model description) are the ones
-    Flower's pool runs the clients on, and the tables equal the in-process run's."""
+    Flower's pool runs the clients on, and the tables equal the in-process run's. Every process
+    of the cluster, the workers included, runs at the driver's niceness (Ray's default is nice 15
+    for its workers)."""
     import ray
 
     from tests.support import frames
@@ -139,9 +142,17 @@ def test_api_run_on_ray_takes_the_early_actors_and_computes_what_the_in_process_
     real = backend.early_actors
     monkeypatch.setattr(backend, "early_actors", lambda resources: taken.append(len(out := real(resources))) or out)
     ray_sc = make_scenario(simulation={"backend": "ray", "num_cpus_per_client": 1})
-    on_ray = api.run(ray_sc, run_id="ray")
+    nice: dict[int, int] = {}  # pid -> niceness (field 19 of /proc/PID/stat) of the cluster's processes in round 1
+
+    def niceness(row: dict) -> None:
+        for pid in lifecycle.ray_processes() if row["round"] == 1 else ():
+            with open(f"/proc/{pid}/stat") as fh:
+                nice[pid] = int(fh.read().rsplit(")", 1)[1].split()[16])
+
+    on_ray = api.run(ray_sc, run_id="ray", progress=niceness)
     assert not ray.is_initialized()
     assert len(taken) == 1 and taken[0] >= 1  # the pool was built from early actors
+    assert len(nice) >= 2 + taken[0] and set(nice.values()) == {os.nice(0)}  # GCS, raylet, workers
     local = api.run(make_scenario(), run_id="local")
     for ray_frame, local_frame in zip(frames(on_ray.run_dir), frames(local.run_dir)):  # host timings left out
         pd.testing.assert_frame_equal(ray_frame, local_frame)
