@@ -27,9 +27,14 @@ failures and the reported figures.
   as ``train_local``'s. Clients then run a step in calls grouped by (batch width, norm modes): no
   padding enters another client's statistics. A probe on batch statistics runs in the loop's
   micro-batches (each its own statistics) and leaves the statistics as they were.
+* int8 devices' numerics (``train.numerics = "device"``) with QAS, fp32 master weights and fp32
+  gradients (the defaults): :class:`~fedelastic.quant.BatchedInt8`, each client's activation
+  ranges calibrated on its own first batch; int8 and fp32 clients run in separate calls.
 * Refused, with an error naming the key: the ``fisher`` probe (``tinytrain``) and
-  channel-sparse selections (``train.strategy``), active dropout (``model.name``) and emulated
-  int8/fp16 numerics (``train.numerics``).
+  channel-sparse selections (``train.strategy``), active dropout (``model.name``), fp16 numerics
+  (``train.numerics``; no shipped profile trains in fp16), and int8 without QAS
+  (``train.qas``), with quantised gradients (``train.quantized_gradients``) or device-dtype master
+  weights (``train.master_weights``): their optimizer hooks are not written for stacked tensors.
 
 The weights agree with the per-client loop to float32 rounding, not bit for bit: a batched
 convolution is a grouped convolution with its own summation order, and the padded loss sums the
@@ -52,6 +57,7 @@ from .data import ArrayDataset
 from .errors import ConfigError
 from .modelinfo import ModelInfo
 from .probes import _chunks
+from .quant import BatchedInt8, Numerics
 from .selection import Selection, SelectionContext, SelectionStrategy
 from .training import (
     _NORM_TYPES,
@@ -98,6 +104,7 @@ class _Client:
         lr_schedule: str,
         norm_tensors: list[np.ndarray],
         batch_stats: bool,
+        int8: bool = False,
     ):
         if strategy.probe not in (None, "importance"):
             raise _refuse(
@@ -124,6 +131,7 @@ class _Client:
         # before the first selection, as ``Prepared.set_norm_modes`` leaves them)
         self.norm_tensors, self.batch_stats = norm_tensors, batch_stats
         self.norms = (batch_stats,) * len(norm_tensors)
+        self.int8 = int8
 
     def since(self, step: int) -> int:
         """Steps run since the last selection, before ``step`` (across rounds for a carried one)."""
@@ -202,8 +210,9 @@ class _Client:
 
     def group(self, t: int) -> tuple:
         """Clients of one key run step ``t`` in one call: a norm layer on batch statistics needs every
-        sample of the call's batch to be the client's own (no padding) and the same mode for all."""
-        return (len(self.order[t]) if any(self.norms) else 0, self.norms)
+        sample of the call's batch to be the client's own (no padding) and the same mode for all;
+        int8 clients run apart from fp32 ones."""
+        return (len(self.order[t]) if any(self.norms) else 0, self.norms, self.int8)
 
     def trains(self) -> bool:
         return not self.failed and self.selection is not None and bool(self.selection.mask.any())
@@ -223,6 +232,22 @@ def cross_entropy_terms(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     first round); log-softmax and gather have batching rules of their own.
     """
     return -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def _check_numerics(nm: Numerics | None, source: str = _SOURCE, device: str = "") -> None:
+    """Refuse what :class:`~fedelastic.quant.BatchedInt8` does not emulate, naming the key."""
+    if nm is None or nm.dtype == "fp32":
+        return
+    on = f" (device {device} trains in {nm.dtype})" if device else ""
+    if nm.dtype != "int8":
+        raise _refuse("train.numerics", f'"fp32" or int8 devices{on}', "device", source)
+    for key, value, default in (
+        ("train.qas", nm.qas, True),
+        ("train.quantized_gradients", nm.quantized_gradients, False),
+        ("train.master_weights", nm.master_weights, "fp32"),
+    ):
+        if value != default:
+            raise _refuse(key, f"{default!r} for int8 devices{on}", value, source)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -266,9 +291,9 @@ def train_cohort_vmap(
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
     if lr_schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule: expected one of {SCHEDULES}, got {lr_schedule!r}")
-    for nm in numerics or []:
-        if nm is not None and nm.dtype != "fp32":
-            raise _refuse("train.numerics", "fp32 training", nm.dtype)
+    numerics = numerics or [None] * n_clients
+    for nm in numerics:
+        _check_numerics(nm)
     for cost in costs:
         if bn_mode != cost.bn_mode:
             raise ValueError(f"bn_mode {bn_mode!r} differs from the cost model's {cost.bn_mode!r}")
@@ -291,9 +316,11 @@ def train_cohort_vmap(
             lr_schedule=lr_schedule,
             norm_tensors=norm_tensors,
             batch_stats=batch_stats,
+            int8=nm is not None and nm.dtype == "int8",
         )
-        for s, c, d, cap, seed in zip(strategies, costs, datasets, caps, seeds)
+        for s, c, d, cap, seed, nm in zip(strategies, costs, datasets, caps, seeds, numerics)
     ]
+    int8 = BatchedInt8(model, info, n_clients)
     _set_norm_modes(model, bn_mode)
     names = list(info.tensor_names)
     given = dict(model.named_parameters())
@@ -310,30 +337,35 @@ def train_cohort_vmap(
     xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
     ys = [torch.as_tensor(d.y, device=dev) for d in datasets]
 
-    def loss_fn(params, bufs_, x, y, w, denom):
+    def loss_fn(params, bufs_, x, y, w, denom, q):
+        int8.call(q, w)
         out = functional_call(model, (params, bufs_), (x,))
-        return (cross_entropy_terms(out, y) * w).sum() / denom
+        return (cross_entropy_terms(out, y) * w).sum() / denom, int8.out
 
-    batched_loss = vmap(loss_fn, in_dims=(0, 0 if batch_stats else None, 0, 0, 0, 0))
+    batched_loss = vmap(loss_fn, in_dims=(0, 0 if batch_stats else None, 0, 0, 0, 0, 0))
 
-    def step_fn(params, bufs_, x, y, w, trained=None, denom=None):
+    def step_fn(params, bufs_, x, y, w, sel, trained=None, denom=None):
         """Every client's (gradients, loss); gradients of the ``trained`` tensors only (default all).
 
         One batched forward pass (vmap over the clients), then one backward pass of the sum of the
         clients' losses: a client's loss depends on its own slice of the stacked parameters only, so
         the gradient of the sum is every client's own gradient. Autograd computes only what leads to
         the ``trained`` tensors (it stops below the deepest of them, skipping the others' dW). A
-        norm layer in train mode updates ``bufs_`` (the clients' own statistics) in place."""
+        norm layer in train mode updates ``bufs_`` (the clients' own statistics) in place; int8
+        clients (``sel``) keep the activation quantisation their first forward calibrated."""
         keep = {k: v.detach().requires_grad_() for k, v in params.items() if trained is None or k in trained}
         with torch.enable_grad():
-            losses = batched_loss({**params, **keep}, bufs_, x, y, w, w.sum(1) if denom is None else denom)
+            denom = w.sum(1) if denom is None else denom
+            losses, used = batched_loss({**params, **keep}, bufs_, x, y, w, denom, int8.state(sel))
             grads = torch.autograd.grad(losses.sum(), list(keep.values()))
+        int8.update(sel, used)
         return dict(zip(keep, grads)), losses.detach()
 
-    def set_modes(norms: tuple) -> None:
-        """The norm layers' modes of a call's clients (``_Applied``'s, per client)."""
+    def set_modes(norms: tuple, in_int8: bool) -> None:
+        """The norm layers' modes of a call's clients (``_Applied``'s, per client), and their numerics."""
         for layer, on in zip(norm_layers, norms):
             modules[layer.name].training = on
+        int8.on = in_int8
 
     def rows_buffers(sel: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The buffers of a call over clients ``sel`` (all: None): their own copies if per client."""
@@ -374,12 +406,12 @@ def train_cohort_vmap(
         """``importance_probe`` of clients ``rows`` on step ``t``'s batch, each over its scope.
 
         On batch statistics the batch runs in ``importance_probe``'s micro-batches (each its own
-        statistics; the clients' statistics are left as they were); frozen, it runs whole (the same
-        gradient)."""
+        statistics; the clients' statistics are left as they were), and in int8 too (the first
+        calibrates); else it runs whole (the same gradient)."""
         sel = torch.as_tensor(rows, device=dev)
         params = {k: v[sel] for k, v in stacked.items()}
         x, y, w = batch(rows, t)
-        parts = _chunks(x.shape[1], micro) if any(clients[rows[0]].norms) else [slice(None)]
+        parts = _chunks(x.shape[1], micro) if any(clients[rows[0]].norms) or int8.on else [slice(None)]
         denom = w.sum(1)
         lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
         on = torch.as_tensor(scopes, device=dev)
@@ -388,7 +420,7 @@ def train_cohort_vmap(
         def grads_at(at: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             total: dict[str, torch.Tensor] = {}
             for part in parts:  # accumulated as the loop's backward over micro-batches
-                g, _ = step_fn(at, rows_buffers(sel), x[:, part], y[:, part], w[:, part], scope, denom)
+                g, _ = step_fn(at, rows_buffers(sel), x[:, part], y[:, part], w[:, part], sel, scope, denom)
                 total = g if not total else {k: total[k] + g[k] for k in g}
             return total
 
@@ -410,53 +442,55 @@ def train_cohort_vmap(
             out.setdefault(key, []).append(i)
         return list(out.items())
 
-    horizon = max((len(c.order) for c in clients), default=0)
-    for t in range(horizon):
-        active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
-        pending = {i: pieces for i in active if (pieces := clients[i].begin(t)) is not None}
-        probing = [i for i, pieces in pending.items() if pieces and not clients[i].failed]
-        importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
-        for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
-            at_j = [i for i in probing if len(pending[i]) > j]
-            keys = {i: (*clients[i].group(t), pending[i][j][1] * any(clients[i].norms)) for i in at_j}
-            for (_, norms, micro), rows in grouped(keys):
-                set_modes(norms)
-                for i, imp in zip(rows, probe(rows, np.stack([pending[i][j][0] for i in rows]), micro, t)):
-                    importance[i] += imp
-        for i in pending:
-            if not clients[i].failed:
-                clients[i].finish(importance.get(i))
-        for (_, norms), rows in grouped({i: clients[i].group(t) for i in active if clients[i].trains()}):
-            set_modes(norms)
-            every = len(rows) == n_clients
-            sel = torch.as_tensor(rows, device=dev)
-            x, y, w = batch(rows, t)
-            params = stacked if every else {k: v[sel] for k, v in stacked.items()}
-            masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
-            stats = rows_buffers(None if every else sel)
-            grads, losses = step_fn(params, stats, x, y, w, {names[k] for k in np.flatnonzero(masks_np.any(0))})
-            lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
-            masks = torch.as_tensor(masks_np, device=dev)
-            with torch.no_grad():
-                if batch_stats and not every:  # the clients' statistics this step moved
-                    for stat, v in stats.items():
-                        buffers[stat][sel] = v
-                for k, name in enumerate(names):
-                    on = masks[:, k]
-                    if not bool(on.any()):
-                        continue
-                    buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
-                    new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
-                    if every:
-                        stacked[name].copy_(new_p)
-                        if new_buf is not None:
-                            bufs[name].copy_(new_buf)
-                    else:
-                        stacked[name][sel] = new_p
-                        if new_buf is not None:
-                            bufs[name][sel] = new_buf
-            for i, loss in zip(rows, losses.tolist()):
-                clients[i].count_step(loss)
+    with int8.installed():  # the layers' int8 forward, on only in calls of int8 clients
+        horizon = max((len(c.order) for c in clients), default=0)
+        for t in range(horizon):
+            active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
+            pending = {i: pieces for i in active if (pieces := clients[i].begin(t)) is not None}
+            probing = [i for i, pieces in pending.items() if pieces and not clients[i].failed]
+            importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
+            for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
+                at_j = [i for i in probing if len(pending[i]) > j]
+                keys = {i: (*clients[i].group(t), pending[i][j][1] * (any(clients[i].norms) or clients[i].int8)) for i in at_j}
+                for (_, norms, in_int8, micro), rows in grouped(keys):
+                    set_modes(norms, in_int8)
+                    for i, imp in zip(rows, probe(rows, np.stack([pending[i][j][0] for i in rows]), micro, t)):
+                        importance[i] += imp
+            for i in pending:
+                if not clients[i].failed:
+                    clients[i].finish(importance.get(i))
+            for (_, norms, in_int8), rows in grouped({i: clients[i].group(t) for i in active if clients[i].trains()}):
+                set_modes(norms, in_int8)
+                every = len(rows) == n_clients
+                sel = torch.as_tensor(rows, device=dev)
+                x, y, w = batch(rows, t)
+                params = stacked if every else {k: v[sel] for k, v in stacked.items()}
+                masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
+                stats = rows_buffers(None if every else sel)
+                grads, losses = step_fn(params, stats, x, y, w, sel, {names[k] for k in np.flatnonzero(masks_np.any(0))})
+                lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+                masks = torch.as_tensor(masks_np, device=dev)
+                with torch.no_grad():
+                    if batch_stats and not every:  # the clients' statistics this step moved
+                        for stat, v in stats.items():
+                            buffers[stat][sel] = v
+                    for k, name in enumerate(names):
+                        on = masks[:, k]
+                        if not bool(on.any()):
+                            continue
+                        buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
+                        new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
+                        if every:
+                            stacked[name].copy_(new_p)
+                            if new_buf is not None:
+                                bufs[name].copy_(new_buf)
+                        else:
+                            stacked[name][sel] = new_p
+                            if new_buf is not None:
+                                bufs[name][sel] = new_buf
+                for i, loss in zip(rows, losses.tolist()):
+                    clients[i].count_step(loss)
+
     wall = time.perf_counter() - start
     total_steps = max(1, sum(c.result.steps for c in clients))
     results = []
@@ -537,11 +571,7 @@ def check_vectorizable(env: RunEnvironment) -> None:
             if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
                 raise _refuse("train.strategy", f"selections of whole tensors (on {device} it selects parts)", t.strategy, src)
     for device in sorted(set(env.devices)):
-        dtype = device_numerics(t, env.profile(device).train_dtype).dtype
-        if dtype != "fp32":
-            raise _refuse(
-                "train.numerics", f'"fp32" (device {device} trains in {dtype} under "device")', t.numerics, src
-            )
+        _check_numerics(device_numerics(t, env.profile(device).train_dtype), src, device)
     try:
         _check_model(env.new_model())
     except ConfigError as exc:

@@ -65,11 +65,11 @@ def setup(factory, batch_size, sizes, strategy="full", options=None):
     return model, info, costs, strategies, clients(sizes)
 
 
-def loop(model, info, strategies, costs, data, seeds, caps, **kw):
+def loop(model, info, strategies, costs, data, seeds, caps, numerics=None, **kw):
     out = []
-    for s, c, d, seed, cap in zip(strategies, costs, data, seeds, caps):
+    for s, c, d, seed, cap, nm in zip(strategies, costs, data, seeds, caps, numerics or [None] * len(data)):
         m = copy.deepcopy(model)
-        out.append(train_local(m, info, s, c, d, LocalTraining(max_steps=cap, **kw), seed=seed))
+        out.append(train_local(m, info, s, c, d, LocalTraining(max_steps=cap, **kw), seed=seed, numerics=nm))
     return out
 
 
@@ -160,6 +160,35 @@ def test_batchnorm_on_batch_statistics_matches_the_loop(name):
         assert not np.allclose(got[0].trained["1.running_var"], got[1].trained["1.running_var"], atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "name, bn_mode, factory",
+    [("full", "frozen", tiny_cnn), ("elastic_tensor", "train", small_cnn), ("elastic_tensor", "frozen", small_cnn)],
+)
+def test_int8_clients_train_like_the_loop(name, bn_mode, factory):
+    # a cohort of int8 (stm32h743) and fp32 clients: each int8 client calibrates its layers' input
+    # ranges on the first batch it sees (the probe's first micro-batch for elastic_tensor, whose
+    # probe fits 7 samples at a time on the first two devices), fake-quantises weights, biases and
+    # activations, with QAS; its short last batch is padded, the padding kept out of its ranges
+    # (tiny_cnn's biases make a zero padding sample's activations nonzero)
+    options = {"rho": 0.5, "interval": 2, "interval_unit": "steps"} if name == "elastic_tensor" else {}
+    model, info, costs, strategies, data = setup(lambda: factory(width=4) if factory is small_cnn else factory(), 16, SIZES, name, options)
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    if name == "elastic_tensor":
+        small = dataclasses.replace(costs[2].device, memory_train_bytes=Quantity(costs[2].probe_memory("importance", 7).total_bytes, "test"))
+        costs[:2] = [CostModel(info, small, 16, "momentum", bn_mode)] * 2
+    numerics = [Numerics("int8"), Numerics("int8"), Numerics("int8"), None, Numerics("fp32")]
+    seeds = [[6, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode)
+    fresh = [make_strategy(name, options) for _ in SIZES]
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, numerics=numerics, **common)
+    ref = loop(model, info, fresh, costs, data, seeds, caps, numerics=numerics, **common)
+    assert_same(ref, got)
+    fp32 = loop(model, info, [make_strategy(name, options) for _ in SIZES], costs, data, seeds, caps, **common)
+    moved = [np.abs(a.trained[k] - b.trained[k]).max() for a, b in zip(ref[:3], fp32[:3]) for k in a.trained if k in b.trained]
+    assert max(moved) > 1e-5  # int8 really changed the int8 clients' training: 10x the tolerance
+
+
 def test_a_client_without_a_batch_keeps_its_weights_and_a_selection_masks_tensors():
     # last_layer trains the classifier only; a client with max_steps 1 stops while others go on
     model, info, costs, strategies, data = setup(tiny_cnn, 8, (30, 30, 9), strategy="last_layer")
@@ -225,7 +254,9 @@ class FirstChannel(SelectionStrategy):
     [
         (dict(strategy="tinytrain"), "train.strategy"),  # the Fisher probe
         (dict(partial=True), "train.strategy"),  # a channel-sparse selection
-        (dict(numerics=[Numerics("int8")] * 2), "train.numerics"),
+        (dict(numerics=[Numerics("fp16")] * 2), "train.numerics"),
+        (dict(numerics=[Numerics("int8", qas=False)] * 2), "train.qas"),
+        (dict(numerics=[Numerics("int8", master_weights="device")] * 2), "train.master_weights"),
         (dict(dropout=True), "model.name"),
     ],
 )
@@ -330,7 +361,7 @@ def recording(strategies):
     "train, key",
     [
         ({"strategy": "tinytrain", "numerics": "fp32", "bn_mode": "frozen"}, "train.strategy"),
-        ({"strategy": "full", "bn_mode": "frozen"}, "train.numerics"),  # stm32h743 trains in int8 under "device"
+        ({"strategy": "full", "bn_mode": "frozen", "quantized_gradients": True}, "train.quantized_gradients"),  # stm32h743: int8
         ({"strategy": "elastic_tensor", "numerics": "fp32", "bn_mode": "frozen"}, None),
         # no probe, but Sparse Update trains a share of a tensor's input channels: refused before training
         ({"strategy": "sparse_update", "numerics": "fp32", "bn_mode": "frozen", "options": {"channel_ratios": [0.25, 0.5]}},
@@ -415,7 +446,8 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
         # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 2M)
         ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
         ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, True, '"auto", eligible'),  # small_cnn's BatchNorm
-        ({"train": {**FP32_FROZEN, "numerics": "device"}}, False, "train.numerics"),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "numerics": "device"}}, True, '"auto", eligible'),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "numerics": "device", "master_weights": "device"}}, False, "train.master_weights"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "node_mode": "per_client"}}, False, "node_mode"),
         ({"train": FP32_FROZEN, "server": {"rounds": 2, "aggregator": "fedprox"}}, False, "server.aggregator"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "vectorize": False}}, False, "vectorize = false"),
@@ -437,7 +469,7 @@ def test_vectorize_true_on_what_it_cannot_vectorise_is_refused(make_scenario):
     from fedelastic.errors import ConfigError
     from fedelastic.vectorized import choose_path
 
-    train = {**FP32_FROZEN, "numerics": "device"}  # stm32h743 trains in int8
+    train = {**FP32_FROZEN, "numerics": "device", "qas": False}  # stm32h743 trains in int8, without QAS
     env = RunEnvironment(make_scenario(train=train, simulation={"backend": "inprocess", "vectorize": True}))
-    with pytest.raises(ConfigError, match=r"train\.numerics"):
+    with pytest.raises(ConfigError, match=r"train\.qas"):
         choose_path(env)
