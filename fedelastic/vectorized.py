@@ -24,9 +24,10 @@ failures and the reported figures.
 * BatchNorm in train mode (``train.bn_mode = "train"``): each client keeps its own norm buffers
   (running statistics, momentum and ``num_batches_tracked``, stacked like its parameters), and a
   norm layer runs on batch statistics for the clients whose selection trains one of its tensors,
-  as ``train_local``'s. Clients then run a step in calls grouped by (batch width, norm modes): no
-  padding enters another client's statistics. A probe on batch statistics runs in the loop's
-  micro-batches (each its own statistics) and leaves the statistics as they were.
+  as ``train_local``'s, its statistics taken over the client's valid samples only (``_MaskedNorms``:
+  a padded batch's padding is left out). Clients run a step in calls grouped by their norm modes.
+  A probe on batch statistics runs in the loop's micro-batches (each its own statistics) and
+  leaves the statistics as they were.
 * int8 devices' numerics (``train.numerics = "device"``) with QAS, fp32 master weights and fp32
   gradients (the defaults): :class:`~fedelastic.quant.BatchedInt8`, each client's activation
   ranges calibrated on its own first batch; int8 and fp32 clients run in separate calls.
@@ -43,8 +44,10 @@ same terms in another order (tests/unit/test_vectorized.py states the tolerance)
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -208,11 +211,10 @@ class _Client:
         self.norms = tuple(self.batch_stats and bool(np.any(selection.ratios[k] > 0)) for k in self.norm_tensors)
         self.step_time, self.step_macs = self.cost.step_time_s(selection.ratios), self.cost.step_macs(selection.ratios)
 
-    def group(self, t: int) -> tuple:
-        """Clients of one key run step ``t`` in one call: a norm layer on batch statistics needs every
-        sample of the call's batch to be the client's own (no padding) and the same mode for all;
+    def group(self) -> tuple:
+        """Clients of one key run a step in one call: their norm layers' modes are the same, and
         int8 clients run apart from fp32 ones."""
-        return (len(self.order[t]) if any(self.norms) else 0, self.norms, self.int8)
+        return (self.norms, self.int8)
 
     def trains(self) -> bool:
         return not self.failed and self.selection is not None and bool(self.selection.mask.any())
@@ -222,6 +224,52 @@ class _Client:
         self.result.train_time_s += self.step_time
         self.result.macs += self.step_macs
         self.result.steps += 1
+
+
+class _MaskedNorms:
+    """Norm layers on batch statistics of a call's valid samples only (``w > 0``), so that clients
+    with batches of different sizes share one padded call: mean and biased variance over the valid
+    samples' positions, the running statistics moved as torch's BatchNorm moves them (momentum, or
+    a cumulative average with ``momentum=None``; the unbiased variance; ``num_batches_tracked``).
+    Torch's own forward runs for a norm layer in eval mode."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules() if isinstance(m, _NORM_TYPES)]
+        self.w: torch.Tensor | None = None  # inside a call: one client's sample weights
+
+    def _forward(self, m: Any, x: torch.Tensor) -> torch.Tensor:
+        if not m.training:
+            return type(m).forward(m, x)
+        assert self.w is not None
+        dims = [0, *range(2, x.dim())]
+        # as torch's CPU kernel: statistics accumulated in float64, then y = x * alpha + beta in x's dtype
+        xd = x.double()
+        wv = (self.w > 0).double().view(-1, *([1] * (x.dim() - 1)))
+        n = (wv.sum() * (x[0, 0].numel() if x.dim() > 2 else 1)).clamp_min(1)  # an empty micro-batch: no nan
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean = (xd * wv).sum(dims) / n
+        var = ((xd - mean.view(shape)) ** 2 * wv).sum(dims) / n
+        if m.track_running_stats:
+            m.num_batches_tracked.add_(1)
+            mom = 1.0 / m.num_batches_tracked.double() if m.momentum is None else m.momentum
+            with torch.no_grad():
+                unbiased = var.detach() * n / (n - 1).clamp_min(1)
+                m.running_mean.copy_(mom * mean.detach() + (1 - mom) * m.running_mean)
+                m.running_var.copy_(mom * unbiased + (1 - mom) * m.running_var)
+        invstd = (1 / torch.sqrt(var + m.eps)).to(x.dtype)
+        alpha = invstd * m.weight if m.affine else invstd
+        beta = (m.bias - mean.to(x.dtype) * alpha) if m.affine else -mean.to(x.dtype) * alpha
+        return x * alpha.view(shape) + beta.view(shape)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        for m in self.modules:
+            m.forward = functools.partial(self._forward, m)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
 
 
 def cross_entropy_terms(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -321,6 +369,7 @@ def train_cohort_vmap(
         for s, c, d, cap, seed, nm in zip(strategies, costs, datasets, caps, seeds, numerics)
     ]
     int8 = BatchedInt8(model, info, n_clients)
+    masked = _MaskedNorms(model)
     _set_norm_modes(model, bn_mode)
     names = list(info.tensor_names)
     given = dict(model.named_parameters())
@@ -339,6 +388,7 @@ def train_cohort_vmap(
 
     def loss_fn(params, bufs_, x, y, w, denom, q):
         int8.call(q, w)
+        masked.w = w
         out = functional_call(model, (params, bufs_), (x,))
         return (cross_entropy_terms(out, y) * w).sum() / denom, int8.out
 
@@ -442,7 +492,7 @@ def train_cohort_vmap(
             out.setdefault(key, []).append(i)
         return list(out.items())
 
-    with int8.installed():  # the layers' int8 forward, on only in calls of int8 clients
+    with int8.installed(), masked.installed():  # int8 only in calls of int8 clients
         horizon = max((len(c.order) for c in clients), default=0)
         for t in range(horizon):
             active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
@@ -451,15 +501,15 @@ def train_cohort_vmap(
             importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
             for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
                 at_j = [i for i in probing if len(pending[i]) > j]
-                keys = {i: (*clients[i].group(t), pending[i][j][1] * (any(clients[i].norms) or clients[i].int8)) for i in at_j}
-                for (_, norms, in_int8, micro), rows in grouped(keys):
+                keys = {i: (*clients[i].group(), pending[i][j][1] * (any(clients[i].norms) or clients[i].int8)) for i in at_j}
+                for (norms, in_int8, micro), rows in grouped(keys):
                     set_modes(norms, in_int8)
                     for i, imp in zip(rows, probe(rows, np.stack([pending[i][j][0] for i in rows]), micro, t)):
                         importance[i] += imp
             for i in pending:
                 if not clients[i].failed:
                     clients[i].finish(importance.get(i))
-            for (_, norms, in_int8), rows in grouped({i: clients[i].group(t) for i in active if clients[i].trains()}):
+            for (norms, in_int8), rows in grouped({i: clients[i].group() for i in active if clients[i].trains()}):
                 set_modes(norms, in_int8)
                 every = len(rows) == n_clients
                 sel = torch.as_tensor(rows, device=dev)
