@@ -569,10 +569,12 @@ def train_cohort_vmap(
 
 
 #: Forward MACs a sample above which ``vectorize = "auto"`` keeps the per-client loop: on a CPU a
-#: batched convolution (a grouped one) loses to separate ones as the model grows; measured with
-#: one-step clients, batch 16 (benchmarks/studies/vectorised.md, "Where vectorising stops paying"):
-#: 3.0x the loop's CPU at 83k MACs, 1.3x at 1.2M, 0.83x at 4.8M.
-AUTO_MAX_MACS = 2_000_000
+#: batched convolution (a grouped one) loses to separate ones as the model grows. Measured with
+#: the shipped scenarios' training (small_cnn, BatchNorm on batch statistics, an int8 share; one
+#: step a client, batch 16; benchmarks/studies/vectorised.md, "Where vectorising stops paying"):
+#: 2.27x the loop's CPU at 39k MACs, 1.74x at 152k, 1.21x at 600k, 0.61x at 2.4M (crossover near
+#: 0.9M); a model without norm layers in fp32 gains longer (1.3x at 1.2M, 0.83x at 4.8M).
+AUTO_MAX_MACS = 800_000
 
 
 def choose_path(env: RunEnvironment) -> tuple[bool, str]:

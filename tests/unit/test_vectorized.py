@@ -441,9 +441,9 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
 @pytest.mark.parametrize(
     "overrides, vectorised, says",
     [
-        # small_cnn width 8 at 8x8: convolutions 8*9*64 + 16*8*9*64 + 32*16*9*16 = 152,384 MACs a sample (< 2M)
+        # small_cnn width 8 at 8x8: convolutions 8*9*64 + 16*8*9*64 + 32*16*9*16 = 152,384 MACs a sample (< 800k)
         ({"train": FP32_FROZEN}, True, '"auto", eligible'),
-        # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 2M)
+        # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 800k)
         ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
         ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, True, '"auto", eligible'),  # small_cnn's BatchNorm
         ({"train": {**FP32_FROZEN, "numerics": "device"}}, True, '"auto", eligible'),  # stm32h743: int8
