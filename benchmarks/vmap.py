@@ -18,8 +18,7 @@ a 5.5k-parameter CNN (``tiny_cnn`` below, no norm layers), SGD lr 0.05, momentum
 (32x32 RGB) samples, 20 a round, ``resnet_small`` (blocks 2-2-2-2, width 16, no dropout; BatchNorm
 frozen), batch 32, momentum 0.9. ``shipped``: the small workload's clients with the shipped
 scenarios' training (``small_cnn`` width 16, BatchNorm on batch statistics, int8 on the stm32h743
-share, momentum 0.9; ``--width`` sweeps its MACs a sample); ``shipped_synth``: the same on 32x32 RGB
-SynthDigits at width 8 (continual_classes' model, 2.58M MACs a sample). Reported: training-phase updates per second (all rounds, and
+share, momentum 0.9; ``--width`` sweeps its MACs a sample). Reported: training-phase updates per second (all rounds, and
 rounds 2+), and how far the variants' final global models are apart (max abs difference: float32
 rounding only, since all train the same batches from the same weights).
 
@@ -77,17 +76,6 @@ WORKLOADS = {
             "fleet": {"raspberry_pi_4": 80, "jetson_nano": 80, "stm32h743": 40},
             "data": {"dataset": "digits", "partitioner": "dirichlet", "alpha": 0.5, "test_fraction": 0.2},
             "model": {"name": "small_cnn", "options": {"width": 16}},
-            "train": {"strategy": "full", "local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
-                      "numerics": "device", "bn_mode": "train"},
-        },
-    ),
-    # continual_classes' model and data: small_cnn width 8 on 32x32 RGB synth_digits (2.58M MACs a sample)
-    "shipped_synth": dict(
-        clients=200, per_round=50,
-        scenario={
-            "fleet": {"raspberry_pi_4": 80, "jetson_nano": 80, "stm32h743": 40},
-            "data": {"dataset": "synth_digits", "size": 6000, "partitioner": "dirichlet", "alpha": 0.5, "test_fraction": 0.2},
-            "model": {"name": "small_cnn", "options": {"width": 8}},
             "train": {"strategy": "full", "local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
                       "numerics": "device", "bn_mode": "train"},
         },
