@@ -16,7 +16,9 @@ Workloads. ``small`` (the issue's): 200 Dirichlet(0.5) clients on the digits (8x
 a 5.5k-parameter CNN (``tiny_cnn`` below, no norm layers), SGD lr 0.05, momentum 0, weight decay
 5e-4, batch 16, 1 epoch, strategy ``full``, fp32. ``resnet``: 40 IID clients of 150 SynthDigits
 (32x32 RGB) samples, 20 a round, ``resnet_small`` (blocks 2-2-2-2, width 16, no dropout; BatchNorm
-frozen), batch 32, momentum 0.9. Reported: training-phase updates per second (all rounds, and
+frozen), batch 32, momentum 0.9. ``shipped``: the small workload's clients with the shipped
+scenarios' training (``small_cnn`` width 16, BatchNorm on batch statistics, int8 on the stm32h743
+share, momentum 0.9; ``--width`` sweeps its MACs a sample). Reported: training-phase updates per second (all rounds, and
 rounds 2+), and how far the variants' final global models are apart (max abs difference: float32
 rounding only, since all train the same batches from the same weights).
 
@@ -66,6 +68,18 @@ WORKLOADS = {
             "train": {"strategy": "full", "local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.0},
         },
     ),
+    # the shipped scenarios' model and training: small_cnn (BatchNorm trained on batch statistics),
+    # int8 on the stm32h743 share (numerics "device"), momentum 0.9; quickstart's fleet
+    "shipped": dict(
+        clients=200, per_round=50,
+        scenario={
+            "fleet": {"raspberry_pi_4": 80, "jetson_nano": 80, "stm32h743": 40},
+            "data": {"dataset": "digits", "partitioner": "dirichlet", "alpha": 0.5, "test_fraction": 0.2},
+            "model": {"name": "small_cnn", "options": {"width": 16}},
+            "train": {"strategy": "full", "local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
+                      "numerics": "device", "bn_mode": "train"},
+        },
+    ),
     "resnet": dict(
         clients=40, per_round=20,
         scenario={
@@ -83,7 +97,7 @@ def make_env(workload: str, batch_size: int = 0, strategy: str = "", width: int 
     raw = {"name": f"vmap-{workload}", "seed": 0, **w["scenario"]}
     if width:
         raw["model"] = {**raw["model"], "options": {**raw["model"].get("options", {}), "width": width}}
-    raw["train"] = {**raw["train"], "numerics": "fp32", "bn_mode": "frozen"}
+    raw["train"] = {"numerics": "fp32", "bn_mode": "frozen", **raw["train"]}  # the shipped workloads keep theirs
     if batch_size:
         raw["train"]["batch_size"] = batch_size
     if strategy:
@@ -158,7 +172,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=0, help="replace the workload's batch size")
     ap.add_argument("--strategy", default="", help="replace the workload's strategy (elastic_*: rho 0.4)")
-    ap.add_argument("--width", type=int, default=0, help="replace the model's width (small: tiny_cnn's, 8)")
+    ap.add_argument("--width", type=int, default=0, help="replace the model's width (small: tiny_cnn's, 8; shipped: small_cnn's, 16)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -337,3 +337,92 @@ def with_numerics(train_local):
             return train_local(model, info, *args, **kwargs)
 
     return wrapper
+
+
+class BatchedInt8:
+    """int8 numerics for clients trained as one batched model (fedelastic/vectorized.py), per client
+    what :class:`Emulation` gives one: the same forward, written without autograd Functions and
+    with each client's activation quantisation as tensors, so that ``torch.func.vmap`` runs it.
+
+    Covered: ``qas = true``, ``quantized_gradients = false``, ``master_weights = "fp32"`` (the
+    defaults), where :class:`Emulation`'s optimizer hooks change nothing. All clients start from
+    one model, so the weight scales are shared; each client's activation ranges are calibrated on
+    the first batch its layers see (its valid samples only: a padded batch's padding is masked out).
+    Inside the batched call (see :meth:`call`) the patched forwards read the call's per-client state.
+    """
+
+    def __init__(self, model: nn.Module, info: ModelInfo, n_clients: int):
+        modules = dict(model.named_modules())
+        compute = [layer.name for layer in info.layers if isinstance(modules[layer.name], (*_CONV_TYPES, nn.Linear))]
+        self.modules = {name: modules[name] for name in compute}
+        dev = next(model.parameters()).device
+        # the head (last conv/linear layer) keeps fp32 weights on int8 inputs, as Emulation's
+        self.w_scale = {name: weight_scales(modules[name].weight) for name in compute[:-1]}
+        self.scale = {name: torch.ones(n_clients, device=dev) for name in compute}
+        self.zero = {name: torch.zeros(n_clients, device=dev) for name in compute}
+        self.calibrated = torch.zeros(n_clients, dtype=torch.bool, device=dev)
+        self.on = False  # the current call's clients train in int8
+        self.q: dict[str, Any] = {}  # inside a call: that client's state (batched under vmap)
+        self.w: torch.Tensor | None = None  # inside a call: its samples' weights (0: padding)
+        self.out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def state(self, sel: torch.Tensor) -> dict[str, Any]:
+        """The per-client state of clients ``sel`` for a call (dim 0: the clients)."""
+        if not self.on:
+            return {}
+        return {"cal": self.calibrated[sel], **{n: (self.scale[n][sel], self.zero[n][sel]) for n in self.modules}}
+
+    def update(self, sel: torch.Tensor, out: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep the activation quantisation a call of clients ``sel`` used (calibrated now if not before)."""
+        if not self.on:
+            return
+        for name, (s, z) in out.items():
+            self.scale[name][sel], self.zero[name][sel] = s, z
+        self.calibrated[sel] = True
+
+    def call(self, q: dict[str, Any], w: torch.Tensor) -> None:
+        """Inside the batched function, before the model's forward: one client's state and sample weights."""
+        self.q, self.w, self.out = q, w, {}
+
+    def _qparams(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`activation_qparams` of the valid samples of ``x`` (float64, as Python's floats),
+        or the calibrated ones; as float32, what an op with a Python float computes with."""
+        assert self.w is not None
+        valid = (self.w > 0).view(-1, *([1] * (x.dim() - 1)))
+        inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+        lo = torch.where(valid, x, inf).amin().double().clamp(max=0.0)
+        hi = torch.where(valid, x, -inf).amax().double().clamp(min=0.0)
+        scale = ((hi - lo) / (A_MAX - A_MIN)).clamp_min(_EPS)
+        zero = A_MIN - torch.round(lo / scale)
+        old_s, old_z = self.q[name]
+        cal = self.q["cal"]
+        return torch.where(cal, old_s, scale.to(x.dtype)), torch.where(cal, old_z, zero.to(x.dtype))
+
+    def _forward(self, name: str, module: Any, x: torch.Tensor) -> torch.Tensor:
+        if not self.on:
+            return type(module).forward(module, x)
+        s, z = self._qparams(name, x.detach())
+        self.out[name] = (s, z)
+        q = torch.round(x / s) + z
+        inside = (q >= A_MIN) & (q <= A_MAX)
+        x = ((q.clamp(A_MIN, A_MAX) - z) * s).detach() + (x - x.detach()) * inside  # _ActQuant's values and gradient
+        w, b = module.weight, module.bias
+        if name in self.w_scale:
+            w = fake_quant_weight(w, self.w_scale[name])
+            if b is not None:
+                bs = self.w_scale[name] * s
+                b = b + (torch.round(b.detach() / bs) * bs - b).detach()
+        if isinstance(module, nn.Linear):
+            return F.linear(x, w, b)
+        return module._conv_forward(x, w, b)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[BatchedInt8]:
+        """The patched forwards on the model inside the block (int8 only while :attr:`on`)."""
+        for name, module in self.modules.items():
+            module.forward = functools.partial(self._forward, name, module)
+        try:
+            yield self
+        finally:
+            for module in self.modules.values():
+                module.__dict__.pop("forward", None)

@@ -63,7 +63,8 @@ def test_a_rejected_client_is_charged_and_the_round_waits_for_it(tmp_path, capsy
         return result
 
     monkeypatch.setattr(client, "train_local", nan_on_the_stm32)
-    code, out = run_cli(["run", scenario_file(tmp_path)], capsys)
+    # train_local is patched: the per-client path (vectorize = "auto" would batch the cohort)
+    code, out = run_cli(["run", scenario_file(tmp_path, simulation={"vectorize": False})], capsys)
     run_dir = only_run_dir(tmp_path)
     status = read_status(run_dir)
     assert status["status"] == "completed_with_errors" and code == 3, out  # 1 of 4 rejected: not diverged

@@ -272,18 +272,20 @@ class Fault:
 
 
 FAULTS = [
-    Fault("client-exception", {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}}, 3,
+    # the client-side faults are one client's: on the per-client path (vectorize = "auto" would batch
+    # the cohort, and one call's failure or overrun is then all its clients')
+    Fault("client-exception", {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"vectorize": False}}, 3,
           "completed_with_errors", {"the device fell over": 1}),
     Fault("client-exception-per-client-node",
           {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"node_mode": "per_client"}},
           3, "completed_with_errors", {"the device fell over": 1}),
     Fault("client-exception-within-threshold",
-          {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"max_failure_rate": 0.5}},
+          {"model": {"name": "faulty_models:net", "options": {"fault": "raise"}}, "simulation": {"max_failure_rate": 0.5, "vectorize": False}},
           0, "completed_with_errors", {"the device fell over": 1}),
     Fault("client-hangs-past-timeout",
-          {"model": {"name": "faulty_models:net", "options": {"fault": "hang"}}, "simulation": {"timeout_s": 2.0}},
+          {"model": {"name": "faulty_models:net", "options": {"fault": "hang"}}, "simulation": {"timeout_s": 2.0, "vectorize": False}},
           3, "completed_with_errors", {"timeout": 1}),
-    Fault("client-update-nan", {}, 3, "completed_with_errors", {"non-finite update": 2}, patch="nan"),
+    Fault("client-update-nan", {"simulation": {"vectorize": False}}, 3, "completed_with_errors", {"non-finite update": 2}, patch="nan"),
     Fault("global-model-nan", {}, 4, "diverged", {}, patch="global-nan"),
     # small_cnn at width 32 needs ~0.7 MB to train in full; an nRF52840 has 256 KiB
     Fault("selection-over-memory-every-client", {"fleet": {"nrf52840": 3}, "model": {"options": {"width": 32}}}, 3,

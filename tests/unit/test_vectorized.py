@@ -65,11 +65,11 @@ def setup(factory, batch_size, sizes, strategy="full", options=None):
     return model, info, costs, strategies, clients(sizes)
 
 
-def loop(model, info, strategies, costs, data, seeds, caps, **kw):
+def loop(model, info, strategies, costs, data, seeds, caps, numerics=None, **kw):
     out = []
-    for s, c, d, seed, cap in zip(strategies, costs, data, seeds, caps):
+    for s, c, d, seed, cap, nm in zip(strategies, costs, data, seeds, caps, numerics or [None] * len(data)):
         m = copy.deepcopy(model)
-        out.append(train_local(m, info, s, c, d, LocalTraining(max_steps=cap, **kw), seed=seed))
+        out.append(train_local(m, info, s, c, d, LocalTraining(max_steps=cap, **kw), seed=seed, numerics=nm))
     return out
 
 
@@ -121,6 +121,72 @@ def test_full_strategy_matches_the_per_client_loop(factory, kw):
     # the clients really trained apart: different data, different weights
     w = [r.trained["0.weight"] for r in got]
     assert not np.allclose(w[0], w[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["full", "elastic_tensor", "last_layer"])
+def test_batchnorm_on_batch_statistics_matches_the_loop(name):
+    # bn_mode "train": each client's norm layers run on its own batch statistics and move its own
+    # running statistics (momentum 0.1), which are sent with its trained norm layers; a short last
+    # batch is not padded into another client's statistics. elastic_tensor probes on batch
+    # statistics and changes which norm layers train, and on the first two clients' devices its
+    # probe only fits 7 samples at a time (each micro-batch its own statistics, as in the loop);
+    # last_layer leaves every norm layer on its running statistics.
+    # (A model with ReLU6 and narrow channels, mcu_net, can differ by more: a float32 rounding
+    # difference that moves an activation across a ReLU's kink is amplified by a low-variance
+    # BatchNorm's 1/sigma in the backward; measured 2% of the largest gradient on one batch.)
+    options = {"rho": 0.5, "interval": 2, "interval_unit": "steps"} if name == "elastic_tensor" else {}
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=4), 16, SIZES, name, options)
+    costs = [CostModel(info, c.device, 16, "momentum", "train") for c in costs]
+    if name == "elastic_tensor":
+        small = dataclasses.replace(costs[0].device, memory_train_bytes=Quantity(costs[0].probe_memory("importance", 7).total_bytes, "test"))
+        costs[:2] = [CostModel(info, small, 16, "momentum", "train")] * 2
+        assert [m for _, m in costs[0].probe_segments("importance", small.memory_train_bytes.value)] == [7]  # the premise
+    seeds = [[4, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="train")
+    fresh = [make_strategy(name, options) for _ in SIZES]
+    seen_vmap, seen_loop = (recording(strategies), recording(fresh)) if name == "elastic_tensor" else ([], [])
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+    ref = loop(model, info, fresh, costs, data, seeds, caps, **common)
+    assert_same(ref, got)
+    for mine, theirs in zip(seen_vmap, seen_loop):  # the importance each selection saw
+        for a, b in zip(mine, theirs):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
+    stats = {k for r in ref for k in r.trained if "running" in k}
+    every = {f"{m}.running_{s}" for m in (1, 4, 8) for s in ("mean", "var")}
+    assert stats == every if name == "full" else (stats == set() if name == "last_layer" else 0 < len(stats) < 6)
+    if name == "full":  # the statistics moved: 6 steps of momentum 0.1 from (0, 1)
+        assert np.abs(ref[0].trained["1.running_mean"]).max() > 1e-3
+        assert not np.allclose(got[0].trained["1.running_var"], got[1].trained["1.running_var"], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name, bn_mode, factory",
+    [("full", "frozen", tiny_cnn), ("elastic_tensor", "train", small_cnn), ("elastic_tensor", "frozen", small_cnn)],
+)
+def test_int8_clients_train_like_the_loop(name, bn_mode, factory):
+    # a cohort of int8 (stm32h743) and fp32 clients: each int8 client calibrates its layers' input
+    # ranges on the first batch it sees (the probe's first micro-batch for elastic_tensor, whose
+    # probe fits 7 samples at a time on the first two devices), fake-quantises weights, biases and
+    # activations, with QAS; its short last batch is padded, the padding kept out of its ranges
+    # (tiny_cnn's biases make a zero padding sample's activations nonzero)
+    options = {"rho": 0.5, "interval": 2, "interval_unit": "steps"} if name == "elastic_tensor" else {}
+    model, info, costs, strategies, data = setup(lambda: factory(width=4) if factory is small_cnn else factory(), 16, SIZES, name, options)
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    if name == "elastic_tensor":
+        small = dataclasses.replace(costs[2].device, memory_train_bytes=Quantity(costs[2].probe_memory("importance", 7).total_bytes, "test"))
+        costs[:2] = [CostModel(info, small, 16, "momentum", bn_mode)] * 2
+    numerics = [Numerics("int8"), Numerics("int8"), Numerics("int8"), None, Numerics("fp32")]
+    seeds = [[6, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode)
+    fresh = [make_strategy(name, options) for _ in SIZES]
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, numerics=numerics, **common)
+    ref = loop(model, info, fresh, costs, data, seeds, caps, numerics=numerics, **common)
+    assert_same(ref, got)
+    fp32 = loop(model, info, [make_strategy(name, options) for _ in SIZES], costs, data, seeds, caps, **common)
+    moved = [np.abs(a.trained[k] - b.trained[k]).max() for a, b in zip(ref[:3], fp32[:3]) for k in a.trained if k in b.trained]
+    assert max(moved) > 1e-5  # int8 really changed the int8 clients' training: 10x the tolerance
 
 
 def test_a_client_without_a_batch_keeps_its_weights_and_a_selection_masks_tensors():
@@ -188,8 +254,9 @@ class FirstChannel(SelectionStrategy):
     [
         (dict(strategy="tinytrain"), "train.strategy"),  # the Fisher probe
         (dict(partial=True), "train.strategy"),  # a channel-sparse selection
-        (dict(bn_mode="train"), "train.bn_mode"),
-        (dict(numerics=[Numerics("int8")] * 2), "train.numerics"),
+        (dict(numerics=[Numerics("fp16")] * 2), "train.numerics"),
+        (dict(numerics=[Numerics("int8", qas=False)] * 2), "train.qas"),
+        (dict(numerics=[Numerics("int8", master_weights="device")] * 2), "train.master_weights"),
         (dict(dropout=True), "model.name"),
     ],
 )
@@ -294,8 +361,7 @@ def recording(strategies):
     "train, key",
     [
         ({"strategy": "tinytrain", "numerics": "fp32", "bn_mode": "frozen"}, "train.strategy"),
-        ({"strategy": "full", "bn_mode": "frozen"}, "train.numerics"),  # stm32h743 trains in int8 under "device"
-        ({"strategy": "full", "numerics": "fp32", "bn_mode": "train"}, "train.bn_mode"),
+        ({"strategy": "full", "bn_mode": "frozen", "quantized_gradients": True}, "train.quantized_gradients"),  # stm32h743: int8
         ({"strategy": "elastic_tensor", "numerics": "fp32", "bn_mode": "frozen"}, None),
         # no probe, but Sparse Update trains a share of a tensor's input channels: refused before training
         ({"strategy": "sparse_update", "numerics": "fp32", "bn_mode": "frozen", "options": {"channel_ratios": [0.25, 0.5]}},
@@ -316,20 +382,22 @@ def test_a_scenario_is_checked_before_training(make_scenario, train, key):
     assert err.value.key == key and "tiny.toml" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_memory_split_probe_and_a_probe_that_cannot_fit_match_the_loop():
+def test_a_memory_split_probe_and_a_probe_that_cannot_fit_match_the_loop(bn_mode="frozen"):
     # mcu_net width 16 on stm32f746 (320 KiB): the importance probe only fits in pieces;
-    # the third client's device has 1000 bytes: nothing fits, it fails as the loop's client does
+    # the third client's device has 1000 bytes: nothing fits, it fails as the loop's client does.
+    # (Not on batch statistics: see test_batchnorm_on_batch_statistics_matches_the_loop)
     torch.manual_seed(0)
     model = mcu_net(width=16, num_classes=10)
     info = describe(model, torch.zeros(1, 1, 8, 8))
     mcu = get_profile("stm32f746")
-    assert CostModel(info, mcu, 16).probe_plan("importance", mcu.memory_train_bytes.value)[0] == 0  # the premise
+    plan = CostModel(info, mcu, 16, "momentum", bn_mode).probe_plan("importance", mcu.memory_train_bytes.value)
+    assert plan[0] == 0  # the premise
     tiny = dataclasses.replace(mcu, memory_train_bytes=Quantity(1000.0, "test"))
-    costs = [CostModel(info, mcu, 16), CostModel(info, mcu, 16), CostModel(info, tiny, 16)]
+    costs = [CostModel(info, d, 16, "momentum", bn_mode) for d in (mcu, mcu, tiny)]
     options = {"rho": 0.4, "interval": 2, "interval_unit": "steps"}
     data = clients((40, 23, 20))
     seeds = [[5, 1, pid] for pid in range(3)]
-    common = dict(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="frozen")
+    common = dict(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode)
     got = train_cohort_vmap(
         model, info, [make_strategy("elastic_tensor", options) for _ in range(3)], costs, data, seeds=seeds, **common
     )
@@ -373,12 +441,13 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
 @pytest.mark.parametrize(
     "overrides, vectorised, says",
     [
-        # small_cnn width 8 at 8x8: convolutions 8*9*64 + 16*8*9*64 + 32*16*9*16 = 152,384 MACs a sample (< 2M)
+        # small_cnn width 8 at 8x8: convolutions 8*9*64 + 16*8*9*64 + 32*16*9*16 = 152,384 MACs a sample (< 800k)
         ({"train": FP32_FROZEN}, True, '"auto", eligible'),
-        # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 2M)
+        # width 32: 32*9*64 + 64*32*9*64 + 128*64*9*16 = 2,377,728 MACs in the convolutions alone (> 800k)
         ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
-        ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, False, "train.bn_mode"),
-        ({"train": {**FP32_FROZEN, "numerics": "device"}}, False, "train.numerics"),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, True, '"auto", eligible'),  # small_cnn's BatchNorm
+        ({"train": {**FP32_FROZEN, "numerics": "device"}}, True, '"auto", eligible'),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "numerics": "device", "master_weights": "device"}}, False, "train.master_weights"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "node_mode": "per_client"}}, False, "node_mode"),
         ({"train": FP32_FROZEN, "server": {"rounds": 2, "aggregator": "fedprox"}}, False, "server.aggregator"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "vectorize": False}}, False, "vectorize = false"),
@@ -400,7 +469,7 @@ def test_vectorize_true_on_what_it_cannot_vectorise_is_refused(make_scenario):
     from fedelastic.errors import ConfigError
     from fedelastic.vectorized import choose_path
 
-    train = {**FP32_FROZEN, "bn_mode": "train"}  # small_cnn has BatchNorm
+    train = {**FP32_FROZEN, "numerics": "device", "qas": False}  # stm32h743 trains in int8, without QAS
     env = RunEnvironment(make_scenario(train=train, simulation={"backend": "inprocess", "vectorize": True}))
-    with pytest.raises(ConfigError, match=r"train\.bn_mode"):
+    with pytest.raises(ConfigError, match=r"train\.qas"):
         choose_path(env)

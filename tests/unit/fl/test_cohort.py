@@ -19,7 +19,8 @@ from tests.support import assert_same_run, tables_and_model, user_models
 def _both(make_scenario, cohorts: int = 0, **overrides):
     runs = {}
     for mode in ("per_client", "cohort"):
-        sim = {**overrides.pop("simulation", {}), "node_mode": mode, "cohorts": cohorts if mode == "cohort" else 0}
+        # the per-client cohort path, byte for byte against nodes (vectorised cohorts: test_vectorize_runtime.py)
+        sim = {"vectorize": False, **overrides.pop("simulation", {}), "node_mode": mode, "cohorts": cohorts if mode == "cohort" else 0}
         overrides["simulation"] = sim
         runs[mode] = tables_and_model(run_scenario(make_scenario(**overrides), run_id=mode))
     return runs["per_client"], runs["cohort"]
@@ -83,7 +84,7 @@ def test_a_client_that_raises_fails_alone_in_its_cohort(make_scenario, tmp_path,
     runs = []
     for mode in ("per_client", "cohort"):
         (tmp_path / "m-raise").unlink(missing_ok=True)  # the fault strikes once per run
-        sc = make_scenario(fleet={"raspberry_pi_4": 4}, model=model, simulation={"node_mode": mode})
+        sc = make_scenario(fleet={"raspberry_pi_4": 4}, model=model, simulation={"node_mode": mode, "vectorize": False})
         runs.append(tables_and_model(run_scenario(sc, run_id=mode)))
         failed = runs[-1][0][runs[-1][0].status == "failed"]
         assert len(failed) == 1 and failed.error.iloc[0] == "RuntimeError: the device fell over"
@@ -97,7 +98,7 @@ def test_a_hung_client_times_out_alone_and_the_rest_of_its_cohort_trains(make_sc
     sc = make_scenario(
         fleet={"raspberry_pi_4": 4},
         model={"name": "faulty_models:net", "options": {"fault": "hang", "marker": str(marker)}},
-        simulation={"timeout_s": 1.5, "cohorts": 1},
+        simulation={"timeout_s": 1.5, "cohorts": 1, "vectorize": False},
     )  # fmt: skip
     clients = pd.read_parquet(run_scenario(sc, run_id="hang") / "clients.parquet")
     assert clients.groupby("round").size().tolist() == [6, 6]  # the fleet merges with the fixture's

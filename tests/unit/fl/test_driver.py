@@ -259,7 +259,7 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
     sc = make_scenario(
         server={"rounds": 5, "policy": "deadline_drop", "deadline_quantile": 0.6, "evaluate_every": 2},
         network={"model": "lognormal"},
-        simulation={"write_every_s": write_every_s},
+        simulation={"write_every_s": write_every_s, "vectorize": False},  # train_local is patched: per-client
     )
     run_dir = run_scenario(sc, run_id="new")
     clients = pd.read_parquet(run_dir / "clients.parquet")
@@ -385,7 +385,8 @@ def test_rows_and_checkpoint_are_written_behind_in_order(make_scenario, monkeypa
 
     monkeypatch.setattr(results._Table, "append", slow_append)
     monkeypatch.setattr(client, "train_local", train)
-    sc = make_scenario(server={"rounds": 3}, simulation={"write_every_s": 0})  # each round handed over
+    # each round handed over; train_local is patched: the per-client path
+    sc = make_scenario(server={"rounds": 3}, simulation={"write_every_s": 0, "vectorize": False})
     behind = run_scenario(sc, run_id="behind")
     assert seen == {"csv_rounds": {1}, "checkpoint": 1}
     monkeypatch.setattr(results.Recorder, "write_behind", lambda self, every_s=0.0: None)  # every write at once

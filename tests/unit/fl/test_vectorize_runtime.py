@@ -16,10 +16,14 @@ SIX = {"raspberry_pi_4": 2, "jetson_nano": 2, "stm32h743": 2}
 TRAIN = {"strategy": "elastic_tensor", "options": {"rho": 0.7}, "max_steps": 3, "numerics": "fp32", "bn_mode": "frozen"}
 
 
-def _run(make_scenario, vectorize: bool, run_id: str):
+# the shipped scenarios' defaults: BatchNorm on batch statistics, stm32h743 in int8
+SHIPPED = {**TRAIN, "numerics": "device", "bn_mode": "train"}
+
+
+def _run(make_scenario, vectorize: bool, run_id: str, train=TRAIN):
     """(clients table, final model) of a 2-round run; its status.json names the path it took."""
     sc = make_scenario(
-        fleet=SIX, train=TRAIN, server={"rounds": 2, "clients_per_round": 4},
+        fleet=SIX, train=train, server={"rounds": 2, "clients_per_round": 4},
         simulation={"node_mode": "cohort", "cohorts": 2, "vectorize": vectorize},
     )  # fmt: skip
     run_dir = run_scenario(sc, run_id=run_id)
@@ -30,7 +34,8 @@ def _run(make_scenario, vectorize: bool, run_id: str):
     return clients, model
 
 
-def test_vectorised_cohorts_train_what_the_per_client_loop_trains(make_scenario, monkeypatch):
+@pytest.mark.parametrize("train", [TRAIN, SHIPPED], ids=["fp32-frozen", "int8-batch-statistics"])
+def test_vectorised_cohorts_train_what_the_per_client_loop_trains(make_scenario, monkeypatch, train):
     import fedelastic.vectorized as vectorized
 
     calls = []
@@ -38,9 +43,9 @@ def test_vectorised_cohorts_train_what_the_per_client_loop_trains(make_scenario,
     monkeypatch.setattr(
         vectorized, "train_partitions_vmap", lambda env, model, jobs: calls.append(len(jobs)) or real(env, model, jobs)
     )
-    loop, loop_model = _run(make_scenario, False, "loop")
+    loop, loop_model = _run(make_scenario, False, "loop", train)
     assert calls == []
-    vec, vec_model = _run(make_scenario, True, "vmap")
+    vec, vec_model = _run(make_scenario, True, "vmap", train)
     assert sum(calls) == 8 and len(calls) == 4  # 2 cohorts a round, 2 rounds
     assert len(vec) == 8 and vec.steps.gt(0).all()
     # host-side figures (selections, pricing, steps) are the same numbers; the losses and weights
