@@ -208,9 +208,10 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def refit(path: Path, samples: Path) -> Path:
+def refit(path: Path, samples: Path, input_size: int | None = None) -> Path:
     """A copy of the profile ``path`` (beside it, ``*_refit.toml``) with ``[sampled]`` refitted to ``samples``
-    by the current code, calibrated on the profile's own measured tables (registry models, factory defaults)."""
+    by the current code, calibrated on the profile's own measured tables (registry models at
+    ``input_size`` with 3 input channels, or the factory defaults)."""
     import tomllib
 
     from fedelastic.kernelsample import load_samples
@@ -221,7 +222,8 @@ def refit(path: Path, samples: Path) -> Path:
     profile = load_profile(path)
     raw = tomllib.loads(path.read_text())
     out = path.with_name(path.stem + "_refit.toml")
-    pairs = [(describe_model(m), t) for m, t in profile.measured.items()]
+    size = {"input_size": input_size, "in_channels": 3} if input_size else {}
+    pairs = [(describe_model(m, **size), t) for m, t in profile.measured.items()]
     by = raw["sampled"]["source"].split(":")[0]
     raw["name"] = out.stem
     sampled_into(raw, pairs, load_samples(samples.read_text()), str(out), by, progress=print)
@@ -238,12 +240,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "heldout.json")
     parser.add_argument("--markdown", type=Path, help="also write the tables (markdown) here")
     parser.add_argument("--refit-samples", type=Path, help="refit [sampled] of --profile to these samples (JSON of --save-samples) first")
+    parser.add_argument("--tuning-input-size", type=int, help="with --refit-samples: the input size the profile's tables were measured at (--input-size of profile measure)")
     parser.add_argument("--reuse", type=Path, help="an earlier --out: reuse its real steps and layer tables, re-price only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     zoo = import_torchvision()
     if args.refit_samples:
-        args.profile = refit(args.profile, args.refit_samples)
+        args.profile = refit(args.profile, args.refit_samples, args.tuning_input_size)
     profile = load_profile(args.profile)
     if not profile.sampled:
         raise SystemExit(f"{args.profile}: no [sampled] kernel predictors (measure it without --no-kernel-samples)")

@@ -245,7 +245,7 @@ def calibrate(
     (forward, dX, dW summed) with the calibration fitted to the others (uncalibrated if alone)."""
     import numpy as np
 
-    from .kernelsample import fit_calibration, predicted_layers
+    from .kernelsample import predicted_layers
 
     rows = []
     for info, table in pairs:
@@ -255,16 +255,22 @@ def calibrate(
     errs = []
     for k, (_pred, meas) in enumerate(rows):
         rest = [r for j, r in enumerate(rows) if j != k]
-        cal = (
-            fit_calibration(np.concatenate([r[0] for r in rest]), np.concatenate([r[1] for r in rest]))
-            if rest
-            else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
-        )
+        cal = _calibration(rest) if rest else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
         held = {**predictors, "calibration": cal}
         errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
         say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
-    pred_all, meas_all = (np.concatenate([r[i] for r in rows]) for i in (0, 1))
-    return fit_calibration(pred_all, meas_all), errs
+    return _calibration(rows), errs
+
+
+def _calibration(rows: list[tuple[Any, Any]]) -> dict[str, tuple[float, float]]:
+    """:func:`~fedelastic.kernelsample.fit_calibration` over the (predicted, measured) layer rows
+    of several models, each model's rows weighted by 1 / its measured forward."""
+    import numpy as np
+
+    from .kernelsample import fit_calibration
+
+    weight = np.concatenate([np.full(len(m), 1 / max(m[:, 0].sum(), 1e-12)) for _, m in rows])
+    return fit_calibration(np.concatenate([p for p, _ in rows]), np.concatenate([m for _, m in rows]), weight)
 
 
 def _row(t) -> tuple[float, float, float]:

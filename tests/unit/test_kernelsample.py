@@ -146,6 +146,23 @@ def test_calibration_recovers_a_known_forward_map_and_applies_it_per_layer():
     assert layers[small_info().layers[0].name][0] == pytest.approx(1.5 * 1e-3 + 30e-6)
 
 
+def test_calibration_is_least_squares_in_seconds_so_large_layers_set_it():
+    pred = np.array([1e-3, 2e-3, 3e-3, 1e-5])[:, None] * [1, 1, 1]
+    meas = pred.copy()
+    meas[:, 0] = [2.1e-3, 3.9e-3, 6.0e-3, 1e-4]  # the small layer 10x, the large ones ~2x
+    # the ordinary least-squares line through the four points: by the normal equations
+    x, y = pred[:, 0], meas[:, 0]
+    scale = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    assert fit_calibration(pred, meas)["fwd"] == pytest.approx((scale, y.mean() - scale * x.mean()), rel=1e-6)
+    assert 1.9 < scale < 2.0  # the large layers' slope, not pulled towards the small layer's 10x
+    # rows weighted (as calibrate weights each model by 1 / its forward): the weighted normal equations
+    w = np.array([1.0, 1.0, 1.0, 30.0])
+    xm, ym = (w**2 * x).sum() / (w**2).sum(), (w**2 * y).sum() / (w**2).sum()
+    scale_w = (w**2 * (x - xm) * (y - ym)).sum() / (w**2 * (x - xm) ** 2).sum()
+    fwd = fit_calibration(pred, meas, w)["fwd"]
+    assert fwd == pytest.approx((scale_w, ym - scale_w * xm), rel=1e-6)
+
+
 def test_sampled_section_round_trips_and_bad_coefficients_name_the_file_and_key():
     raw = predictors_toml({**CONSTANT, "calibration": {"fwd": (1.5, 3e-5), "bwd": (1.0, 0.0)}}, "test")
     back = parse_sampled("p.toml", raw)
@@ -224,3 +241,15 @@ def test_calibrate_fits_the_tables_and_leaves_each_model_out_for_its_band():
     fwd = sum(f for f, _, _ in layers.values())
     total = sum(map(sum, layers.values()))
     assert alone == pytest.approx([total / (total + fwd) - 1])  # one model: its uncalibrated error
+
+
+def test_channel_counts_are_drawn_aligned_to_eight_as_networks_use_them():
+    from fedelastic.kernelsample import ALIGNED, draw_config
+
+    rng = np.random.default_rng(0)
+    convs = [draw_config("conv", rng, 8) for _ in range(2000)]
+    cout = np.array([c["cout"] for c in convs])
+    # an unaligned draw is a multiple of 8 about 1 time in 8 by chance: P(aligned) = ALIGNED + (1 - ALIGNED) / 8
+    assert np.mean(cout % 8 == 0) == pytest.approx(ALIGNED + (1 - ALIGNED) / 8, abs=0.03)
+    assert cout.min() >= 8 and cout.max() <= 1024 + 4
+    assert 0.02 < np.mean([c["cin"] == 3 for c in convs]) < 0.08  # an image's first layer, 5% of draws
