@@ -78,13 +78,13 @@ def job(owner, name, tag):
     setattr(owner, name, timed)
 
 
-stamp(server.EngineStrategy, "configure_train", "configure")
+stamp(server.EngineStrategy, "messages", "configure")
 stamp(cohort.CohortGrid, "_train", "pack")
 stamp(runner.InProcessGrid, "send_and_receive", "call")
 stamp(cohort, "cohort_train", "cohort")
 stamp(cohort, "train_cohort", "train")
-stamp(server.EngineStrategy, "aggregate_train", "aggregate")
-stamp(server.EngineStrategy, "evaluate", "evaluate")
+stamp(server.EngineStrategy, "settle", "aggregate")
+stamp(server.EngineStrategy, "end_round", "evaluate")
 job(results._Table, "append", "append")
 job(results.Recorder, "_write_status", "status")
 job(checkpoint, "save_checkpoint", "checkpoint")
