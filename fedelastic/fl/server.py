@@ -223,14 +223,14 @@ class EngineStrategy:
         """The rounds, from the checkpoint's round + 1 (round 0's row first: the initial model);
         returns how the run ended: ``completed``, or ``stopped``/``diverged`` by a callback."""
         arrays, rnd = initial, self.offset
-        outcome = "" if self.resumed else self.end_round(rnd, arrays, time.perf_counter())  # a resumed run has its row
+        outcome = "" if self.resumed else self.end_round(rnd, arrays, time.perf_counter())  # round 0: the initial model
         while not outcome and rnd < self.sc.server.rounds:
             rnd += 1
             started = time.perf_counter()
-            plan = self.engine.plan(rnd)  # plan: the clients, the deadline, each one's rho and step cap
+            plan = self.engine.plan(rnd)                                                   # plan
             replies = grid.send_and_receive(self.messages(plan, arrays), timeout=timeout)  # send
-            arrays = self.settle(plan, replies, arrays)  # settle: the clock, energy, the new global model
-            outcome = self.end_round(rnd, arrays, started)  # evaluate, check, callbacks (results, checkpoint)
+            arrays = self.settle(plan, replies, arrays)                                    # settle
+            outcome = self.end_round(rnd, arrays, started)                                 # evaluate, callbacks
         return outcome or "completed"
 
     def sample(self, rnd: int) -> list[int]:

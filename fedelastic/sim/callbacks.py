@@ -16,8 +16,8 @@ A callback is an object with any of these methods (:class:`Callback` has them al
 The round loop (:meth:`fedelastic.fl.server.EngineStrategy.run`) calls one :class:`CallbackList`,
 in this order: the central evaluation (``fl/server.py``'s ``CentralEvaluation``: the ``test_*``,
 ``val_*`` and ``host_wall_s`` columns), the :class:`DivergenceCheck` (the ``divergence`` column;
-``stop = "diverged"`` under ``simulation.on_divergence = "stop"``), the user's callbacks in the
-order given, the progress function, the :class:`ResultsWriter` (the row, with every column, to
+``stop = "diverged"`` under ``simulation.on_divergence = "stop"``), the user's progress function
+and callbacks (``fe.run``: ``progress`` first, then ``callbacks`` in the order given), the :class:`ResultsWriter` (the row, with every column, to
 the results), the checkpoint, the continual report. Each sees the columns of those before it. A
 built-in column (:func:`~fedelastic.sim.records.round_columns`) is set only by the callback that
 declares it in its ``owns``; any other callback returning one, two callbacks returning the same
@@ -166,10 +166,16 @@ def answer(cb: Any, result: Any) -> tuple[Any, dict]:
 
 
 class CallbackList(Callback):
-    """Callbacks called in order, itself a callback; every one sees every event."""
+    """Callbacks called in order, itself a callback; every one sees every event. A CallbackList
+    among them is spliced in (its callbacks take its place), so each is checked on its own."""
 
     def __init__(self, callbacks: Iterable[Any] = ()):
-        self.callbacks = [as_callback(cb) for cb in callbacks if cb is not None]
+        self.callbacks = [
+            one
+            for cb in callbacks
+            if cb is not None
+            for one in (cb.callbacks if isinstance(cb, CallbackList) else [as_callback(cb)])
+        ]
         self.extra: dict[str, str] | None = None  # column -> the callback that returns it (fixed by the first round)
 
     def on_run_start(self, run: Run) -> None:

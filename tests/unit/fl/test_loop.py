@@ -122,3 +122,18 @@ def test_a_column_that_collides_is_an_error_naming_the_callback_and_the_column(m
     sc = make_scenario(server={"rounds": 1}, simulation={"node_mode": "per_client"})
     with pytest.raises(FedelasticError, match=message):
         serve(sc, tmp_path / "run", callbacks=callbacks)
+
+
+def test_the_apis_callbacks_are_each_checked_on_their_own(tmp_path):
+    """fe.run hands its progress and callbacks down as one CallbackList: spliced into the loop's."""
+    import tomli_w
+
+    import fedelastic as fe
+    from tests.support import small_scenario_dict
+
+    path = tmp_path / "tiny.toml"
+    path.write_text(tomli_w.dumps(small_scenario_dict(tmp_path, server={"rounds": 1})))
+    result = fe.run(path, run_id="api", callbacks=[Count()], progress=lambda row: None)
+    assert result.rounds["seen"].tolist() == [1, 2]
+    with pytest.raises(FedelasticError, match=r"callback Meddles: .* column 'seen', which an earlier callback returned"):
+        fe.run(path, run_id="twice", callbacks=[Count(), Meddles("seen")])
