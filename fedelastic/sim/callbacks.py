@@ -170,7 +170,7 @@ class CallbackList(Callback):
     among them is spliced in (its callbacks take its place), so each is checked on its own."""
 
     def __init__(self, callbacks: Iterable[Any] = ()):
-        self.callbacks = [
+        self.callbacks: list[Any] = [
             one
             for cb in callbacks
             if cb is not None
