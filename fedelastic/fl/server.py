@@ -33,7 +33,7 @@ from ..environment import RunEnvironment, environment, freeze_heap
 from ..errors import RunFailed
 from ..results import Recorder
 from ..runtime.backend import timeout_reason
-from ..scenario import Scenario
+from ..scenario import Scenario, ServerConfig
 from ..sim.aggregators import make_aggregator
 from ..sim.callbacks import (
     Callback,
@@ -123,7 +123,7 @@ def _warn(*args) -> None:
     log(WARNING, *args)
 
 
-def evaluates(server, rnd: int) -> bool:
+def evaluates(server: ServerConfig, rnd: int) -> bool:
     """Whether the global model is evaluated after round ``rnd`` (``server.evaluate_every``; 0 and the last always)."""
     return rnd % server.evaluate_every == 0 or rnd >= server.rounds
 
