@@ -1,7 +1,7 @@
 """Run a scenario: Flower's simulation on the Ray backend, or the same apps called in-process.
 
 ``backend = "ray"`` is the real runtime (``flwr.simulation.run_simulation``). ``"inprocess"``
-drives the same ClientApp and server strategy through a minimal :class:`InProcessGrid`, for
+drives the same ClientApp and server round loop through a minimal :class:`InProcessGrid`, for
 tests and for measuring Flower/Ray's own overhead.
 """
 
