@@ -29,13 +29,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # (label, file suffix, function name): the driver's parts, outermost first
 PARTS = (
-    ("configure_train", "fl/server.py", "configure_train"),
-    ("aggregate_train", "fl/server.py", "aggregate_train"),
+    ("plan (engine)", "sim/engine.py", "plan"),
+    ("messages", "fl/server.py", "messages"),
+    ("settle (server)", "fl/server.py", "settle"),
     ("  _failures (decode, NaN checks)", "fl/server.py", "_failures"),
     ("  settle (engine)", "sim/engine.py", "settle"),
     ("  aggregate_partial", "sim/aggregate.py", "aggregate_partial"),
     ("  Recorder.add_clients", "results.py", "add_clients"),
-    ("evaluate (server)", "fl/server.py", "evaluate"),
+    ("end_round (server)", "fl/server.py", "end_round"),
+    ("  CentralEvaluation.evaluate", "fl/server.py", "evaluate"),
     ("  evaluate_model (test set)", "training.py", "evaluate_model"),
     ("  Recorder.add_round", "results.py", "add_round"),
     ("  Checkpointer.on_round_end", "fl/checkpoint.py", "on_round_end"),
@@ -44,8 +46,8 @@ PARTS = (
     ("Recorder.flush (waiting for the writer)", "results.py", "flush"),
     ("os.fsync", "~", "<built-in method posix.fsync>"),
 )
-# the driver's whole work: the server strategy's three entry points (Flower's loop calls them)
-TOTAL = (("fl/server.py", "configure_train"), ("fl/server.py", "aggregate_train"), ("fl/server.py", "evaluate"))
+# the driver's whole work: the round loop's steps (EngineStrategy.run calls them)
+TOTAL = (("sim/engine.py", "plan"), ("fl/server.py", "messages"), ("fl/server.py", "settle"), ("fl/server.py", "end_round"))
 
 
 def _timed(cls, name: str, times: list[float], t: dict) -> None:
@@ -106,7 +108,7 @@ def main() -> None:
     if args.timers:
         from fedelastic.fl.server import EngineStrategy
 
-        for name in ("configure_train", "aggregate_train", "evaluate"):
+        for name in ("messages", "settle", "end_round"):
             _timed(EngineStrategy, name, spent.setdefault(name, []), t)
     api.run(sc, progress=progress)
     rounds = args.rounds

@@ -134,10 +134,11 @@ def worker_fl(sc) -> dict:
     timers = Timers()
     timers.wrap(server, "wait_for_nodes", "server.wait_for_nodes")
     timers.wrap(server, "discover_partitions", "server.discover_partitions (query all nodes)")
-    timers.wrap(server.EngineStrategy, "configure_train", "server.configure_train")
-    timers.wrap(server.EngineStrategy, "aggregate_train", "server.aggregate_train (incl. deserialise + record)")
+    timers.wrap(server.RoundEngine, "plan", "server: RoundEngine.plan")
+    timers.wrap(server.EngineStrategy, "messages", "server.messages")
+    timers.wrap(server.EngineStrategy, "settle", "server.settle (incl. deserialise + record)")
     timers.wrap(aggregators, "aggregate_partial", "server.aggregate_partial")
-    timers.wrap(server.EngineStrategy, "evaluate", "server.evaluate (test set + record)")
+    timers.wrap(server.EngineStrategy, "end_round", "server.end_round (test set + record)")
     if sc.simulation.backend == "ray":
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 

@@ -457,10 +457,11 @@ def worker_fedelastic(
     from fedelastic import api
 
     timers = Timers(since=float("inf"))  # counts from round 1 (progress sets since)
-    timers.wrap(server.EngineStrategy, "configure_train", "server: configure_train (sample, price, messages)")
-    timers.wrap(server.EngineStrategy, "aggregate_train", "server: aggregate_train (all of it)")
+    timers.wrap(server.RoundEngine, "plan", "server: plan (sample, deadline, assignments)")
+    timers.wrap(server.EngineStrategy, "messages", "server: messages (the plan as Flower messages)")
+    timers.wrap(server.EngineStrategy, "settle", "server: settle (all of it)")
     timers.wrap(server, "aggregate_partial", "server: aggregate_partial (the FedAvg arithmetic)")
-    timers.wrap(server.EngineStrategy, "evaluate", "server: evaluate (test set, round row; progress)")
+    timers.wrap(server.EngineStrategy, "end_round", "server: end_round (test set, round row; progress)")
     timers.wrap(results.Recorder, "add_clients", "server: write client rows")
     timers.wrap(results.Recorder, "add_round", "server: write round row")
     timers.wrap(checkpoint, "save_checkpoint", "server: save checkpoint")

@@ -8,11 +8,11 @@ digits, 50 a round, its 6k-parameter CNN, batch 16, 1 epoch, SGD lr 0.05, strate
 the in-process backend, with wall-clock stamps (``time.perf_counter``) at the entry and exit of
 the driver's steps, set by wrappers in the measured process only (nothing in fedelastic changes):
 
-* ``phases``: per round, the time between consecutive stamps: the server's ``configure_train``,
+* ``phases``: per round, the time between consecutive stamps: the server's ``messages``,
   the cohort grid packing the messages (``CohortGrid._train`` to ``InProcessGrid``), the call
   reaching the ClientApp's cohort handler and its training thread, the cohort's training
   (``train_cohort``: every client's weights, training and reply), the replies unpacked, the
-  server's ``aggregate_train`` and ``evaluate`` (the round's row). Medians over rounds 3 to the
+  server's ``settle`` and ``end_round`` (the round's row). Medians over rounds 3 to the
   last but one, and rounds 1 and 2 on their own.
 * ``writer``: each job of the results writer's thread (``clients``/``rounds`` table appends,
   ``status.json``, the checkpoint), with its CPU time (``time.thread_time``) and wall time, by
@@ -78,13 +78,13 @@ def job(owner, name, tag):
     setattr(owner, name, timed)
 
 
-stamp(server.EngineStrategy, "configure_train", "configure")
+stamp(server.EngineStrategy, "messages", "configure")
 stamp(cohort.CohortGrid, "_train", "pack")
 stamp(runner.InProcessGrid, "send_and_receive", "call")
 stamp(cohort, "cohort_train", "cohort")
 stamp(cohort, "train_cohort", "train")
-stamp(server.EngineStrategy, "aggregate_train", "aggregate")
-stamp(server.EngineStrategy, "evaluate", "evaluate")
+stamp(server.EngineStrategy, "settle", "aggregate")
+stamp(server.EngineStrategy, "end_round", "evaluate")
 job(results._Table, "append", "append")
 job(results.Recorder, "_write_status", "status")
 job(checkpoint, "save_checkpoint", "checkpoint")

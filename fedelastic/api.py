@@ -151,8 +151,8 @@ def run(
     is called the same way (log to TensorBoard, W&B, ...); one that returns a true value stops
     the run after that round (early stopping, e.g. :func:`stop_at_accuracy`): the round is kept,
     the run ends normally and its status records ``stopped_after_round``. A callback may also be an
-    object with ``on_run_start(run)``, ``on_round_end(end) -> bool`` and ``on_run_end(run, outcome)``
-    (:class:`fedelastic.sim.callbacks.Callback`).
+    object with ``on_run_start(run)``, ``on_round_end(end) -> (stop, columns)`` (or a bare ``stop``;
+    the columns join ``rounds.csv``) and ``on_run_end(run, outcome)`` (:class:`fedelastic.sim.callbacks.Callback`).
 
     The run takes the path ``fedelastic run`` takes (:func:`fedelastic.orchestrate.run`): its folder
     is checked before a model file the scenario names is imported.

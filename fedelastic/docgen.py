@@ -297,7 +297,9 @@ def results_columns() -> str:
     :class:`~fedelastic.sim.records.RoundSummary`, in the tables' column order."""
     from .sim.records import ClientRecord, RoundRecord, RoundSummary, client_columns, round_columns
 
-    helps = {f.name: f.metadata["help"] for cls in (ClientRecord, RoundSummary, RoundRecord) for f in dataclasses.fields(cls)}
+    def helps(*classes) -> dict[str, str]:  # per table: both tables have a `round` and a `host_wall_s`, each its own
+        return {f.name: f.metadata["help"] for cls in classes for f in dataclasses.fields(cls)}
+
     lines = [
         BEGIN_COLUMNS,
         "",
@@ -308,7 +310,8 @@ def results_columns() -> str:
         "([where cost is computed](../explanation/cost-model.md)). A figure a row cannot have is NaN.",
         "",
     ]
-    lines += _table([(name, helps[name]) for name in client_columns()], ("column", "meaning"))
+    client = helps(ClientRecord)
+    lines += _table([(name, client[name]) for name in client_columns()], ("column", "meaning"))
     lines += [
         "",
         "## Columns of `rounds.*`",
@@ -317,8 +320,8 @@ def results_columns() -> str:
         "`val_accuracy` and `val_loss` follow `test_loss` in a run with `data.validation > 0`.",
         "",
     ]
-    names = round_columns(validation=True)
-    lines += _table([(name, helps[name]) for name in names], ("column", "meaning"))
+    round_ = helps(RoundSummary, RoundRecord)
+    lines += _table([(name, round_[name]) for name in round_columns(validation=True)], ("column", "meaning"))
     lines += ["", END_COLUMNS]
     return "\n".join(lines)
 

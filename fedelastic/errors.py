@@ -55,21 +55,12 @@ class Terminated(KeyboardInterrupt):
 
 
 class StopRun(Exception):
-    """Raised by a progress callback to end a run after the round it was shown (early stopping).
+    """Raised by a progress function or a callback's ``on_round_end`` to end a run after the round it was shown
+    (early stopping); the same as returning a true ``stop`` (:mod:`fedelastic.sim.callbacks`).
 
-    The round is kept, the run ends normally, and ``status.json`` records ``stopped_after_round``.
+    The round is kept, every callback still sees it, the run ends normally (outcome ``stopped``),
+    and ``status.json`` records ``stopped_after_round``.
     """
-
-
-class Diverged(Exception):
-    """Raised by the server after the round in which the run diverged (``simulation.on_divergence = "stop"``).
-
-    The round is kept and the run ends with status 'diverged' (see :mod:`fedelastic.divergence`).
-    """
-
-    def __init__(self, round: int, reason: str):
-        self.round, self.reason = round, reason
-        super().__init__(f"round {round}: {reason}")
 
 
 def with_traceback(exc: BaseException) -> str:

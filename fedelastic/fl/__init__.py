@@ -1,1 +1,1 @@
-"""Flower glue: the ClientApp, the server strategy and the runner."""
+"""Flower glue: the ClientApp, the server (its round loop over the Grid) and the runner."""

@@ -1,7 +1,7 @@
 """Run a scenario: Flower's simulation on the Ray backend, or the same apps called in-process.
 
 ``backend = "ray"`` is the real runtime (``flwr.simulation.run_simulation``). ``"inprocess"``
-drives the same ClientApp and server strategy through a minimal :class:`InProcessGrid`, for
+drives the same ClientApp and server round loop through a minimal :class:`InProcessGrid`, for
 tests and for measuring Flower/Ray's own overhead.
 """
 
@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 
 from ..config import read_toml
 from ..environment import RunEnvironment, environment
-from ..errors import ConfigError, Diverged, FedelasticError, RunFailed, StopRun, Terminated
+from ..errors import ConfigError, FedelasticError, RunFailed, Terminated
 from ..pretrain import initial_state
 from ..results import Recorder, one_line, read_status
 from ..results import warm_up as warm_up_writer
@@ -252,6 +252,7 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
     env = environment(scenario)
     stop = threading.Event()
     failure: list[BaseException] = []
+    outcome: list[str] = []  # the server's, once it returned
     try:
         if grid is None and scenario.simulation.backend == "ray":
             state = _preflight_beside_ray(scenario, env)
@@ -262,12 +263,8 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         client_app = make_client_app(scenario)
 
         def server(grid: Grid) -> None:
-            try:
-                server_main(scenario, state, recorder, progress, grid, checkpoint=checkpoint)
-            except StopRun:  # a callback asked to stop after the round it saw: a normal end
-                recorder.notes["stopped_after_round"] = max((r["round"] for r in recorder.rounds.rows), default=0)
-            except Diverged:  # stopped after the round that diverged (recorder.divergence): it ends 'diverged'
-                pass
+            try:  # 'stopped' or 'diverged' (recorder.divergence) end it after the round a callback saw
+                outcome.append(server_main(scenario, state, recorder, progress, grid, checkpoint=checkpoint))
             except BaseException as exc:
                 failure.append(exc)
                 raise
@@ -291,8 +288,7 @@ def _run(scenario: Scenario, run_dir: Path, recorder: Recorder, checkpoint, prog
         if failure:
             raise failure[0]
         done = max((r["round"] for r in recorder.rounds.rows), default=0)
-        stopped = "stopped_after_round" in recorder.notes or recorder.divergence is not None
-        if done < scenario.server.rounds and not stopped:
+        if done < scenario.server.rounds and outcome[:1] not in (["stopped"], ["diverged"]):
             raise RunFailed(f"the simulation stopped after {done} of {scenario.server.rounds} rounds")
     except BaseException as exc:
         cause = failure[0] if failure and not isinstance(failure[0], RunAborted) else exc

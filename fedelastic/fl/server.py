@@ -1,14 +1,16 @@
-"""The server side in Flower: a thin strategy around the round engine (:mod:`fedelastic.sim.engine`).
+"""The server: fedelastic's own round loop around the round engine (:mod:`fedelastic.sim.engine`), over Flower's Grid.
 
 * Nodes are sorted by partition id (asked once with a query message); replies are sorted by it.
-* :meth:`EngineStrategy.configure_train` encodes the engine's plan (the sampled clients, each
-  one's rho and step cap) into Flower messages; :meth:`EngineStrategy.aggregate_train` decodes the
-  replies (arrays, masks, figures, NaN/inf checks) into the engine's ``settle``, which closes the
-  round on the simulated clock and aggregates with the run's aggregator (``server.aggregator``).
-* :meth:`EngineStrategy.evaluate` evaluates the global model and hands the round's row to the
-  callbacks (:mod:`fedelastic.sim.callbacks`): the results writer, the checkpoint, progress,
-  user callbacks; any of them may stop the run.
-* ``policy = "async"`` runs the engine's FedBuff loop, its clients reached the same way.
+* :meth:`EngineStrategy.run` is the synchronous loop, a round at a time: **plan** (the engine's
+  :meth:`~fedelastic.sim.engine.RoundEngine.plan`: the sampled clients, the deadline, each one's
+  rho and step cap), **send** (:meth:`EngineStrategy.messages`, Flower messages through
+  ``grid.send_and_receive``), **settle** (:meth:`EngineStrategy.settle` decodes the replies into
+  the engine's ``settle``: the clock, energy, aggregation), then **end the round**
+  (:meth:`EngineStrategy.end_round`: the callbacks, :mod:`fedelastic.sim.callbacks`, in order:
+  the central evaluation, the divergence check, the user's callbacks and progress, the results
+  writer, the checkpoint). It returns the run's outcome; a callback ends it by returning ``stop``.
+* ``policy = "async"``: :meth:`EngineStrategy.run_buffered` runs the engine's FedBuff loop, its
+  clients reached the same way, each aggregation ended by the same :meth:`~EngineStrategy.end_round`.
 """
 
 from __future__ import annotations
@@ -18,28 +20,35 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from logging import WARNING
-from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from ..continual import evaluate_stream
-from ..divergence import Detector, weight_norm
+from ..divergence import Detector
 from ..environment import RunEnvironment, environment, freeze_heap
-from ..errors import Diverged, RunFailed, StopRun
+from ..errors import RunFailed
 from ..results import Recorder
 from ..runtime.backend import timeout_reason
-from ..scenario import Scenario
+from ..scenario import Scenario, ServerConfig
 from ..sim.aggregators import make_aggregator
-from ..sim.callbacks import CallbackList, ContinualReport, ResultsWriter, RoundEnd
-from ..sim.engine import Reply, RoundEngine, nonfinite_reason, nonfinite_tensors
+from ..sim.callbacks import (
+    Callback,
+    CallbackList,
+    ContinualReport,
+    DivergenceCheck,
+    Evaluation,
+    ResultsWriter,
+    RoundEnd,
+)
+from ..sim.engine import Plan, Reply, RoundEngine, nonfinite_reason, nonfinite_tensors
 from ..sim.fleet import Fleet, local_steps
 from ..sim.records import METRIC_KEYS, ClientRecord, RoundRecord
 from ..training import evaluate_model, evaluate_predictions, torch_threads
-from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
+from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy
 from .checkpoint import Checkpointer
 
 
@@ -114,14 +123,54 @@ def _warn(*args) -> None:
     log(WARNING, *args)
 
 
-class EngineStrategy(FedAvg):
-    """The Flower strategy around the :class:`~fedelastic.sim.engine.RoundEngine`.
+def evaluates(server: ServerConfig, rnd: int) -> bool:
+    """Whether the global model is evaluated after round ``rnd`` (``server.evaluate_every``; 0 and the last always)."""
+    return rnd % server.evaluate_every == 0 or rnd >= server.rounds
 
-    It encodes each round's :class:`~fedelastic.sim.engine.Plan` into Flower messages and decodes
-    the replies for :meth:`~fedelastic.sim.engine.RoundEngine.settle`. Synchronous policies run in
-    Flower's round loop (:meth:`start`); ``policy = "async"`` runs the engine's FedBuff loop
-    (:meth:`run_buffered`). The round's row is made by :meth:`evaluate`, and handed to the callbacks.
-    """
+
+class CentralEvaluation(Callback):
+    """The global model on the test set (a stream: on the seen tasks, :func:`~fedelastic.continual.evaluate_stream`)
+    and on the clients' held-out shares (``data.validation``), after the rounds that :func:`evaluates`,
+    on ``simulation.torch_threads`` threads; the round's ``host_wall_s`` ends here."""
+
+    owns = ("test_accuracy", "test_loss", "val_accuracy", "val_loss", "host_wall_s")
+
+    def __init__(self, env: RunEnvironment):
+        self.env, self.sc = env, env.scenario
+
+    def on_round_end(self, end: RoundEnd) -> tuple[bool, dict]:
+        columns: dict = {}
+        if evaluates(self.sc.server, end.round):
+            with torch_threads(self.sc.simulation.torch_threads):
+                columns = self.evaluate(end)
+        columns["host_wall_s"] = time.perf_counter() - end.started if end.round else 0.0
+        return False, columns
+
+    def evaluate(self, end: RoundEnd) -> dict:
+        """The evaluation's columns; sets ``end.evaluation``."""
+        env = self.env
+        model = env.new_model()
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in end.weights().items()})
+        tasks: list[dict] = []
+        if env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
+            tasks, accuracy, loss, predicted, actual = evaluate_stream(env, model, end.round, end.row["sim_time_s"])
+        else:
+            test = env.data.test
+            accuracy, loss, predicted = evaluate_predictions(model, test.x, test.y)
+            actual = np.bincount(test.y, minlength=len(predicted))
+        end.evaluation = Evaluation(predicted, actual, tasks)
+        columns = {"test_accuracy": accuracy, "test_loss": loss}
+        if self.sc.data.validation > 0:  # the clients' held-out share, never the test set
+            held = env.data.validation_set
+            columns["val_accuracy"], columns["val_loss"] = evaluate_model(model, held.x, held.y)
+        return columns
+
+
+class EngineStrategy:
+    """fedelastic's server around the :class:`~fedelastic.sim.engine.RoundEngine`: the round loop
+    (:meth:`run`; ``policy = "async"``: :meth:`run_buffered`), each round's plan encoded into
+    Flower messages (:meth:`messages`) and the replies decoded for the engine (:meth:`settle`),
+    each round ended by the callbacks (:meth:`end_round`)."""
 
     def __init__(
         self,
@@ -135,7 +184,6 @@ class EngineStrategy(FedAvg):
     ):
         """``recorder``: where rows and checkpoints go (None: nowhere); ``progress(row)`` and each of
         ``callbacks`` (:mod:`fedelastic.sim.callbacks`) see every round; ``checkpoint``: resume from it."""
-        super().__init__(min_available_nodes=len(node_of_partition))  # evaluation is central: see configure_evaluate
         self.env, self.sc = env, env.scenario
         self.node_of_partition = node_of_partition
         self.partition_of_node = {n: p for p, n in node_of_partition.items()}
@@ -145,17 +193,6 @@ class EngineStrategy(FedAvg):
             self.sc, build_fleet(env), env.devices, env.info.tensor_names, aggregate=self.aggregator, warn=_warn
         )
         self.fleet, self.policy = self.engine.fleet, self.sc.server.policy
-        builtin = [] if recorder is None else [ResultsWriter(recorder)]
-        kept = [] if recorder is None else [Checkpointer(recorder, checkpoint)]
-        if recorder is not None and self.sc.stream is not None:
-            kept.append(ContinualReport(recorder.folder, self.sc.stream.recover_share))
-        self.callbacks = CallbackList([*builtin, progress, *callbacks, *kept])
-        self.offset = 0  # a resumed run's rounds: Flower's loop counts from 1, shifted by the checkpoint's round
-        self.resumed, self.hand_back = False, False
-        self.client_states: dict[int, dict[str, np.ndarray]] = {}  # every node's strategy state (checkpointed)
-        self._arrays: ArrayRecord | None = None
-        self._round_start = time.perf_counter()
-        self._sampled: list[int] = []
         d = self.sc.divergence
         self.detector = Detector(
             d.loss_factor,
@@ -165,8 +202,15 @@ class EngineStrategy(FedAvg):
             collapse_margin=d.collapse_margin,
             collapse_rounds=d.collapse_rounds,
         )
-        self._norm: float | None = None  # the global weights' norm after the round (None: not aggregated)
-        self._params = frozenset(env.info.tensor_names)  # the norm's tensors: the trainable ones
+        # the round's callbacks, in this order (documented in sim/callbacks.py and how-a-run-works.md)
+        checks = [CentralEvaluation(env), DivergenceCheck(self.sc.simulation.on_divergence, env.info.tensor_names, _warn)]
+        writes = [] if recorder is None else [ResultsWriter(recorder), Checkpointer(recorder, checkpoint)]
+        if recorder is not None and self.sc.stream is not None:
+            writes.append(ContinualReport(recorder.folder, self.sc.stream.recover_share))
+        self.callbacks = CallbackList([*checks, *callbacks, progress, *writes])
+        self.offset = 0  # a resumed run's rounds start after the checkpoint's round (set by the Checkpointer)
+        self.resumed, self.hand_back = False, False
+        self.client_states: dict[int, dict[str, np.ndarray]] = {}  # every node's strategy state (checkpointed)
 
     # the clock and the energy total are the engine's (a checkpoint keeps and restores them)
     sim_time_s = property(lambda self: self.engine.sim_time_s, lambda self, v: setattr(self.engine, "sim_time_s", v))
@@ -174,21 +218,30 @@ class EngineStrategy(FedAvg):
         lambda self: self.engine.total_energy_j, lambda self, v: setattr(self.engine, "total_energy_j", v)
     )
 
-    # ---- synchronous rounds -----------------------------------------------------------------
-    def sample(self, server_round: int) -> list[int]:
-        """Partition ids trained in ``server_round`` (:meth:`~fedelastic.sim.engine.RoundEngine.sample`)."""
-        return self.engine.sample(server_round)
+    # ---- the synchronous round loop -----------------------------------------------------------
+    def run(self, grid: Grid, initial: ArrayRecord, timeout: float) -> str:
+        """The rounds, from the checkpoint's round + 1 (round 0's row first: the initial model);
+        returns how the run ended: ``completed``, or ``stopped``/``diverged`` by a callback."""
+        arrays, rnd = initial, self.offset
+        outcome = "" if self.resumed else self.end_round(rnd, arrays, time.perf_counter())  # round 0: the initial model
+        while not outcome and rnd < self.sc.server.rounds:
+            rnd += 1
+            started = time.perf_counter()
+            plan = self.engine.plan(rnd)                                                   # plan
+            replies = grid.send_and_receive(self.messages(plan, arrays), timeout=timeout)  # send
+            arrays = self.settle(plan, replies, arrays)                                    # settle
+            outcome = self.end_round(rnd, arrays, started)                                 # evaluate, callbacks
+        return outcome or "completed"
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        server_round += self.offset
-        self._arrays, self._round_start = arrays, time.perf_counter()
-        plan = self.engine.plan(server_round)
-        self._sampled = plan.clients
+    def sample(self, rnd: int) -> list[int]:
+        """Partition ids trained in round ``rnd`` (:meth:`~fedelastic.sim.engine.RoundEngine.sample`)."""
+        return self.engine.sample(rnd)
+
+    def messages(self, plan: Plan, arrays: ArrayRecord) -> list[Message]:
+        """The plan as Flower messages: the global ``arrays`` and each client's config (round, rho, step cap)."""
         messages = []
         for p in plan.clients:
-            cfg = {**config, "server-round": server_round}  # a plain dict, made a ConfigRecord once filled
+            cfg: dict = {"server-round": plan.round}  # a plain dict, made a ConfigRecord once filled
             a = plan.assignments[p]
             if not math.isnan(a.rho):
                 cfg["rho"] = a.rho
@@ -205,6 +258,35 @@ class EngineStrategy(FedAvg):
         # the previous round's rows and checkpoint are handed to the writer as these messages leave
         # (GuardedGrid's on_sent), to be written while this round trains
         return messages
+
+    def settle(self, plan: Plan, replies: Iterable[Message], arrays: ArrayRecord) -> ArrayRecord:
+        """The replies decoded for :meth:`~fedelastic.sim.engine.RoundEngine.settle` (the clients'
+        strategy states kept); the clients' rows recorded; returns the new global model."""
+        replies = self._by_partition(replies)
+        for m in replies:
+            if not m.has_error() and "strategy-state" in m.content:
+                pid = int(m.content["metrics"]["partition-id"])
+                self.client_states[pid] = record_to_numpy(m.content["strategy-state"])
+        ok, failures = self._failures(replies, plan.clients)
+        rows, new_state = self.engine.settle(plan.round, ok, failures, record_to_numpy(arrays))
+        self._add_clients(rows)
+        return record_from_numpy(new_state)
+
+    def end_round(self, rnd: int, arrays: ArrayRecord, started: float) -> str:
+        """Round ``rnd``'s row: the engine's columns (clock, energy, the clients' summary), then the
+        callbacks' (:mod:`fedelastic.sim.callbacks`, in order); returns '' to go on, or how the run
+        ends after it (``stopped``, ``diverged``)."""
+        record = RoundRecord(
+            round=rnd,
+            strategy=self.sc.train.strategy,
+            sim_time_s=self.sim_time_s,
+            **({"val_accuracy": math.nan, "val_loss": math.nan} if self.sc.data.validation > 0 else {}),
+            total_energy_j=self.total_energy_j,
+            summary=self.engine.summary,
+            host_wall_s=math.nan,
+        )
+        end = RoundEnd(rnd, record.row(), lambda: record_to_numpy(arrays), self, started=started)
+        return self.callbacks.on_round_end(end)[0]  # their writes are handed over when the next round is sent
 
     def _failures(self, replies: list[Message], sampled: list[int]) -> tuple[list[Reply], dict[int, str]]:
         """The replies, decoded (arrays as read-only views; a NaN/inf one is marked rejected: its
@@ -231,55 +313,16 @@ class EngineStrategy(FedAvg):
     def _by_partition(self, replies: Iterable[Message]) -> list[Message]:
         return sorted(replies, key=lambda m: self.partition_of_node.get(m.metadata.src_node_id, -1))
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = self._by_partition(replies)
-        for m in replies:
-            if not m.has_error() and "strategy-state" in m.content:
-                pid = int(m.content["metrics"]["partition-id"])
-                self.client_states[pid] = record_to_numpy(m.content["strategy-state"])
-        ok, failures = self._failures(replies, self._sampled)
-        assert self._arrays is not None
-        start = self.sim_time_s
-        rows, new_state = self.engine.settle(server_round + self.offset, ok, failures, record_to_numpy(self._arrays))
-        self._add_clients(rows)
-        self._norm = weight_norm(new_state, self._params)
-        return record_from_numpy(new_state), MetricRecord({"round-time-s": self.sim_time_s - start})
-
     def _add_clients(self, rows: list[ClientRecord]) -> None:
         if self.recorder is not None:
             self.recorder.add_clients([r.row() for r in rows])
 
-    def _divergence(self, server_round: int, arrays: ArrayRecord, test_loss: float, predicted, actual) -> str:
-        """Why the round shows divergence ('' if not): the detector fed the round's figures (see divergence.py)."""
-        if server_round == 0 or self._norm is None:
-            self._norm = weight_norm(record_to_numpy(arrays, copy=False), self._params)
-        if predicted is not None and not self.detector.classes:
-            self.detector.classes = len(predicted)  # the loss floor ln(classes)
-        r = self.engine.summary
-        trained = r.clients_counted + r.clients_rejected
-        # the mean over the updates used (NaN: none trained a step; a client's non-finite loss is a rejection)
-        loss = r.mean_train_loss if server_round and not math.isnan(r.mean_train_loss) else None
-        reason = self.detector.observe(
-            server_round,
-            train_loss=loss,
-            test_loss=test_loss if self.evaluates(server_round) else None,
-            norm=self._norm,
-            trained=trained,
-            rejected=r.clients_rejected,
-            predicted=predicted,
-            actual=actual,
-        )
-        self._norm = None
-        if reason:
-            log(WARNING, "round %d diverged: %s", server_round, reason)
-        return reason
-
     # ---- asynchronous aggregation (FedBuff) -------------------------------------------------
-    def run_buffered(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
-        """FedBuff (:meth:`~fedelastic.sim.engine.RoundEngine.run_async`), its clients reached with Flower messages."""
-        self.evaluate(0, initial_arrays)
+    def run_buffered(self, grid: Grid, initial: ArrayRecord, timeout: float) -> str:
+        """FedBuff (:meth:`~fedelastic.sim.engine.RoundEngine.run_async`), its clients reached with
+        Flower messages, each aggregation ended as a round is (:meth:`end_round`); returns how the run ended."""
+        outcome = self.end_round(0, initial, time.perf_counter())
+        started = time.perf_counter()
 
         def launch(ids: list[int], first: int, version: int, state: dict) -> tuple[list[Reply], dict[int, str]]:
             arrays = record_from_numpy(state)
@@ -293,89 +336,18 @@ class EngineStrategy(FedAvg):
             # earlier aggregations' writes are handed over as these messages leave (on_sent)
             return self._failures(self._by_partition(grid.send_and_receive(messages, timeout=timeout)), ids)
 
-        def on_aggregate(version: int, state: dict, rows: list[ClientRecord]) -> None:
-            self._norm = weight_norm(state, self._params)
+        def on_aggregate(version: int, state: dict, rows: list[ClientRecord]) -> bool:
+            nonlocal outcome, started
             self._add_clients(rows)
-            self.evaluate(version, record_from_numpy(state))
-            self._round_start = time.perf_counter()
+            outcome = self.end_round(version, record_from_numpy(state), started)
+            started = time.perf_counter()
+            return bool(outcome)  # a callback's stop ends the loop; the clients in flight are cancelled
 
-        pending = self.engine.run_async(record_to_numpy(initial_arrays), launch, on_aggregate)
-        if pending:  # updates still in flight or buffered at the end: their work so far is wasted
-            self._add_clients(pending)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return []  # the server evaluates centrally
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
-
-    def evaluates(self, server_round: int) -> bool:
-        """Whether the global model is evaluated after ``server_round`` (``server.evaluate_every``; 0 and the last always)."""
-        server = self.sc.server
-        return server_round % server.evaluate_every == 0 or server_round >= server.rounds
-
-    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Flower's last call of a round: evaluate the global model after ``server_round``
-        (:meth:`evaluates`; NaN if skipped) on ``simulation.torch_threads`` threads, as the clients
-        train, then end the round (:meth:`end_round`: Flower's loop has no other per-round hook)."""
-        if server_round == 0 and self.resumed:
-            return None  # the initial row is already on disk (also when the checkpoint is round 0's)
-        server_round += self.offset
-        with torch_threads(self.sc.simulation.torch_threads):
-            record, tasks, predicted, actual = self._evaluate(server_round, arrays)
-        self.end_round(server_round, arrays, record, tasks, predicted, actual)
-        if not self.evaluates(server_round):
-            return None
-        return MetricRecord({"accuracy": record.test_accuracy, "loss": record.test_loss})
-
-    def end_round(
-        self, server_round: int, arrays: ArrayRecord, record: RoundRecord, tasks: list[dict], predicted, actual
-    ) -> None:
-        """The round's divergence check, then its row to the callbacks (results writer, checkpoint,
-        continual report, user callbacks); raises :class:`Diverged` or :class:`StopRun` to end the run."""
-        record.divergence = self._divergence(server_round, arrays, record.test_loss, predicted, actual)
-        end = RoundEnd(server_round, record.row(), lambda: record_to_numpy(arrays), self, tasks)
-        stop = self.callbacks.on_round_end(end)  # their writes are handed over when the next round is sent
-        if record.divergence and self.sc.simulation.on_divergence == "stop":
-            raise Diverged(server_round, record.divergence)
-        if stop:
-            raise StopRun(f"a callback stopped the run after round {server_round}")
-
-    def _evaluate(self, server_round: int, arrays: ArrayRecord) -> tuple[RoundRecord, list[dict], Any, Any]:
-        """The round's record (its evaluation, if :meth:`evaluates`), a stream's task rows, and the test
-        predictions and labels per class (a stream's: over the seen tasks; None if not evaluated)."""
-        accuracy = loss = float("nan")
-        val = dict.fromkeys(("val_accuracy", "val_loss"), float("nan")) if self.sc.data.validation > 0 else {}
-        predicted = actual = None
-        tasks: list[dict] = []
-        if self.evaluates(server_round):
-            model = self.env.new_model()
-            model.load_state_dict(record_to_torch(arrays))
-            if self.env.stream is not None:  # the accuracy matrix R[t, j]; the round's accuracy: mean over seen tasks
-                tasks, accuracy, loss, predicted, actual = evaluate_stream(
-                    self.env, model, server_round, self.sim_time_s
-                )
-            else:
-                test = self.env.data.test
-                accuracy, loss, predicted = evaluate_predictions(model, test.x, test.y)
-                actual = np.bincount(test.y, minlength=len(predicted))
-            if val:  # the clients' held-out share (data.validation), never the test set
-                held = self.env.data.validation_set
-                val["val_accuracy"], val["val_loss"] = evaluate_model(model, held.x, held.y)
-        record = RoundRecord(
-            round=server_round,
-            strategy=self.sc.train.strategy,
-            sim_time_s=self.sim_time_s,
-            test_accuracy=accuracy,
-            test_loss=loss,
-            **val,
-            total_energy_j=self.total_energy_j,
-            summary=self.engine.summary,
-            host_wall_s=time.perf_counter() - self._round_start if server_round else 0.0,
-        )
-        return record, tasks, predicted, actual
+        if not outcome:
+            pending = self.engine.run_async(record_to_numpy(initial), launch, on_aggregate)
+            if pending:  # updates still in flight or buffered at the end: their work so far is wasted
+                self._add_clients(pending)
+        return outcome or "completed"
 
 
 def server_main(
@@ -387,8 +359,9 @@ def server_main(
     *,
     checkpoint: dict | None = None,
     callbacks: Sequence = (),
-) -> None:
-    """The ServerApp's body: register nodes, map partitions, run the rounds (from ``checkpoint``'s round + 1).
+) -> str:
+    """The ServerApp's body: register nodes, map partitions, run the rounds (from ``checkpoint``'s
+    round + 1); returns the run's outcome (``completed``, ``stopped``, ``diverged``), raises if it failed.
 
     The results are written behind (:meth:`~fedelastic.results.Recorder.write_behind`): a round's
     rows and checkpoint are written while a later round trains (the rounds of the last
@@ -406,34 +379,25 @@ def server_main(
     outcome = "failed"
     try:
         try:
+            initial = ArrayRecord(torch_state_dict=initial_state)
             if scenario.server.policy == "async":
                 if checkpoint is not None:
                     raise RunFailed("an asynchronous (policy = 'async') run cannot be resumed; start it again")
-                strategy.run_buffered(grid, ArrayRecord(torch_state_dict=initial_state), timeout)
+                ended = strategy.run_buffered(grid, initial, timeout)
             else:
-                strategy.start(
-                    grid=grid,
-                    initial_arrays=ArrayRecord(torch_state_dict=initial_state),
-                    num_rounds=scenario.server.rounds - strategy.offset,
-                    timeout=timeout,
-                    evaluate_fn=strategy.evaluate,
-                )
-        except (
-            StopRun,
-            Diverged,
-        ) as exc:  # a normal end: the finished rounds reach disk, and a failed write fails the run
-            recorder.flush()
-            outcome = "stopped" if isinstance(exc, StopRun) else "diverged"
-            raise
+                ended = strategy.run(grid, initial, timeout)
         except BaseException as exc:
             recorder.flush_quietly(exc)  # the finished rounds reach disk; the run's error is this one
             raise
         finally:
             gc.unfreeze()
-        recorder.flush()
-        outcome = "completed"
+        recorder.flush()  # the finished rounds reach disk, and a failed write fails the run
+        if ended == "stopped":  # a callback stopped it after the round it saw: a normal end
+            recorder.notes["stopped_after_round"] = max((r["round"] for r in recorder.rounds.rows), default=0)
+        outcome = ended
     finally:
         strategy.callbacks.on_run_end(strategy, outcome)
+    return outcome
 
 
 def make_server_app(scenario: Scenario, initial_state: dict, recorder: Recorder, progress: Callable) -> ServerApp:

@@ -126,7 +126,7 @@ def run_async(
     aggregations: int,
     pick: Callable[[float, frozenset[int], int], tuple[list[int], float]],
     launch: Callable[[list[int], float, int], list[Trip]],
-    aggregate: Callable[[int, float, list[Arrival]], None],
+    aggregate: Callable[[int, float, list[Arrival]], bool],
     discard: Callable[[Trip, float, str], None],
 ) -> float:
     """FedBuff on the clock; returns the time of the last aggregation.
@@ -134,7 +134,7 @@ def run_async(
     ``pick(t, busy, free)`` names up to ``free`` idle clients to dispatch at ``t`` and the next
     time another could come online (``inf`` if never); ``launch(ids, t, version)`` runs them and
     returns their trips; ``aggregate(version, t, buffer)`` makes model ``version`` from a full
-    buffer; ``discard(trip, t, status)`` takes every trip whose update is not used (``offline``,
+    buffer (True: the run stops there); ``discard(trip, t, status)`` takes every trip whose update is not used (``offline``,
     ``no_update``, or ``cancelled``: still in flight when the run ends). Events at the same
     instant are all handled before new clients are dispatched.
     """
@@ -160,7 +160,8 @@ def run_async(
             seq += 1
 
     fill(t)
-    while version < aggregations:
+    stopped = False
+    while version < aggregations and not stopped:
         if not events:
             raise RuntimeError(f"asynchronous run stalled at {t:.1f} s: no client is or will be online")
         t, _, _, trip = heapq.heappop(events)
@@ -177,9 +178,9 @@ def run_async(
                 buffer.append(Arrival(trip, version - trip.version))
                 if len(buffer) == buffer_size:
                     version += 1
-                    aggregate(version, t, buffer)
+                    stopped = aggregate(version, t, buffer)
                     buffer = []
-        if version < aggregations and not (events and events[0][0] == t):
+        if version < aggregations and not stopped and not (events and events[0][0] == t):
             fill(t)  # after every event at this instant: clients dispatched now get the newest model
     for _, _, _, trip in sorted(events):
         if trip is not None:

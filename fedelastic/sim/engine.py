@@ -292,14 +292,15 @@ class RoundEngine:
         self,
         initial: dict[str, np.ndarray],
         launch: Callable[[list[int], int, int, dict[str, np.ndarray]], tuple[list[Reply], dict[int, str]]],
-        on_aggregate: Callable[[int, dict[str, np.ndarray], list[ClientRecord]], None],
+        on_aggregate: Callable[[int, dict[str, np.ndarray], list[ClientRecord]], bool],
     ) -> list[ClientRecord]:
         """FedBuff on the clock: up to ``concurrency`` clients in flight, an aggregation every ``buffer_size`` arrivals.
 
         ``launch(ids, dispatch, version, state)`` trains clients ``ids`` from model ``version``,
         ``state`` (``dispatch``: the first of their unique dispatch numbers, the training seeds) and returns their replies and failures; ``on_aggregate(version, state,
-        rows)`` receives each new model and the rows since the last one. Returns the rows of the
-        trips still in flight or buffered at the end (their work so far is wasted).
+        rows)`` receives each new model and the rows since the last one, and returns True to end the
+        run there (a callback's stop). Returns the rows of the trips still in flight or buffered at
+        the end (their work so far is wasted).
         """
         sc, n, policy = self.sc, len(self.fleet), self.policy
         assert isinstance(policy, Async)
@@ -353,7 +354,7 @@ class RoundEngine:
             pending.append(self.record(version + 1, reply, trip, why, energy, 0.0, version - trip.version, error))
             fleet.drain(trip.partition_id, t, energy)
 
-        def aggregate(v: int, t: float, buffer: list[Arrival]) -> None:
+        def aggregate(v: int, t: float, buffer: list[Arrival]) -> bool:
             nonlocal version, last_t
             rows, updates, bases, discounts = [], [], [], []
             for a in buffer:
@@ -375,7 +376,7 @@ class RoundEngine:
             self.summary = self.summarize([r for r in rows if r.status != FAILED], failed, last_t, t)
             self.total_energy_j += float(self.summary.round_energy_j)
             self.sim_time_s, last_t, version = float(t), t, v
-            on_aggregate(v, states[v], rows)
+            return on_aggregate(v, states[v], rows)
 
         end = clock_run_async(
             concurrency=concurrency, buffer_size=buffer_size, aggregations=sc.server.rounds,

@@ -214,7 +214,7 @@ class RoundRecord:
     val_loss: float | None = _col("loss on the validation shares (only with `data.validation > 0`)", None)
     total_energy_j: float = _col("the fleet's energy in all so far")
     summary: RoundSummary = _col("what the round's clients did (each of its fields is a column, here in the table)")
-    host_wall_s: float = _col("real time of the round")
+    host_wall_s: float = _col("real time of the round, from its plan to the end of its central evaluation")
     divergence: str = _col("why the round diverged, or empty ([Divergence](status.md))", "")
 
     def row(self) -> dict:

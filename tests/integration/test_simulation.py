@@ -69,14 +69,14 @@ def test_last_layer_trains_only_the_head(make_scenario):
 def test_finished_rounds_survive_a_crash(make_scenario, monkeypatch):
     import fedelastic.fl.server as server
 
-    original = server.EngineStrategy.aggregate_train
+    original = server.EngineStrategy.settle
 
-    def crash_in_round_2(self, rnd, replies):
-        if rnd == 2:
+    def crash_in_round_2(self, plan, replies, arrays):
+        if plan.round == 2:
             raise KeyboardInterrupt("killed")
-        return original(self, rnd, replies)
+        return original(self, plan, replies, arrays)
 
-    monkeypatch.setattr(server.EngineStrategy, "aggregate_train", crash_in_round_2)
+    monkeypatch.setattr(server.EngineStrategy, "settle", crash_in_round_2)
     sc = make_scenario(server={"rounds": 3})
     with pytest.raises(KeyboardInterrupt):
         run_scenario(sc, run_id="crash")

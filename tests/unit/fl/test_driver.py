@@ -75,17 +75,17 @@ def test_a_resumed_run_evaluates_the_same_rounds(make_scenario, monkeypatch, agg
 
     sc = make_scenario(server={"rounds": 5, "evaluate_every": 2, **aggregator})
     whole = run_scenario(sc, run_id="whole")
-    original = server.EngineStrategy.aggregate_train
+    original = server.EngineStrategy.settle
 
-    def crash_in_round_4(self, rnd, replies):
-        if rnd == 4:
+    def crash_in_round_4(self, plan, replies, arrays):
+        if plan.round == 4:
             raise KeyboardInterrupt("killed")
-        return original(self, rnd, replies)
+        return original(self, plan, replies, arrays)
 
-    monkeypatch.setattr(server.EngineStrategy, "aggregate_train", crash_in_round_4)
+    monkeypatch.setattr(server.EngineStrategy, "settle", crash_in_round_4)
     with pytest.raises(KeyboardInterrupt):
         run_scenario(sc, run_id="killed")
-    monkeypatch.setattr(server.EngineStrategy, "aggregate_train", original)
+    monkeypatch.setattr(server.EngineStrategy, "settle", original)
     killed = Path(sc.output_dir) / "tiny" / "killed"
     assert list(pd.read_parquet(killed / "rounds.parquet")["round"]) == [0, 1, 2, 3]
     resume_run(killed)
@@ -451,15 +451,15 @@ def test_a_failed_write_is_raised_at_the_next_round_and_stops_training(make_scen
     """At most one round waits to be written: round 2's failed write stops the run before round 4 is sent."""
     from fedelastic.fl import server
 
-    real_configure = server.EngineStrategy.configure_train
+    real_messages = server.EngineStrategy.messages
     sent: list[int] = []
 
-    def spy(self, server_round, *args, **kwargs):
-        sent.append(server_round)
-        return real_configure(self, server_round, *args, **kwargs)
+    def spy(self, plan, arrays):
+        sent.append(plan.round)
+        return real_messages(self, plan, arrays)
 
     full_disk(monkeypatch, lambda name, rounds: name == "clients" and 2 in rounds)
-    monkeypatch.setattr(server.EngineStrategy, "configure_train", spy)
+    monkeypatch.setattr(server.EngineStrategy, "messages", spy)
     sc = make_scenario(server={"rounds": 6}, simulation={"write_every_s": 0})
     with pytest.raises(OSError, match="No space left"):
         run_scenario(sc, run_id="full")

@@ -44,7 +44,7 @@ def test_plain_functions_are_callbacks_and_every_callback_sees_every_round():
     row = {"round": 2, "test_accuracy": 0.5}
     end = RoundEnd(2, row, dict, None)
     callbacks = CallbackList([lambda r: seen.append(r["round"]), StopAtAccuracy(0.9), lambda r: r["round"] == 2, lambda r: seen.append(-1)])
-    assert callbacks.on_round_end(end) is True  # the third asked to stop; the fourth still saw the round
+    assert callbacks.on_round_end(end) == ("stopped", {})  # the third asked to stop; the fourth still saw the round
     assert seen == [2, -1]
     assert StopAtAccuracy(0.5)(row) and not StopAtAccuracy(0.5)({"round": 0, "test_accuracy": 1.0})
     assert as_callback(print) is not print and isinstance(as_callback(Log()), Log)

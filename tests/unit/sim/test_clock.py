@@ -87,6 +87,31 @@ def test_async_buffer_by_hand():
     assert discarded == [(1, 8.0, "cancelled")] and end == 8.0
 
 
+def test_async_stops_at_the_aggregation_that_asks_and_cancels_the_trips_in_flight():
+    # as test_async_buffer_by_hand: 0 and 1 arrive at 3 and 5 (aggregation 1, which asks to stop);
+    # 2, dispatched at 3 when 0 returned, is still in flight (until 7): cancelled at 5, nothing sent after
+    durations = {0: 3.0, 1: 5.0, 2: 4.0}
+    log, aggregations, discarded = [], [], []
+
+    def pick(t, busy, free):
+        return sorted(p for p in durations if p not in busy and p not in {q for _, q, _ in log})[:free], math.inf
+
+    def launch(ids, t, version):
+        log.extend((t, p, version) for p in ids)
+        return [Trip(p, t, 0.0, durations[p], 0.0, version=version) for p in ids]
+
+    def aggregate(version, t, buffer):
+        aggregations.append((version, t, [a.trip.partition_id for a in buffer]))
+        return True
+
+    end = run_async(
+        concurrency=2, buffer_size=2, aggregations=5, pick=pick, launch=launch, aggregate=aggregate,
+        discard=lambda trip, t, why: discarded.append((trip.partition_id, t, why)),
+    )  # fmt: skip
+    assert log == [(0.0, 0, 0), (0.0, 1, 0), (3.0, 2, 0)] and aggregations == [(1, 5.0, [0, 1])]
+    assert discarded == [(2, 5.0, "cancelled")] and end == 5.0
+
+
 def test_async_waits_for_a_client_to_come_online():
     online_from = {0: 0.0, 1: 10.0}
     launched = []
