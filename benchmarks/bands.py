@@ -2,7 +2,7 @@
 
     python benchmarks/bands.py [--out benchmarks/results/bands.json]
 
-Per profile, the band as the rule in ``fedelastic.bands`` sizes it, and the share of held-out steps
+Per profile, the band as the rule in ``fedelastic.cost.bands`` sizes it, and the share of held-out steps
 (never seen by whatever sized the band) it holds:
 
 * **host** (the profile ``benchmarks/heldout.py`` priced with, measured on resnet_small and mcu_net
@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fidelity import TX2_DATASHEET_BANDWIDTH, tx2_data  # noqa: E402
 
-from fedelastic.bands import ONE_SIGMA, coverage, lomo_band, t_quantile  # noqa: E402
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import Quantity, load_profile  # noqa: E402
-from fedelastic.fit import fit_kernels, kernel_device  # noqa: E402
+from fedelastic.cost.bands import ONE_SIGMA, coverage, lomo_band, t_quantile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import Quantity, load_profile  # noqa: E402
+from fedelastic.profiling.roofline_fit import fit_kernels, kernel_device  # noqa: E402
 
 HELDOUT = ROOT / "benchmarks" / "results" / "heldout.json"
 PRICING = "after (sampled kernels)"

@@ -37,9 +37,9 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fedelastic.comparison import USED, ci95, expand  # noqa: E402
+from fedelastic.comparisons.comparison import USED, ci95, expand  # noqa: E402
 from fedelastic.fl.runner import run_scenario  # noqa: E402
-from fedelastic.results import read_status  # noqa: E402
+from fedelastic.results.recorder import read_status  # noqa: E402
 
 
 def run_one(sc, out: Path, seed: int) -> dict:

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.fl.runner import run_scenario  # noqa: E402
-from fedelastic.results import read_status  # noqa: E402
+from fedelastic.results.recorder import read_status  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
 
 FLEET = {"stm32h743": 4, "raspberry_pi_4": 4, "jetson_nano": 4, "phone_midrange": 4}
@@ -222,7 +222,7 @@ def plot_timelines(runs: pd.DataFrame, path: Path, labels=("wait_all", REFERENCE
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedelastic.results import plot_timeline
+    from fedelastic.results.recorder import plot_timeline
 
     first = runs[runs.seed == runs.seed.min()].set_index("policy")
     labels = [label for label in labels if label in first.index]

@@ -179,7 +179,7 @@ def inject(fault: str | None):
 # ---- tracing -----------------------------------------------------------------------------------------
 def trace(case: dict, out_dir: Path) -> dict:
     import fedelastic as fe
-    from fedelastic import divergence
+    from fedelastic.sim import divergence
 
     calls: list[dict] = []
     real = divergence.Detector.observe
@@ -224,17 +224,17 @@ def load_compare_base(path: str) -> dict:
 
 # ---- replay ------------------------------------------------------------------------------------------
 def detector_module(rev: str | None):
-    """fedelastic.divergence at git revision ``rev`` (None: the installed one)."""
+    """fedelastic.sim.divergence at git revision ``rev`` (None: the installed one)."""
     if rev is None:
-        from fedelastic import divergence
+        from fedelastic.sim import divergence
 
         return divergence
-    source = subprocess.run(["git", "show", f"{rev}:fedelastic/divergence.py"], cwd=ROOT, capture_output=True,
+    source = subprocess.run(["git", "show", f"{rev}:fedelastic/sim/divergence.py"], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout
     spec = importlib.util.spec_from_loader(f"divergence_{rev}", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
-    exec(compile(source, f"{rev}:fedelastic/divergence.py", "exec"), module.__dict__)  # noqa: S102 (our own history)
+    exec(compile(source, f"{rev}:fedelastic/sim/divergence.py", "exec"), module.__dict__)  # noqa: S102 (our own history)
     return module
 
 

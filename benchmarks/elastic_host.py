@@ -41,13 +41,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset, load_dataset  # noqa: E402
-from fedelastic.devices import get_profile  # noqa: E402
+from fedelastic.devices.profile import get_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models.resnet import resnet_small  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, count_backward_nodes, importance_probe, make_optimizer, train_local  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, count_backward_nodes, importance_probe, make_optimizer, train_local  # noqa: E402
 
 CONFIGS = (("full", {}), ("elastic_tensor", {"rho": 0.4}), ("elastic_layer", {"rho": 0.4}))
 BATCH, SAMPLES = 32, 160

@@ -39,7 +39,7 @@ KINDS = {  # test function -> kind of case
     "test_a_signal_after_round_2_writes_the_rounds_marks_the_run_and_exits_with_its_code": "SIGINT / SIGTERM of the driver",
     "test_sigterm_writes_the_rounds_kept_for_a_later_write": "SIGINT / SIGTERM of the driver",
     "test_sigterm_on_ray_writes_the_rounds_and_exits_143": "SIGINT / SIGTERM of the driver",
-    # tests/integration/test_chaos.py, tests/unit/test_results_append.py (issue 36)
+    # tests/integration/test_chaos.py, tests/unit/results/test_results_append.py (issue 36)
     "test_killed_at_random_instants_and_resumed_the_tables_equal_an_uninterrupted_run": "chaos: kill -9 at random instants, resumed",
     "test_a_reload_killed_at_any_step_loses_no_finished_round": "kill -9 of a resume while it rewrites a table",
     "test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows": "kill -9 before the first rows, then resume",
@@ -54,9 +54,9 @@ FILES = (
     "tests/integration/test_untrusted.py",
     "tests/integration/test_bad_input.py",
     "tests/integration/test_chaos.py",
-    "tests/unit/test_results_append.py::test_a_reload_killed_at_any_step_loses_no_finished_round",
-    "tests/unit/test_results_append.py::test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows",
-    "tests/unit/test_results_append.py::test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never_both",
+    "tests/unit/results/test_results_append.py::test_a_reload_killed_at_any_step_loses_no_finished_round",
+    "tests/unit/results/test_results_append.py::test_a_table_killed_before_its_first_rows_reloads_as_empty_and_takes_new_rows",
+    "tests/unit/results/test_results_append.py::test_a_merge_killed_at_any_step_leaves_the_old_parts_or_the_merged_one_never_both",
     "tests/integration/test_diverged_runs.py",
 )
 KIND_OF_FILE = {  # every case of these files is one kind

@@ -12,7 +12,7 @@ applied as the trainer applies it: ``requires_grad`` per tensor, batch norms wit
 tensor in eval mode) are run for real (forward, cross-entropy, backward, SGD-momentum step) and
 predicted by the cost model with
 
-(a) the host's measured profile: ``fedelastic.measure.measure_layers`` table + fitted roofline
+(a) the host's measured profile: ``fedelastic.profiling.measure.measure_layers`` table + fitted roofline
     (what ``fedelastic profile measure`` writes), and
 (b) the fitted roofline alone (the same profile without its measured table),
 
@@ -23,7 +23,7 @@ measurement and the real steps are interleaved over ``rounds`` so that load drif
 alike (profile entries and real steps are medians over rounds).
 
 **Jetson TX2, leave one model out.** The three TX2 traces (ResNet-50, MobileNetV2, ViT-B/16;
-batch 4, 224x224, 200 classes) are imported with ``fedelastic.trace.import_trace``; the roofline
+batch 4, 224x224, 200 classes) are imported with ``fedelastic.profiling.chrome_trace.import_trace``; the roofline
 (efficiency, launch overhead, effective bandwidth; datasheet peak) is fitted on two and
 predicts the third: its full-training step and its per-layer times. Baseline: 3 x the trace's
 forward time.
@@ -46,9 +46,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402
-from fedelastic.fit import (  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import LayerTiming, MeasuredTable, load_profile, parse_profile  # noqa: E402
+from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.models import build_with_input  # noqa: E402
+from fedelastic.profiling.chrome_trace import MODEL_ALIASES, import_trace, keras_scope, load_trace_events  # noqa: E402
+from fedelastic.profiling.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
+from fedelastic.profiling.roofline_fit import (  # noqa: E402
     FitResult,
     _roofline_device,
     _start_device,
@@ -57,11 +61,7 @@ from fedelastic.fit import (  # noqa: E402
     kernel_device,
     layer_roofline,
 )
-from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
-from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.models import build_with_input  # noqa: E402
-from fedelastic.profiles import build_profile_dict, measured_by  # noqa: E402
-from fedelastic.trace import MODEL_ALIASES, import_trace, keras_scope, load_trace_events  # noqa: E402
+from fedelastic.profiling.writer import build_profile_dict, measured_by  # noqa: E402
 
 DATE = "2026-11-22"
 KERNEL_DATE = "2026-11-23"
@@ -589,8 +589,8 @@ GPU_DATA_FP32 = ROOT / "benchmarks" / "data" / "h100_fp32"  # gpu_measure.py --n
 
 def gpu_tables(log, folder: Path = GPU_DATA) -> tuple[dict, dict]:
     """The H100 measurements (``benchmarks/gpu_measure.py`` output): env and, per model, its description and runs."""
-    from fedelastic.devices import LayerTiming
-    from fedelastic.devices import MeasuredTable as ProfileTable
+    from fedelastic.devices.profile import LayerTiming
+    from fedelastic.devices.profile import MeasuredTable as ProfileTable
 
     env = json.loads((folder / "gpu_env.json").read_text())
     out = {}
@@ -617,7 +617,7 @@ def gpu_tables(log, folder: Path = GPU_DATA) -> tuple[dict, dict]:
 
 def gpu_device(env: dict):
     """A device for the H100 measurements: measured peak (fp32 mm) and copy bandwidth, 5 us launches."""
-    from fedelastic.devices import Quantity
+    from fedelastic.devices.profile import Quantity
 
     base = load_profile(ROOT / "device_profiles" / "jetson_tx2.toml")
     return dataclasses.replace(
@@ -776,7 +776,7 @@ def markdown(res: dict, command: str) -> str:
         "### Jetson TX2, leave one model out (roofline calibrated on the other two traces)",
         "",
         "Traces: `shared/data/measured/jetson_tx2` (batch 4, 224x224, 200 classes), imported with "
-        "`fedelastic.trace.import_trace`; project models `resnet50`, `mobilenetv2`, `vit_b16` described "
+        "`fedelastic.profiling.chrome_trace.import_trace`; project models `resnet50`, `mobilenetv2`, `vit_b16` described "
         "at 224x224 with 200 classes. Fit: efficiency (peak = datasheet 573.4 GFLOP/s), launch "
         "overhead and effective bandwidth (<= 59.7 GB/s datasheet), least squares in seconds with variance "
         "proportional to time (objective `time`). Step = forward + backward + optimizer (the trace step "
@@ -849,7 +849,7 @@ def kernel_markdown(res: dict, command: str) -> str:
         "### Jetson TX2, leave one model out",
         "",
         "Each row: fitted on the other two traces, predicting the held-out model (no table of it). "
-        "`kernel`: the kernel-aware cost model (`fedelastic.fit.fit_kernels`: one roofline per kernel "
+        "`kernel`: the kernel-aware cost model (`fedelastic.profiling.roofline_fit.fit_kernels`: one roofline per kernel "
         "class, functional ops priced); `roofline`: the old single-efficiency roofline (`fit_roofline`), "
         "kept as the baseline; `3 x fwd`: FedScale's rule with the held-out model's measured forward. "
         "Step = forward + backward (no optimizer: the traces' 'other' time mixes it with gaps). Layers: "
@@ -1198,7 +1198,7 @@ Findings (the issue's goal is met only in part):
   fitted {dw_ovh:.0f} us of `gemm_dw` above: inner per-layer error 52% vs 51% plain (development run, the same
   rule): not adopted. A bound of 100 us on the per-class overheads raised the in-sample time-weighted
   error in every fold (11.2% -> 12.2%, 17.6% -> 18.3%, 25.2% -> 25.6%; development run): not adopted. The fit now starts from
-  two saturating widths and keeps the lower objective (`fedelastic.fit.WIDTH_STARTS`): a better optimum of
+  two saturating widths and keeps the lower objective (`fedelastic.profiling.roofline_fit.WIDTH_STARTS`): a better optimum of
   the same model on the same training tables, so no model choice; before it, in the first run of this
   session, the kernel rows read resnet50 +8.3% / 49.6% / 6.1%, mobilenetv2 -2.6% / 67.6% / 27.2%, vit_b16
   +7.1% / 36.8% / 13.4% (step / layers / ratio): only the fold without MobileNetV2 found a lower

@@ -11,7 +11,7 @@ and copy bandwidth). ``benchmarks/fidelity.py`` reads these files (kept under
 
 Per model (224x224 input, 200 classes, as the TX2 traces) and batch size:
 
-1. ``table``: :func:`fedelastic.measure.measure_layers` with the ``cuda`` clock (every time
+1. ``table``: :func:`fedelastic.profiling.measure.measure_layers` with the ``cuda`` clock (every time
    stamp is a device synchronisation, so per-layer times include each layer's launch gaps);
 2. ``full``: the real step time of full training without hooks (median of timed steps, one
    synchronisation per step), the training forward and the inference forward;
@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fidelity import random_selections  # noqa: E402  (the same selections as the host benchmark)
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import Quantity, load_profile  # noqa: E402
-from fedelastic.measure import measure_layers  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import Quantity, load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
-from fedelastic.selection import SelectionContext  # noqa: E402
+from fedelastic.profiling.measure import measure_layers  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext  # noqa: E402
 
 MODELS = ("resnet50", "mobilenetv2", "vit_b16")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -133,7 +133,7 @@ def importance(model, info, x, y) -> np.ndarray:
 def gpu_device_profile(env: dict, table=None, model: str = "", kernels: dict | None = None):
     """The TX2 profile's schema with this machine's peak and bandwidth (memory unbounded), and either
     ``table`` as the measured table of ``model`` or ``kernels`` (class -> P, B, overhead, width) as its kernel classes."""
-    from fedelastic.fit import kernel_device
+    from fedelastic.profiling.roofline_fit import kernel_device
 
     base = dataclasses.replace(
         load_profile(ROOT / "device_profiles" / "jetson_tx2.toml"),

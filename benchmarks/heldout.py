@@ -14,7 +14,7 @@ are run for real, as the trainer applies them (``requires_grad`` per tensor, unt
 norms in eval mode; forward, cross-entropy, backward, SGD-momentum step), in thread CPU time with
 one torch thread, interleaved over ``--reps`` rounds (each round: one warm-up and two timed steps
 per selection); the real figure is the median. Each model's per-layer fwd + dX + dW is measured
-with :func:`fedelastic.measure.measure_layers` (thread CPU time).
+with :func:`fedelastic.profiling.measure.measure_layers` (thread CPU time).
 
 Two pricings of the same profile are compared: **after**, the sampled kernel predictors
 (``[sampled]``) price the unmeasured model; **before**, the same profile without them (the fitted
@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fidelity import apply_selection, layer_matrix  # noqa: E402
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
-from fedelastic.measure import measure_layers  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
+from fedelastic.profiling.measure import measure_layers  # noqa: E402
 
 HELD_OUT = (
     "resnet18", "mobilenet_v3_small", "efficientnet_b0", "mnasnet0_5", "shufflenet_v2_x0_5",
@@ -214,10 +214,10 @@ def refit(path: Path, samples: Path, input_size: int | None = None) -> Path:
     ``input_size`` with 3 input channels, or the factory defaults)."""
     import tomllib
 
-    from fedelastic.kernelsample import load_samples
+    from fedelastic.devices.kernelsample import load_samples
     from fedelastic.models import describe_model
-    from fedelastic.profiler import sampled_into
-    from fedelastic.profiles import write_profile
+    from fedelastic.profiling.commands import sampled_into
+    from fedelastic.profiling.writer import write_profile
 
     profile = load_profile(path)
     raw = tomllib.loads(path.read_text())

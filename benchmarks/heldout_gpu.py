@@ -5,9 +5,9 @@
     python benchmarks/heldout_gpu.py --device cpu --sample-seconds 5 --models squeezenet1_1 --reps 1 --out /tmp/x  # dry run
 
 On ``--device`` (default ``cuda``), every stamp waits for the device (``torch.cuda.synchronize``,
-the ``cuda`` clock of :mod:`fedelastic.measure`): it samples the kernel classes for
-``--sample-seconds`` (:func:`fedelastic.kernelsample.sample_kernels`), fits the predictors,
-calibrates their forward on resnet_small and mcu_net (:func:`fedelastic.profiler.calibrate`, the
+the ``cuda`` clock of :mod:`fedelastic.profiling.measure`): it samples the kernel classes for
+``--sample-seconds`` (:func:`fedelastic.devices.kernelsample.sample_kernels`), fits the predictors,
+calibrates their forward on resnet_small and mcu_net (:func:`fedelastic.profiling.commands.calibrate`, the
 leave-one-model-out errors are the band), then runs the held-out torchvision models' four
 selections for real (interleaved) and measures their per-layer tables, and writes
 ``heldout_gpu.json`` under ``--out`` with the same figures as ``heldout.py``. Without CUDA it
@@ -32,13 +32,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from heldout import HELD_OUT, import_torchvision, median_uncertainty, real_step_times, selections, summary  # noqa: E402
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.fit import _start_device  # noqa: E402
-from fedelastic.kernelsample import fit_predictors  # noqa: E402
-from fedelastic.measure import get_clock, measure_layers  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.kernelsample import fit_predictors  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
-from fedelastic.profiler import calibrate  # noqa: E402
+from fedelastic.profiling.commands import calibrate  # noqa: E402
+from fedelastic.profiling.measure import get_clock, measure_layers  # noqa: E402
+from fedelastic.profiling.roofline_fit import _start_device  # noqa: E402
 
 TUNING = ("resnet_small", "mcu_net")
 
@@ -66,7 +66,7 @@ def main() -> int:
     clock = get_clock(clock_name)
     t_start = time.perf_counter()
     zoo = import_torchvision()
-    from fedelastic.kernelsample import sample_kernels
+    from fedelastic.devices.kernelsample import sample_kernels
 
     samples = sample_kernels(args.sample_seconds, batch=8, clock=clock_name, device=str(dev), progress=print)
     predictors: dict = dict(fit_predictors(samples))

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fedelastic as fe  # noqa: E402
-from fedelastic.comparison import USED, ci95  # noqa: E402
+from fedelastic.comparisons.comparison import USED, ci95  # noqa: E402
 
 BASE = ROOT / "benchmarks" / "strategy_study.toml"
 FLEET = {"stm32h743": 4, "stm32f746": 4}

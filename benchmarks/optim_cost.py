@@ -1,4 +1,4 @@
-"""What fedelastic's own SGD (fedelastic/optim.py) saves against torch.optim: start-up and per step.
+"""What fedelastic's own SGD (fedelastic/train/optim.py) saves against torch.optim: start-up and per step.
 
 One command, two parts (``--parts``):
 
@@ -11,7 +11,7 @@ One command, two parts (``--parts``):
   (``modelinfo.flop_count_mode``) and by ``FlopCounterMode`` (``torch._dynamo`` already
   imported), and uncounted, interleaved, median milliseconds; the two counts must agree.
 * ``fresh``: fresh processes, alternating a checkout of the code before (``--before DIR``, the
-  same tree before fedelastic.optim) and this one, each timing (CPU and wall, by phase)
+  same tree before fedelastic.train.optim) and this one, each timing (CPU and wall, by phase)
   (1) a Ray worker's start: imports, the cohort warm-up (data, model, model description) and the
   first optimizer step on the client model, as one cohort call starts it; (2) the peers
   workload run in-process (``fedelastic.run``, 200 clients, 10 rounds of 50), the whole process.
@@ -44,7 +44,7 @@ torch.set_num_threads(1)
 from fedelastic.api import load
 from fedelastic.fl.cohort import warm_up
 from fedelastic.environment import environment
-from fedelastic.training import make_optimizer, ordered_params
+from fedelastic.train.trainer import make_optimizer, ordered_params
 sys.path.insert(0, {root!r})
 from benchmarks.peers import Workload
 t.append((time.perf_counter(), time.process_time()))
@@ -131,7 +131,7 @@ def step_costs(repeats: int, block: int) -> dict:
     from torch import nn
 
     from fedelastic.models.small import small_cnn
-    from fedelastic.optim import SGD
+    from fedelastic.train.optim import SGD
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.peers import cnn
@@ -216,7 +216,7 @@ def count_costs(repeats: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", choices=("step", "count", "fresh"), default=["step", "count", "fresh"])
-    p.add_argument("--before", type=Path, help="a checkout of the code before fedelastic.optim (for 'fresh')")
+    p.add_argument("--before", type=Path, help="a checkout of the code before fedelastic.train.optim (for 'fresh')")
     p.add_argument("--runs", type=int, default=5, help="fresh processes per checkout and kind (alternating)")
     p.add_argument("--repeats", type=int, default=15, help="interleaved blocks per optimizer (step)")
     p.add_argument("--block", type=int, default=400, help="steps per block (step)")

@@ -80,8 +80,8 @@ def worker_bare(sc) -> dict:
     from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.server import EngineStrategy
-    from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
+    from fedelastic.train.pretrain import initial_state
 
     t0 = time.perf_counter()
     env = environment(sc)

@@ -453,7 +453,7 @@ def worker_fedelastic(
 ) -> dict[str, np.ndarray]:
     import fedelastic.fl.checkpoint as checkpoint
     import fedelastic.fl.server as server
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
     from fedelastic import api
 
     timers = Timers(since=float("inf"))  # counts from round 1 (progress sets since)
@@ -520,7 +520,7 @@ def worker_main(args) -> None:
     if variant in TORCH_OPTIM_VARIANTS:
         # torch.optim's constructor and step import torch._dynamo (~0.9 s of CPU) on first use: an
         # import, so it belongs to start-up (the bare loop would pay it in round 1). fedelastic's
-        # variants train with fedelastic.optim and never import it.
+        # variants train with fedelastic.train.optim and never import it.
         importlib.import_module("torch._dynamo")
     wl = Workload(args.clients, args.rounds, args.per_round)
     out: dict = {"variant": variant, "_tmp": args.tmp}

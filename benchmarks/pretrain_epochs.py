@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/pretrain_epochs.py [scenario.toml] [--epochs 30] [--batch-size 32 --lr 0.05]
 
-Trains the scenario's ``[model.pretrain]`` source task as :func:`fedelastic.pretrain.pretrain` does
+Trains the scenario's ``[model.pretrain]`` source task as :func:`fedelastic.train.pretrain.pretrain` does
 (its seed, optimizer and batches; ``simulation.torch_threads`` threads) and prints, at epochs 1, 2,
 3, 5, 8, 10, 15, 20 and 30, the accuracy on the source task's *test* split, the process's CPU
 seconds and the wall seconds so far. CPU seconds are what the code costs; on a shared machine the
@@ -17,9 +17,9 @@ import time
 import torch
 
 from fedelastic.environment import RunEnvironment
-from fedelastic.optim import SGD
 from fedelastic.scenario import load_scenario
-from fedelastic.training import batches, evaluate_model, seed_everything, torch_threads
+from fedelastic.train.optim import SGD
+from fedelastic.train.trainer import batches, evaluate_model, seed_everything, torch_threads
 
 REPORT = (1, 2, 3, 5, 8, 10, 15, 20, 30, 40, 50)
 

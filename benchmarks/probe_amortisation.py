@@ -17,13 +17,13 @@ import argparse
 import numpy as np
 import torch
 
-from fedelastic.costmodel import CostModel
+from fedelastic.cost.costmodel import CostModel
 from fedelastic.data import ArrayDataset
-from fedelastic.devices import get_profile
+from fedelastic.devices.profile import get_profile
 from fedelastic.modelinfo import describe
 from fedelastic.models.mobilenetv2 import mobilenetv2
-from fedelastic.selection import make_strategy
-from fedelastic.training import LocalTraining, train_local
+from fedelastic.selection.strategy import make_strategy
+from fedelastic.train.trainer import LocalTraining, train_local
 
 RHO, BATCH = 0.5, 16
 

@@ -6,7 +6,7 @@
 The reproduce folders price their selections with the cost model (emulated). Here the **same
 selections** (made exactly as those folders make them, on the same device profile, importance or
 Fisher draw 0) are applied to the real model, as the trainer applies them
-(:class:`fedelastic.training._Applied`: unselected tensors frozen, norms in eval mode, channel masks),
+(:class:`fedelastic.train.trainer._Applied`: unselected tensors frozen, norms in eval mode, channel masks),
 and timed for real: zero_grad + forward + loss + backward + optimizer step (SGD with momentum 0.9).
 
 * ``et``: ``elastic_tensor`` (ElasticTrainer), ``elastic_layer`` (Accelerated ElasticTrainer) and
@@ -46,12 +46,12 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.models import build_with_input, describe_model  # noqa: E402
-from fedelastic.probes import ordered_params  # noqa: E402
-from fedelastic.selection import Selection, SelectionContext, make_strategy  # noqa: E402
-from fedelastic.training import _Applied  # noqa: E402
+from fedelastic.selection.strategy import Selection, SelectionContext, make_strategy  # noqa: E402
+from fedelastic.train.probes import ordered_params  # noqa: E402
+from fedelastic.train.trainer import _Applied  # noqa: E402
 
 RHOS = (0.4, 0.5, 0.6)
 ELASTIC = ("elastic_tensor", "elastic_layer", "elastic_artifact")

@@ -7,7 +7,7 @@ Writes ``--clients`` client rows per round for ``--rounds`` rounds (columns like
 
 (a) ``rewrite``: the writer before issue 10: every round the whole table rewritten to one
     Parquet file (and the CSV appended), all rows kept in memory;
-(b) ``append``: ``fedelastic.results._Table`` now: one part file per round in the
+(b) ``append``: ``fedelastic.results.recorder._Table`` now: one part file per round in the
     ``clients.parquet`` folder (and the CSV appended), rows not kept.
 
 Reports the write time of rounds 1, R/2 and R (median of the 5 rounds around each) and checks
@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fedelastic.results import _Table  # noqa: E402
+from fedelastic.results.recorder import _Table  # noqa: E402
 
 
 class Rewrite:

@@ -44,7 +44,7 @@ import fedelastic.fl.checkpoint as checkpoint
 import fedelastic.fl.server as server
 import fedelastic.fl.cohort as cohort
 import fedelastic.fl.runner as runner
-import fedelastic.results as results
+import fedelastic.results.recorder as results
 
 stamps, jobs, current = [], [], [0]
 

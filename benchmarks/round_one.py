@@ -44,7 +44,7 @@ from flwr.app import ConfigRecord
 from fedelastic.api import load
 from fedelastic.fl.client import prepare_job, train_cohort
 from fedelastic.environment import environment, warm_up
-from fedelastic.training import LocalTraining, train_local
+from fedelastic.train.trainer import LocalTraining, train_local
 
 variant, rnd = sys.argv[1], 3
 wl = peers.Workload()

@@ -280,7 +280,7 @@ def windows_growth(clients: int, days: int, seed: int = 0) -> dict:
     import tracemalloc
 
     sys.path.insert(0, str(ROOT))
-    from fedelastic.sim.fleet import SessionAvailability
+    from fedelastic.sim.availability import SessionAvailability
 
     out: dict[str, list[float]] = {}
     for name in ("no floor", "floor"):

@@ -66,14 +66,14 @@ sys.path.insert(0, str(ROOT))
 
 from fedelastic import api  # noqa: E402
 from fedelastic.config import read_toml  # noqa: E402
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
 from fedelastic.environment import environment  # noqa: E402
-from fedelastic.pretrain import initial_state  # noqa: E402
-from fedelastic.results import read_status  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, evaluate_model, torch_threads, train_local  # noqa: E402
+from fedelastic.results.recorder import read_status  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.pretrain import initial_state  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, evaluate_model, torch_threads, train_local  # noqa: E402
 
 SIMULATIONS = ROOT / "simulations"
 PAGE = ROOT / "benchmarks" / "studies" / "shipped-scenarios.md"
@@ -149,7 +149,7 @@ def stream_pool(env) -> ArrayDataset:
 
 def central_accuracy(sc, max_steps: int) -> dict:
     """The scenario's starting weights trained centrally on its clients' pooled data (module doc)."""
-    from fedelastic.continual import evaluate_tasks  # noqa: PLC0415
+    from fedelastic.results.continual import evaluate_tasks  # noqa: PLC0415
 
     env = environment(sc)
     t = sc.train
@@ -222,7 +222,7 @@ def run_single(path: Path, raw: dict, out: Path) -> list[dict]:
 
 
 def run_compare(path: Path, raw: dict, out: Path) -> list[dict]:
-    from fedelastic.comparison import run_comparison  # noqa: PLC0415
+    from fedelastic.comparisons.comparison import run_comparison  # noqa: PLC0415
 
     raw = {**raw, "output_dir": str(out)}
     file = out / f"{path.stem}.toml"

@@ -11,19 +11,19 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
 1. Data: a fixed batch of the embedded digits (8x8 grey), bilinearly upsampled to the model's
    input size and repeated to 3 channels; 10 classes. The model first takes a few full SGD steps
    on other digit batches, so the importance below is that of a model that has started to adapt.
-2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.measure.measure_layers`,
+2. Host profile: fedelastic's profiler on this machine (:func:`fedelastic.profiling.measure.measure_layers`,
    per-layer fwd/dx/dw of exactly this model, batch and thread count; then
-   :func:`fedelastic.fit.fit_roofline` for the roofline numbers the measured table does
+   :func:`fedelastic.profiling.roofline_fit.fit_roofline` for the roofline numbers the measured table does
    not cover, i.e. the optimizer update). The profile is written beside the results
-   (``host_cpu.toml``, with :func:`fedelastic.profiles.build_profile_dict` and
-   :func:`~fedelastic.profiles.write_profile`, as ``fedelastic profile measure`` writes one).
-3. Importance: :func:`fedelastic.training.importance_probe` (the real probe: full backward, one
+   (``host_cpu.toml``, with :func:`fedelastic.profiling.writer.build_profile_dict` and
+   :func:`~fedelastic.profiling.writer.write_profile`, as ``fedelastic profile measure`` writes one).
+3. Importance: :func:`fedelastic.train.trainer.importance_probe` (the real probe: full backward, one
    real SGD step with momentum 0.9 and weight decay 5e-4, second backward, state restored).
 4. For rho in {0.3, 0.4, 0.5, 0.7, 1.0}: ``elastic_tensor``'s ``select()`` on a
-   :class:`~fedelastic.costmodel.CostModel` of the host profile. Predicted step time =
+   :class:`~fedelastic.cost.costmodel.CostModel` of the host profile. Predicted step time =
    ``cost.step_time_s(ratios)``; predicted speedup = full / selection.
 5. Measured: each selection applied exactly as the trainer applies it
-   (:class:`fedelastic.training._Applied`: ``requires_grad=False`` on unselected tensors, norm
+   (:class:`fedelastic.train.trainer._Applied`: ``requires_grad=False`` on unselected tensors, norm
    layers with no trained tensor in eval mode), then zero_grad + forward + loss + backward +
    optimizer step (SGD, momentum 0.9). The configurations (full and every rho) are interleaved
    round-robin, ``--repeats`` rounds after warm-up rounds, so drift on this shared machine hits
@@ -31,13 +31,13 @@ input), batch 8, sized so that a full training step takes ~50-300 ms on one core
    (``time.thread_time``; with one torch thread autograd runs CPU backward on the caller, so this
    is the work done, robust to other jobs on the machine; the profile is measured with this
    clock too) and wall time. Also the autograd node count of each configuration
-   (:func:`fedelastic.training.count_backward_nodes`), a noise-free proxy of backward work.
+   (:func:`fedelastic.train.trainer.count_backward_nodes`), a noise-free proxy of backward work.
 
 **Part 2: selector and cost-model speed** on ResNet-50 (214 trainable tensors at 32x32: Keras'
 320 variables include the 106 BN moving statistics), a deeper ResNet (blocks 3-4-13-3, 298
 tensors, "about 300") and ResNet-101 (418), priced on the built-in ``jetson_tx2`` profile
 (batch 4) with a given importance (seeded log-normal): the median time of
-:func:`fedelastic.selector.select_exact` directly (and its objective against the former
+:func:`fedelastic.selection.budgeted.select_exact` directly (and its objective against the former
 1000-unit grid selector and a 100,000-unit one, issue 7) and of every registered strategy's
 ``select()`` (TinyTrain with a seeded per-channel Fisher), and the pricing rate
 (``step_time_s`` + ``peak_memory_bytes`` of random selections per second).
@@ -65,17 +65,17 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import load_dataset  # noqa: E402
-from fedelastic.devices import Quantity, get_profile  # noqa: E402
-from fedelastic.fit import _start_device, fit_roofline  # noqa: E402
-from fedelastic.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
+from fedelastic.devices.profile import Quantity, get_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_model  # noqa: E402
-from fedelastic.profiles import build_profile_dict, measured_by, write_profile  # noqa: E402
-from fedelastic.selection import SelectionContext, available, make_strategy  # noqa: E402
-from fedelastic.selector import select_exact  # noqa: E402
-from fedelastic.training import _Applied, count_backward_nodes, importance_probe, ordered_params  # noqa: E402
+from fedelastic.profiling.measure import host_memory_available, measure_layers, measure_peak_flops  # noqa: E402
+from fedelastic.profiling.roofline_fit import _start_device, fit_roofline  # noqa: E402
+from fedelastic.profiling.writer import build_profile_dict, measured_by, write_profile  # noqa: E402
+from fedelastic.selection.budgeted import select_exact  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, available, make_strategy  # noqa: E402
+from fedelastic.train.trainer import _Applied, count_backward_nodes, importance_probe, ordered_params  # noqa: E402
 
 RHOS = (0.3, 0.4, 0.5, 0.7, 1.0)
 MODELS = {
@@ -149,7 +149,7 @@ def time_configs(model, info, params, batch, selections: dict, repeats: int, war
 
 
 def part1(args) -> tuple[dict, dict]:
-    from fedelastic.selection import Selection
+    from fedelastic.selection.strategy import Selection
 
     torch.set_num_threads(args.threads)
     clock = "cpu" if args.threads == 1 else "wall"
@@ -176,7 +176,7 @@ def part1(args) -> tuple[dict, dict]:
             repeats=args.profile_repeats,
             warmup=2,
             clock=clock,
-            source=f"fedelastic.measure.measure_layers on this host, batch {bs}, {size}x{size}, "
+            source=f"fedelastic.profiling.measure.measure_layers on this host, batch {bs}, {size}x{size}, "
             f"{args.threads} thread(s), {clock} clock, {time.strftime('%Y-%m-%d')}",
         )
         built[key] = (model, info, data)
@@ -284,7 +284,7 @@ BUDGETED = ("elastic_tensor", "elastic_layer", "random_budget", "static_elastic"
 
 def grid_value(importance, dw, dx, budget, resolution) -> float:
     """Best importance with costs rounded up to ``resolution`` units of the budget (the old grid selector)."""
-    from fedelastic.selector import to_grid
+    from fedelastic.selection.budgeted import to_grid
 
     n = len(importance)
     w = to_grid(dw, budget, resolution)

@@ -13,9 +13,9 @@ at 224x224, batch 4, importance draw 0, rho 0.4 / 0.5 / 0.6):
 * the host's implied time per counted operation (``time / ops``) and how much it varies across instances:
   if counted operations predict the time, it is about constant;
 * the two pricings' predictions for this host, against the measured time: *before*, the same work at
-  the host's measured ``torch.mm`` peak (``fedelastic.measure.measure_peak_flops``, efficiency 1: the
+  the host's measured ``torch.mm`` peak (``fedelastic.profiling.measure.measure_peak_flops``, efficiency 1: the
   tensor rate a profile without ``compute.scalar_ops_per_s`` is priced at); *after*, at the host's scalar
-  rate as ``fedelastic profile measure`` measures it (``fedelastic.measure.measure_scalar_rate``, the exact
+  rate as ``fedelastic profile measure`` measures it (``fedelastic.profiling.measure.measure_scalar_rate``, the exact
   DP on a synthetic 160-tensor instance), measured at the start and the end of the run (their mean).
 """
 
@@ -34,11 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import _OPS_PER_EVALUATION_PER_TENSOR, CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
-from fedelastic.measure import measure_peak_flops, measure_scalar_rate  # noqa: E402
+from fedelastic.cost.costmodel import _OPS_PER_EVALUATION_PER_TENSOR, CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
+from fedelastic.profiling.measure import measure_peak_flops, measure_scalar_rate  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 MODELS = ("resnet50", "mobilenetv2", "vit_b16")
 ARMS = (("elastic_tensor", "exact"), ("elastic_layer", "exact"), ("elastic_tensor", "grid"), ("elastic_artifact", "artifact_dp"))

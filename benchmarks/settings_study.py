@@ -4,7 +4,7 @@
 
 For each shipped model at its shipped scale (the setups below, each taken from a shipped scenario
 with its own data, pretraining and batch size), it fine-tunes the scenario's starting weights
-with the project's trainer (:func:`fedelastic.training.train_local`, strategy ``full``) over the
+with the project's trainer (:func:`fedelastic.train.trainer.train_local`, strategy ``full``) over the
 grid ``bn_mode`` in {frozen, train} x ``lr`` in {0.005, 0.01, 0.02, 0.05} x (optimizer, schedule) in
 {(sgd, constant), (sgdw, cosine)}, momentum 0.9 and weight decay 5e-4 throughout, in two regimes:
 
@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 from fedelastic import api  # noqa: E402
 from fedelastic.config import read_toml  # noqa: E402
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.environment import environment  # noqa: E402
-from fedelastic.pretrain import initial_state  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, evaluate_model, train_local  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.pretrain import initial_state  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, evaluate_model, train_local  # noqa: E402
 
 # name -> (scenario file, overrides, what ships it)
 SETUPS = {

@@ -51,7 +51,7 @@ def folder_bytes(folder: Path) -> int:
 def worker(rounds: int, backend: str) -> dict:
     """One soak run in this process; per-round records."""
     import fedelastic as fe
-    from fedelastic.results import Recorder
+    from fedelastic.results.recorder import Recorder
 
     writes: dict[int, float] = {}  # round -> seconds the writer spent on its batch
     real = Recorder._write_batch

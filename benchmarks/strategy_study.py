@@ -8,7 +8,7 @@
 The scenario is ``benchmarks/strategy_study.toml``: ``mcu_net`` (width 16) pretrained centrally on
 digits 0-4 and adapted by the fleet to all ten digits; fleets ``gpu`` (8 x Jetson TX2) and ``mcu``
 (4 x STM32H743 + 4 x STM32F746); 5 rounds of 2 local epochs at batch 16; seeds 0, 1, 2. This script
-fills ``[compare].strategies`` with every strategy of :func:`fedelastic.selection.available`, each
+fills ``[compare].strategies`` with every strategy of :func:`fedelastic.selection.strategy.available`, each
 with its defaults except:
 
 * strategies with a ``rho`` option (the ElasticTrainer family: elastic_tensor, elastic_layer,
@@ -16,7 +16,7 @@ with its defaults except:
   default, the artifact's 4 epochs: each local training (one round, two local epochs) starts with
   a probe and a selection and re-selects no more within the round;
 * ``sparse_update`` gets ``contributions``: its offline contribution analysis
-  (:func:`fedelastic.contribution.analyse`), measured once by this script from the pretrained
+  (:func:`fedelastic.train.contribution.analyse`), measured once by this script from the pretrained
   model on a **proxy task** made from the source task (the pretraining classes of the training
   split, what the server has before deployment, rotated 90 degrees: ``--contributions-proxy``;
   the source task itself gives every gain 0, the model already fits it; half to fine-tune, half
@@ -26,7 +26,7 @@ with its defaults except:
   ``sparse_update (centralised oracle)``, whose analysis runs on the pooled target-task training
   data of every client (no other strategy sees it offline); the plain variant is always run.
 
-It writes the resolved comparison file, then runs it with :func:`fedelastic.comparison.run_comparison`
+It writes the resolved comparison file, then runs it with :func:`fedelastic.comparisons.comparison.run_comparison`
 on the in-process backend (the comparison folder, with every run, goes under ``runs/``). From the
 runs it computes per (fleet, strategy), mean and std over seeds:
 
@@ -65,8 +65,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.comparison import USED, ci95, run_comparison  # noqa: E402
-from fedelastic.selection import REGISTRY, available  # noqa: E402
+from fedelastic.comparisons.comparison import USED, ci95, run_comparison  # noqa: E402
+from fedelastic.selection.strategy import REGISTRY, available  # noqa: E402
 
 SCENARIO = ROOT / "benchmarks" / "strategy_study.toml"
 RHO = 0.4
@@ -104,11 +104,11 @@ def measure_contributions(base: Path, path: Path, oracle: bool = False, proxy: s
     model already fits, so every gain is 0), or with ``oracle`` on the pooled target-task data."""
     import torch
 
-    from fedelastic.comparison import expand
-    from fedelastic.contribution import analyse
+    from fedelastic.comparisons.comparison import expand
     from fedelastic.data import transform
     from fedelastic.environment import RunEnvironment
-    from fedelastic.pretrain import initial_state
+    from fedelastic.train.contribution import analyse
+    from fedelastic.train.pretrain import initial_state
 
     raw = tomllib.loads(base.read_text())
     raw["compare"]["strategies"] = ["sparse_update"]
@@ -161,7 +161,7 @@ def resolved_toml(
         raw["server"]["rounds"] = rounds
     header = (
         f"# Resolved from {base.relative_to(ROOT) if base.is_relative_to(ROOT) else base} by benchmarks/strategy_study.py "
-        "(strategies filled from fedelastic.selection.available())\n"
+        "(strategies filled from fedelastic.selection.strategy.available())\n"
     )
     return header + tomli_w.dumps(raw)
 

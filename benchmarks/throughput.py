@@ -72,9 +72,9 @@ def worker_loop(sc, plain: bool, spawned: float) -> dict:
     from fedelastic.environment import environment
     from fedelastic.fl.client import train_partition
     from fedelastic.fl.server import EngineStrategy
-    from fedelastic.pretrain import initial_state
     from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
-    from fedelastic.training import seed_everything
+    from fedelastic.train.pretrain import initial_state
+    from fedelastic.train.trainer import seed_everything
 
     env = environment(sc)
     torch.set_num_threads(sc.simulation.torch_threads)

@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedelastic.environment import RunEnvironment  # noqa: E402
-from fedelastic.quant import device_numerics  # noqa: E402
 from fedelastic.scenario import parse_scenario  # noqa: E402
-from fedelastic.training import CohortJob, LocalTraining, batches, make_optimizer, seed_everything, train_local  # noqa: E402
-from fedelastic.vectorized import train_partitions_vmap  # noqa: E402
+from fedelastic.train.quant import device_numerics  # noqa: E402
+from fedelastic.train.trainer import CohortJob, LocalTraining, batches, make_optimizer, seed_everything, train_local  # noqa: E402
+from fedelastic.train.vectorized import train_partitions_vmap  # noqa: E402
 
 
 def tiny_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8, width: int = 8) -> nn.Sequential:

@@ -6,7 +6,7 @@ the per-client loop started from weights perturbed by 1e-7 (relative).
 Three clients of 160 digits each, small_cnn width 16 (quickstart's model), 3 epochs of batch 16
 (30 steps), SGD lr 0.05, momentum 0.9, weight decay 5e-4, ``full``, fp32; BatchNorm on batch
 statistics (``train``) and frozen. Prints the largest weight difference of each pair. Uses the
-equality tests' helpers (tests/unit/test_vectorized.py).
+equality tests' helpers (tests/unit/train/test_vectorized.py).
 """
 
 from __future__ import annotations

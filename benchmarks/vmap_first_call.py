@@ -30,8 +30,8 @@ def main() -> None:
 
     from fedelastic.environment import environment
     from fedelastic.scenario import parse_scenario
-    from fedelastic.training import CohortJob
-    from fedelastic.vectorized import train_partitions_vmap
+    from fedelastic.train.trainer import CohortJob
+    from fedelastic.train.vectorized import train_partitions_vmap
 
     t0 = time.process_time()
     wl = peers.Workload()

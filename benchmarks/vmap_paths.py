@@ -3,7 +3,7 @@
     python benchmarks/vmap_paths.py          # one line per simulations/*.toml
 
 Resolves each scenario's environment (no training) and prints what its run's status.json
-``training_path`` would say (:func:`fedelastic.vectorized.choose_path`). A comparison file
+``training_path`` would say (:func:`fedelastic.train.vectorized.choose_path`). A comparison file
 (``[compare]``) is resolved through its first strategy's scenario.
 """
 
@@ -17,11 +17,11 @@ sys.path.insert(0, str(ROOT))
 
 import tomllib  # noqa: E402
 
-from fedelastic.comparison import expand  # noqa: E402
+from fedelastic.comparisons.comparison import expand  # noqa: E402
 from fedelastic.environment import RunEnvironment  # noqa: E402
 from fedelastic.errors import ConfigError  # noqa: E402
 from fedelastic.scenario import load_scenario  # noqa: E402
-from fedelastic.vectorized import choose_path  # noqa: E402
+from fedelastic.train.vectorized import choose_path  # noqa: E402
 
 
 def main() -> None:

@@ -115,13 +115,13 @@ class RunResult:
     @property
     def status(self) -> dict:
         """status.json: 'completed', 'completed_with_errors' (with counts), 'diverged' (with its round and reason), 'failed', or 'dead' for a killed run."""
-        from .results import read_status
+        from .results.recorder import read_status
 
         return read_status(self.run_dir)
 
     def plot(self, path: str | Path | None = None) -> Path:
         """Draw accuracy against simulated time and per-device train time; returns the PNG's path."""
-        from .results import plot_accuracy
+        from .results.recorder import plot_accuracy
 
         out = Path(path) if path else self.run_dir / "accuracy_vs_time.png"
         plot_accuracy(self.rounds, self.clients, out)
@@ -218,7 +218,7 @@ def compare(
     Seeds that did not complete are in no mean: ``result.summary.status`` says which, and
     ``result.by_strategy.used`` counts the seeds used (``2/3``).
     """
-    from .comparison import run_comparison
+    from .comparisons.comparison import run_comparison
 
     named = {f"compare.{k}": v for k, v in (("seeds", seeds), ("strategies", strategies), ("fleets", fleets))}
     dotted = {**(overrides or {}), **{k: v for k, v in named.items() if v is not None}}

@@ -101,7 +101,7 @@ def _server_main(grid: Grid, context: Context) -> None:
         scenario, progress=_log_round, grid=grid, on_start=lambda valid: check_federation_size(grid, valid)
     )
     try:  # the figure `fedelastic run` writes; a failure here must not hide the finished run
-        from .summary import write_figures
+        from .results.summary import write_figures
 
         write_figures(run_dir)
     except Exception as exc:  # noqa: BLE001

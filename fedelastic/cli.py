@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError, FedelasticError, RunFailed, Terminated
-from .summary import console, report
+from .results.summary import console, report
 
 if TYPE_CHECKING:
     from .scenario import Scenario
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def cmd_report(args) -> None:
     if args.html:
-        from .report import write_html
+        from .comparisons.report import write_html
 
         console.print(f"report: {write_html(args.run_dir)}")
     if not args.html or (args.run_dir / "rounds.parquet").exists():
@@ -40,7 +40,7 @@ def _override(key: str, build):
 
 def exit_code(run_dir: Path) -> int:
     """0 completed (or errors within simulation.max_failure_rate), 3 errors above it, 4 diverged, 1 failed."""
-    from .results import read_status
+    from .results.recorder import read_status
 
     status = read_status(run_dir)
     if status["status"] == "completed":
@@ -174,8 +174,8 @@ def cmd_compare(args) -> int:
     """Run a comparison and print its table; exits 4 if a seed diverged, 3 if one did not complete, else 0."""
     import pandas as pd
 
-    from .comparison import exit_code, mean_table, not_used, run_comparison
-    from .idle import verdicts as idle_verdicts
+    from .comparisons.comparison import exit_code, mean_table, not_used, run_comparison
+    from .results.idle import verdicts as idle_verdicts
 
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("<command line>", "--rounds", "an integer >= 1", args.rounds)
@@ -220,7 +220,7 @@ def cmd_compare(args) -> int:
 
 def _print_statistics(out) -> None:
     """A comparison's final accuracy per seed, its paired differences and its lr-grid warnings."""
-    from .comparison import differences_table, edge_warnings, seed_table
+    from .comparisons.comparison import differences_table, edge_warnings, seed_table
 
     frames = [(f"final accuracy per seed: {out}/summary.csv", seed_table(out), [])]
     if (out / "differences.csv").exists():
@@ -239,10 +239,10 @@ def _print_statistics(out) -> None:
 
 
 def cmd_devices(args) -> None:
-    from .devices import load_profile, profile_paths
+    from .devices.profile import load_profile, profile_paths
 
     if args.action == "list":
-        from .units import fmt_bytes, si
+        from .devices.units import fmt_bytes, si
 
         table = Table(title="device profiles")
         for col in ("name", "class", "dtype", "peak", "bandwidth", "train memory", "train power"):
@@ -260,7 +260,7 @@ def cmd_devices(args) -> None:
             )
         console.print(table)
     elif args.action == "show":
-        from .devices import get_profile
+        from .devices.profile import get_profile
 
         p = get_profile(args.target, tuple(args.dir), context="<command line>")
         console.print(
@@ -295,7 +295,7 @@ def cmd_strategies(args) -> None:
     import inspect
 
     from .errors import ConfigError as _ConfigError
-    from .selection import REGISTRY, available
+    from .selection.strategy import REGISTRY, available
 
     if args.name is None:
         for name in available():
@@ -349,8 +349,8 @@ def cmd_models(args) -> None:
 
 def cmd_pretrain(args) -> None:
     from .environment import environment
-    from .pretrain import initial_state
     from .scenario import load_scenario
+    from .train.pretrain import initial_state
 
     sc = load_scenario(args.scenario)
     if sc.model.pretrain is None:
@@ -359,7 +359,7 @@ def cmd_pretrain(args) -> None:
 
 
 def cmd_profile(args) -> None:
-    from .profiler import import_trace_into, measure_profile
+    from .profiling.commands import import_trace_into, measure_profile
 
     progress = Console(stderr=True)  # stdout may carry the TOML table
 
@@ -413,7 +413,7 @@ def cmd_profile(args) -> None:
     except (ValueError, OSError) as exc:
         raise FedelasticError(f"profile {args.action}: {exc}") from None
     if args.profile is None:
-        from .profiles import dumps_profile
+        from .profiling.writer import dumps_profile
 
         console.print(dumps_profile(raw), end="", highlight=False, markup=False, soft_wrap=True)
         return
@@ -464,7 +464,7 @@ def _call(command: str, fn, **args) -> int:
         _error(f"{exc if isinstance(exc, Terminated) else 'interrupted'}{_resume_hint(exc, args)}")
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 (a run records the traceback in its errors.log)
-        from .results import one_line
+        from .results.recorder import one_line
 
         _error(f"{command} failed: {one_line(f'{type(exc).__name__}: {exc}')} (traceback in the run folder's errors.log)")
         return 1

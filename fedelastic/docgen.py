@@ -3,7 +3,7 @@
 ``python -m fedelastic.docgen`` writes ``docs/reference/scenario-keys.md`` (every scenario and
 ``[compare]`` key, from the config dataclasses' ``field(help=...)``),
 ``docs/reference/profile-keys.md`` (every device-profile key, from the schema in
-:mod:`fedelastic.devices`), ``docs/reference/results.md`` (every column of the results tables, from
+:mod:`fedelastic.devices.profile`), ``docs/reference/results.md`` (every column of the results tables, from
 the record fields' help in :mod:`fedelastic.sim.records`) and ``docs/explanation/packages.md`` (the
 packages and their imports, read from the source by :func:`import_graph`). ``--check`` writes
 nothing and exits 1 when a file is not current.
@@ -104,7 +104,7 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
 
 def scenario_keys() -> str:
     """The scenario key reference (Markdown)."""
-    from .comparison import CompareConfig
+    from .comparisons.comparison import CompareConfig
     from .scenario import Scenario
 
     lines = [
@@ -124,8 +124,8 @@ def scenario_keys() -> str:
 
 def profile_keys() -> str:
     """The device-profile key reference (Markdown)."""
-    from . import devices
-    from .units import UNITS
+    from .devices import profile as devices
+    from .devices.units import UNITS
 
     lines = [
         HEADER,

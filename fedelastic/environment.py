@@ -16,25 +16,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from .costmodel import CostModel
-from .data import (
-    ArrayDataset,
-    FederatedData,
-    carve_validation,
-    hf,
-    load_dataset,
-    partition,
-    train_test_split,
-)
+from .cost.costmodel import CostModel
+from .data import ArrayDataset, FederatedData, carve_validation, hf, load_dataset, partition, train_test_split
 from .data import transform as apply_transform
 from .data.shifts import Shift, apply_shift
 from .data.stream import Stream
-from .devices import DeviceProfile, assign_fleet, get_profile
+from .devices.profile import DeviceProfile, assign_fleet, get_profile
 from .errors import ConfigError
 from .modelinfo import ModelInfo, describe
 from .models import build_model
 from .scenario import Scenario
-from .selection import SelectionStrategy, make_strategy
+from .selection.strategy import SelectionStrategy, make_strategy
 
 
 class RunEnvironment:
@@ -169,8 +161,8 @@ class RunEnvironment:
 
     @cached_property
     def training_path(self) -> tuple[bool, str]:
-        """(vectorised?, why): ``simulation.vectorize`` resolved once (:func:`fedelastic.vectorized.choose_path`)."""
-        from .vectorized import choose_path
+        """(vectorised?, why): ``simulation.vectorize`` resolved once (:func:`fedelastic.train.vectorized.choose_path`)."""
+        from .train.vectorized import choose_path
 
         return choose_path(self)
 

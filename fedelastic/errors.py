@@ -65,5 +65,5 @@ class StopRun(Exception):
 
 def with_traceback(exc: BaseException) -> str:
     """``exc`` with its traceback, as Python prints it: a client's error reason (the server keeps it in
-    errors.log, the tables its last line; see :func:`fedelastic.results.one_line`)."""
+    errors.log, the tables its last line; see :func:`fedelastic.results.recorder.one_line`)."""
     return "".join(traceback.format_exception(exc)).rstrip()

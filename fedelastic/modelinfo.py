@@ -50,7 +50,7 @@ class LayerInfo:
     tensors: tuple[int, ...]
     groups: int = 1  # conv groups: a grouped (depthwise) conv's output channel needs only its own inputs
     batch_stats: bool = False  # a BatchNorm (its statistics can be frozen); other norms normalise per sample
-    # geometry, for the sampled kernel predictors (fedelastic.kernelsample); 0: not recorded
+    # geometry, for the sampled kernel predictors (fedelastic.devices.kernelsample); 0: not recorded
     in_channels: int = 0  # conv in_channels, linear in_features, norm features
     kernel: int = 0  # conv kernel area (kh * kw)
     stride: int = 0  # conv stride area (sh * sw)

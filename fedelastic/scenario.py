@@ -474,9 +474,9 @@ def _check_aggregator(scenario: Scenario, src: str) -> None:
 
 def validate(scenario: Scenario) -> Scenario:
     """Check the names a scenario refers to: strategy and options, model, devices."""
-    from .devices import get_profile
+    from .devices.profile import get_profile
     from .models import model_file, resolve_factory
-    from .selection import make_strategy
+    from .selection.strategy import make_strategy
 
     src = scenario.source or "<scenario>"
     _check_aggregator(scenario, src)
@@ -551,7 +551,7 @@ def _import_path(factory) -> str | None:
 
 def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
     """Trace paths relative to the scenario file, checked now (a bad trace fails before the run)."""
-    from .sim.fleet import load_availability_trace, load_network_trace
+    from .sim.traces import load_availability_trace, load_network_trace
 
     av, net = scenario.availability, scenario.network
     if av.model == "trace":
@@ -566,7 +566,7 @@ def _resolve_traces(scenario: Scenario, base: Path) -> Scenario:
 def parse_scenario(raw: dict, src: str = "<scenario>", *, resolve: bool = True) -> Scenario:
     """A type-checked scenario; ``resolve``: also :func:`validate` the names it refers to (which
     imports a model file's code: without it, no file it names is read and no user code runs)."""
-    if "compare" in raw:  # a comparison file: fedelastic.comparison reads its [compare] table
+    if "compare" in raw:  # a comparison file: fedelastic.comparisons.comparison reads its [compare] table
         raise ConfigError(
             src, "compare", f"no [compare] table (a comparison: run it with `fedelastic compare {src}` or fe.compare)"
         )

@@ -36,14 +36,14 @@ import torch
 from torch import nn
 
 from .config import from_dict, to_dict
-from .costmodel import CostModel
+from .cost.costmodel import CostModel
 from .data import load_digits_dataset
-from .devices import get_profile
+from .devices.profile import get_profile
 from .errors import ConfigError
 from .modelinfo import describe
 from .models.small import mcu_net, small_cnn
-from .selection import REGISTRY, Selection, SelectionContext, SelectionStrategy, make_strategy, register
-from .training import (
+from .selection.strategy import REGISTRY, Selection, SelectionContext, SelectionStrategy, make_strategy, register
+from .train.trainer import (
     LocalTraining,
     count_backward_nodes,
     fisher_probe,

@@ -42,10 +42,10 @@ from typing import Literal
 import numpy as np
 
 from fedelastic.config import check, field
-from fedelastic.costmodel import CostModel
+from fedelastic.cost.costmodel import CostModel
 from fedelastic.errors import ConfigError
-from fedelastic.selection import Selection, SelectionContext, SelectionStrategy
-from fedelastic.selector import select_artifact_dp, select_exact, select_greedy_ratio, select_grid
+from fedelastic.selection.budgeted import select_artifact_dp, select_exact, select_greedy_ratio, select_grid
+from fedelastic.selection.strategy import Selection, SelectionContext, SelectionStrategy
 
 SOLVERS = ("exact", "grid", "artifact_dp", "greedy")
 _TIME_RTOL = 1e-9
@@ -170,8 +170,8 @@ def solve(
 def solver_ops(n: int, solver: str, resolution: int) -> float:
     """Elementary operations of one solve over ``n`` units (priced on the device as selector work).
 
-    'exact' and 'artifact_dp' are not priced here: :func:`~fedelastic.selector.select_exact` and
-    :func:`~fedelastic.selector.select_artifact_dp` count what they perform.
+    'exact' and 'artifact_dp' are not priced here: :func:`~fedelastic.selection.budgeted.select_exact` and
+    :func:`~fedelastic.selection.budgeted.select_artifact_dp` count what they perform.
     """
     if solver in ("exact", "artifact_dp"):
         raise ValueError(f"the {solver} solver's operations are counted as it runs (its ops argument)")

@@ -10,7 +10,7 @@ selects with its own prior (``train.py``, ``selection_solver_DP.py``; read, not 
   error gradient for ``t_dx`` (here the device's measured or modelled per-layer times, the
   artifact's profile); the optimizer update and the backward time no tensor owns are not in it;
 * **its grid DP**: times rounded *down* to ``resolution`` units (``Tq = 1e3``) spanning the whole
-  backward, its DP with its quirks (:func:`fedelastic.selector.select_artifact_dp`,
+  backward, its DP with its quirks (:func:`fedelastic.selection.budgeted.select_artifact_dp`,
   ``artifact_grid=True``).
 
 So its selections may take more (or less) than ``rho x full`` on the device: the mis-pricing the
@@ -26,7 +26,7 @@ import numpy as np
 
 from fedelastic.config import field
 from fedelastic.errors import ConfigError
-from fedelastic.selection import SelectionContext, register
+from fedelastic.selection.strategy import SelectionContext, register
 
 from .budget import BudgetedStrategy, ElasticConfig, Solver, require_importance
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, register
+from fedelastic.selection.strategy import Selection, SelectionContext, SelectionStrategy, register
 
 
 @register

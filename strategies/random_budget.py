@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedelastic.selection import SelectionContext, register
+from fedelastic.selection.strategy import SelectionContext, register
 
 from .budget import BudgetedStrategy, ElasticConfig
 

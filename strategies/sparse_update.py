@@ -13,7 +13,7 @@ The scheme is fixed before training, from the model, the device's memory budget 
    only the kept channels' input activations are saved. Only layers whose bias is updated may
    update their weight (a conv counts when the norm just above it has its beta updated: folded).
 3. **Search.** ``search = "contribution"`` (default, the paper's): ``contributions`` is a JSON
-   file of accuracy gains measured once offline (:func:`fedelastic.contribution.analyse`, on
+   file of accuracy gains measured once offline (:func:`fedelastic.train.contribution.analyse`, on
    source or proxy data; a file measured on the pooled target-task data, a centralised oracle, is
    used only with ``oracle = true``):
    ``"bias"``, the gain of updating the last k biases (k = 1, 2, ...), and ``"weight"``,
@@ -44,7 +44,7 @@ import numpy as np
 from fedelastic.config import check, field
 from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import ModelInfo
-from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, register
+from fedelastic.selection.strategy import Selection, SelectionContext, SelectionStrategy, register
 
 BIAS_ROLES = ("bias", "norm_bias")
 _MAX_SCHEMES = 200_000  # exhaustive search cap (the paper's evolutionary search stands in beyond it)
@@ -69,7 +69,7 @@ class SparseUpdateConfig:
     )
     contributions: str = field(
         "",
-        help="JSON file of measured gains (fedelastic.contribution.analyse); empty: a depth heuristic "
+        help="JSON file of measured gains (fedelastic.train.contribution.analyse); empty: a depth heuristic "
         "stands in for the measurement (gain r * depth)",
     )
     oracle: bool = field(
@@ -106,7 +106,7 @@ class SparseUpdateConfig:
 def load_contributions(path: str) -> dict:
     """The measured gains in ``path``: ``{"bias": [...], "weight": {layer: {ratio: gain}}, "kind": ...}``.
 
-    ``kind`` is the analysis's (:mod:`fedelastic.contribution`): "offline proxy" or "centralised
+    ``kind`` is the analysis's (:mod:`fedelastic.train.contribution`): "offline proxy" or "centralised
     oracle"; a file that does not say is "unlabelled".
     """
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedelastic.selection import Selection, SelectionContext, register
+from fedelastic.selection.strategy import Selection, SelectionContext, register
 
 from .budget import BudgetConfig, BudgetedStrategy, require_importance
 

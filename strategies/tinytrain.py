@@ -45,7 +45,7 @@ from typing import Literal
 import numpy as np
 
 from fedelastic.config import check, field
-from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, register
+from fedelastic.selection.strategy import Selection, SelectionContext, SelectionStrategy, register
 
 
 @dataclass(frozen=True)

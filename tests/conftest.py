@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from fedelastic.devices import builtin_profile_dir
+from fedelastic.devices.profile import builtin_profile_dir
 from fedelastic.scenario import parse_scenario
 from tests.support import small_scenario_dict
 

@@ -20,7 +20,7 @@ Not a package module: imported by ``tinytrain/run.py`` and ``sparse_update/run.p
   widened past the edge a pick sits at (up to ``max_widen`` rates; a pick left at an edge is recorded
   and marked); an arm with ``lr_groups`` gives the head and the other biases their own rates
   (:func:`group_lrs`), searched one group at a time. ``tune_and_run_parallel`` runs arms in forked processes.
-* Training: :func:`fedelastic.training.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
+* Training: :func:`fedelastic.train.trainer.train_local` (SGD momentum 0.9, weight decay 5e-4, cosine,
   norms frozen: none are left after folding). Memory is priced at batch 1 on the MCU profile given (a device that accumulates
   micro-batches of 1: with BatchNorm frozen the gradient is the same as the host's batch). An arm whose
   selection does not fit is recorded as not fitting, with the trainer's reason, and (if asked) run
@@ -44,16 +44,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.comparison import tune_lr  # noqa: E402
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.comparisons.comparison import tune_lr  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset, synth  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
-from fedelastic.devices import Quantity, load_profile  # noqa: E402
+from fedelastic.devices.profile import Quantity, load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
-from fedelastic.optim import register_step_pre_hook  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, train_local  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.optim import register_step_pre_hook  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, train_local  # noqa: E402
 
 WIDTH, SIZE, WAYS = 16, 32, 5
 MIN_SOURCE_ACCURACY = 0.8
@@ -319,7 +319,7 @@ def lr_cell(arm: dict) -> str:
 def _search(
     arm: dict, tasks, lrs: tuple, max_widen: int, rec: dict, log, group: str = "", base: dict | None = None
 ) -> float:
-    """One lr search of ``arm`` on ``tasks('val', 0)`` (:func:`fedelastic.comparison.tune_lr`): of its
+    """One lr search of ``arm`` on ``tasks('val', 0)`` (:func:`fedelastic.comparisons.comparison.tune_lr`): of its
     single lr, or of ``group``'s with the other groups at ``base``; appended to ``rec``."""
 
     def score(x: float) -> float:
@@ -401,7 +401,7 @@ def tune_and_run(arms: list[dict], tasks, seeds: list[int], log=print, lrs: tupl
 
     ``tasks(split, key)`` returns a list of ``(train, test, steps, batch, task_seed)``. The lr is the
     best of ``lrs``, the grid widened past its edge while the pick sits there, up to ``max_widen``
-    rates (:func:`fedelastic.comparison.tune_lr`). An arm with ``lr_groups`` (e.g. ``["head", "bias"]``,
+    rates (:func:`fedelastic.comparisons.comparison.tune_lr`). An arm with ``lr_groups`` (e.g. ``["head", "bias"]``,
     :data:`LR_GROUPS`) gets one lr per group, tuned one group at a time (the others held), starting
     from the chosen lr of the arm named by ``start`` (run earlier) or from its own single-lr search.
     Each search is recorded with its ``edge`` (``top``/``bottom``: the limit bound there) and ``added``.

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import FedelasticError
-from ..results import fresh
+from ..results.recorder import fresh
 from ..sim.callbacks import Callback, RoundEnd
 
 CHECKPOINT = "checkpoint.pt"

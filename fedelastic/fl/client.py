@@ -9,13 +9,13 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from ..costmodel import CostModel
+from ..cost.costmodel import CostModel
 from ..environment import RunEnvironment, environment
-from ..quant import device_numerics
 from ..scenario import Scenario
 from ..sim.aggregators import proximal_mu
 from ..sim.records import METRIC_KEYS
-from ..training import CohortJob, LocalResult, LocalTraining, Prepared, train_local
+from ..train.quant import device_numerics
+from ..train.trainer import CohortJob, LocalResult, LocalTraining, Prepared, train_local
 from .arrays import config_record, metric_record, record_dict, record_from_numpy, record_to_numpy, record_to_torch
 
 
@@ -35,7 +35,7 @@ def train_partition(
     """One round of local training of partition ``pid``, seeded by (seed, round, partition).
 
     ``max_steps`` (from a deadline) caps the steps below the scenario's own cap; ``prepared``:
-    the model's :class:`~fedelastic.training.Prepared`, shared by the clients of a cohort.
+    the model's :class:`~fedelastic.train.trainer.Prepared`, shared by the clients of a cohort.
     """
     t = env.scenario.train
     return train_local(
@@ -102,14 +102,14 @@ def train_cohort(
     call): each job gives exactly what :func:`train_partition` gives for that client alone.
     ``done(i, result)`` is called as each job finishes (the caller's watchdog counts on it); when
     it returns False the remaining jobs are not started. The jobs share one
-    :class:`~fedelastic.training.Prepared` view of ``model``. On the vectorised path (``env.training_path``) the
-    jobs train together in one vectorised call (:func:`fedelastic.vectorized.train_partitions_vmap`),
+    :class:`~fedelastic.train.trainer.Prepared` view of ``model``. On the vectorised path (``env.training_path``) the
+    jobs train together in one vectorised call (:func:`fedelastic.train.vectorized.train_partitions_vmap`),
     and ``done`` is called for each once all are trained.
     """
     out: list[LocalResult | Exception] = []
     load = weights_loader(model, weights)
-    if env.training_path[0] and jobs:  # all jobs in one batched call (fedelastic/vectorized.py)
-        from ..vectorized import train_partitions_vmap
+    if env.training_path[0] and jobs:  # all jobs in one batched call (fedelastic/train/vectorized.py)
+        from ..train.vectorized import train_partitions_vmap
 
         load()
         try:

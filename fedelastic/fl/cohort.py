@@ -41,7 +41,7 @@ from ..environment import warm_up as env_warm_up
 from ..errors import with_traceback
 from ..runtime.backend import timeout_reason
 from ..scenario import Scenario
-from ..sim.fleet import local_steps
+from ..sim.deadline import local_steps
 from .arrays import record_dict, record_to_torch
 from .client import prepare_job, reply_content, too_slow_content, train_cohort
 from .grids import PassThroughGrid

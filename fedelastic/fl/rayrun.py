@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from ..environment import environment
-from ..results import Recorder
+from ..results.recorder import Recorder
 from ..runtime import orphans
 from ..runtime.backend import create_early_actors, resilient_actors
 from ..runtime.dispatch import fast_dispatch, notify_pushed

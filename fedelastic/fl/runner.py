@@ -24,12 +24,12 @@ from flwr.serverapp import Grid
 from ..config import read_toml
 from ..environment import RunEnvironment, environment
 from ..errors import ConfigError, FedelasticError, RunFailed, Terminated
-from ..pretrain import initial_state
-from ..results import Recorder, one_line, read_status
-from ..results import warm_up as warm_up_writer
+from ..results.recorder import Recorder, one_line, read_status
+from ..results.recorder import warm_up as warm_up_writer
 from ..runtime import orphans
 from ..runtime.lifecycle import start_ray_beside
 from ..scenario import PLAIN_NAME, Scenario, is_plain_name, parse_scenario, recorded, recorded_source, validate
+from ..train.pretrain import initial_state
 from .checkpoint import CHECKPOINT, load_checkpoint
 from .clientapp import make_client_app
 from .cohort import CohortGrid, cohort_count
@@ -317,7 +317,7 @@ PROFILES = "profiles.json"  # in a run folder: each device profile's file and co
 
 def profile_hashes(scenario: Scenario) -> dict[str, dict[str, str]]:
     """Device name -> its profile's file and the SHA-256 of its bytes."""
-    from ..devices import get_profile
+    from ..devices.profile import get_profile
 
     out = {}
     for device in sorted(scenario.fleet):

@@ -27,11 +27,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ..continual import evaluate_stream
-from ..divergence import Detector
 from ..environment import RunEnvironment, environment, freeze_heap
 from ..errors import RunFailed
-from ..results import Recorder
+from ..results.continual import evaluate_stream
+from ..results.recorder import Recorder
 from ..runtime.backend import timeout_reason
 from ..scenario import Scenario, ServerConfig
 from ..sim.aggregators import make_aggregator
@@ -44,10 +43,12 @@ from ..sim.callbacks import (
     ResultsWriter,
     RoundEnd,
 )
+from ..sim.deadline import local_steps
+from ..sim.divergence import Detector
 from ..sim.engine import Plan, Reply, RoundEngine, nonfinite_reason, nonfinite_tensors
-from ..sim.fleet import Fleet, local_steps
+from ..sim.fleet import Fleet
 from ..sim.records import METRIC_KEYS, ClientRecord, RoundRecord
-from ..training import evaluate_model, evaluate_predictions, torch_threads
+from ..train.trainer import evaluate_model, evaluate_predictions, torch_threads
 from .arrays import config_record, record_dict, record_from_numpy, record_to_numpy
 from .checkpoint import Checkpointer
 
@@ -129,7 +130,7 @@ def evaluates(server: ServerConfig, rnd: int) -> bool:
 
 
 class CentralEvaluation(Callback):
-    """The global model on the test set (a stream: on the seen tasks, :func:`~fedelastic.continual.evaluate_stream`)
+    """The global model on the test set (a stream: on the seen tasks, :func:`~fedelastic.results.continual.evaluate_stream`)
     and on the clients' held-out shares (``data.validation``), after the rounds that :func:`evaluates`,
     on ``simulation.torch_threads`` threads; the round's ``host_wall_s`` ends here."""
 
@@ -363,7 +364,7 @@ def server_main(
     """The ServerApp's body: register nodes, map partitions, run the rounds (from ``checkpoint``'s
     round + 1); returns the run's outcome (``completed``, ``stopped``, ``diverged``), raises if it failed.
 
-    The results are written behind (:meth:`~fedelastic.results.Recorder.write_behind`): a round's
+    The results are written behind (:meth:`~fedelastic.results.recorder.Recorder.write_behind`): a round's
     rows and checkpoint are written while a later round trains (the rounds of the last
     ``simulation.write_every_s`` seconds together); all of them are written when this returns or
     raises. The callbacks' ``on_run_end`` follows, with the run's outcome.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..training import LocalTraining, train_local
+from ..train.trainer import LocalTraining, train_local
 
 if TYPE_CHECKING:
     from ..environment import RunEnvironment

@@ -3,7 +3,7 @@
 Every layer that owns parameters is a direct child of the model, registered in forward order
 under its Keras name (``Conv1``, ``bn_Conv1``, ``expanded_conv_depthwise``, ...,
 ``block_16_project_BN``, ``Conv_1``, ``Conv_1_bn``, ``dense``), so ``model.named_modules()``
-yields the names that measured traces of the Keras model use (see :mod:`fedelastic.trace`).
+yields the names that measured traces of the Keras model use (see :mod:`fedelastic.profiling.chrome_trace`).
 
 Details kept from Keras:
 

@@ -3,7 +3,7 @@
 Every layer that owns parameters is a direct child of the model, registered in forward order
 under its Keras name (``conv1_conv``, ``conv1_bn``, ``conv2_block1_0_conv``, ...,
 ``conv5_block3_3_bn``, ``dense``), so ``model.named_modules()`` yields the names that measured
-traces of the Keras model use (see :mod:`fedelastic.trace`).
+traces of the Keras model use (see :mod:`fedelastic.profiling.chrome_trace`).
 
 Details kept from Keras:
 

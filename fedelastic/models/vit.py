@@ -13,7 +13,7 @@ The module tree mirrors the Keras layer names, with Keras' ``/`` becoming PyTorc
     head                                              Linear classifier
 
 so the qualified names of the parameter-owning modules, in forward order, are the names
-:mod:`fedelastic.trace` reads from measured traces of the Keras model.
+:mod:`fedelastic.profiling.chrome_trace` reads from measured traces of the Keras model.
 
 Details kept from vit-keras: pre-norm blocks, LayerNorm epsilon 1e-6, exact (erf) GELU, the
 class token prepended before the position embedding is added, the head on the class token,

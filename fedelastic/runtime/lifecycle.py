@@ -154,7 +154,7 @@ def start_ray(scenario) -> None:
             with _ray_start_patches():
                 ray.init(**ray_init_args(sim))
         except Exception as exc:  # noqa: BLE001 (Ray raises ConnectionError, RuntimeError, ValueError...)
-            from ..results import one_line
+            from ..results.recorder import one_line
 
             raise ConfigError(
                 src, "simulation.ray_address", f"a reachable Ray cluster ({one_line(str(exc))})", sim.ray_address

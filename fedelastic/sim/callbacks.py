@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..divergence import advice, weight_norm
 from ..errors import ConfigError, FedelasticError, StopRun
+from .divergence import advice, weight_norm
 from .records import round_columns
 
 if TYPE_CHECKING:
-    from ..divergence import Detector
+    from .divergence import Detector
     from .engine import RoundEngine
 
 OUTCOMES = ("completed", "stopped", "diverged", "failed")
@@ -234,7 +234,7 @@ class CallbackList(Callback):
 
 
 class DivergenceCheck(Callback):
-    """Feeds the run's divergence detector (``run.detector``, :mod:`fedelastic.divergence`) the
+    """Feeds the run's divergence detector (``run.detector``, :mod:`fedelastic.sim.divergence`) the
     round's figures: the clients' mean train loss, the global weights' norm, the rejected share
     and the central evaluation's; sets ``divergence`` (why the round diverged, or ''), and ends
     the run (``stop = "diverged"``) when it diverged under ``simulation.on_divergence = "stop"``."""
@@ -267,7 +267,7 @@ class DivergenceCheck(Callback):
 
 
 class ResultsWriter(Callback):
-    """Hands each round's rows to the run's recorder (:class:`~fedelastic.results.Recorder`): a
+    """Hands each round's rows to the run's recorder (:class:`~fedelastic.results.recorder.Recorder`): a
     continual run's accuracy-matrix rows, then the round's row; notes the first divergence."""
 
     def __init__(self, recorder: Any):
@@ -294,6 +294,6 @@ class ContinualReport(Callback):
 
     def on_run_end(self, run: Run, outcome: str) -> None:
         if outcome == "completed":
-            from ..continual import report
+            from ..results.continual import report
 
             report(self.folder, self.recover_share)

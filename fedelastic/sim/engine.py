@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from ..bands import trip_energy_band_j
+from ..cost.bands import trip_energy_band_j
 from .aggregate import ClientUpdate, aggregate_buffered, aggregate_partial, fednova_rescale
 from .clock import EXTRA, LATE, NO_UPDATE, Arrival, Trip
 from .clock import run_async as clock_run_async
-from .fleet import Fleet, deadline_from_quantile
+from .deadline import deadline_from_quantile
+from .fleet import Fleet
 from .policies import Assignment, Async, Policy, make_policy
 from .records import COUNTED, FAILED, REJECTED, ClientRecord, RoundSummary, idle_rows, reported, summarize
 

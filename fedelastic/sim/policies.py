@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol
 from ..errors import ConfigError
 from ..plugins import Registry
 from .clock import Trip, sync_round
-from .fleet import deadline_rho, deadline_rho_steps, deadline_steps
+from .deadline import deadline_rho, deadline_rho_steps, deadline_steps
 
 
 class ClientTimes(Protocol):

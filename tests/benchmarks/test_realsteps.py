@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedelastic.costmodel import CostModel
+from fedelastic.cost.costmodel import CostModel
 from fedelastic.modelinfo import describe
 from fedelastic.models import build_with_input
-from fedelastic.profiler import measure_profile
-from fedelastic.selection import Selection, SelectionContext, make_strategy
+from fedelastic.profiling.commands import measure_profile
+from fedelastic.selection.strategy import Selection, SelectionContext, make_strategy
 from tests.support import ROOT
 
 _spec = importlib.util.spec_from_file_location("realsteps", ROOT / "benchmarks" / "realsteps.py")

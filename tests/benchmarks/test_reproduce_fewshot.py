@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedelastic.optim import SGD
+from fedelastic.train.optim import SGD
 from tests.support import ROOT
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, load_script
-from tests.unit.test_imagenet_weights import TVMobileNetV2
+from tests.unit.train.test_imagenet_weights import TVMobileNetV2
 
 pytest.importorskip("datasets")
 SCRIPT = ROOT / "benchmarks" / "reproduce" / "elastictrainer_accuracy" / "run.py"

@@ -13,10 +13,10 @@ import pytest
 
 import fedelastic
 from fedelastic.config import check, field
-from fedelastic.selection import REGISTRY, Selection, available, make_strategy
+from fedelastic.selection.strategy import REGISTRY, Selection, available, make_strategy
 from fedelastic.strategies.budget import BudgetedStrategy, ElasticConfig
 from fedelastic.testing import BATCH, SEED, STEPS, _data, _fresh, _setup, check_strategy
-from fedelastic.training import LocalTraining, train_local
+from fedelastic.train.trainer import LocalTraining, train_local
 
 STRATEGIES = available()
 

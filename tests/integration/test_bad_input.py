@@ -125,7 +125,7 @@ def test_a_scenario_given_as_bytes(tmp_path):
 @pytest.mark.parametrize("thing", [42, "full", object])
 def test_registering_what_is_not_a_strategy_class(thing):
     import fedelastic as fe
-    from fedelastic.selection import REGISTRY
+    from fedelastic.selection.strategy import REGISTRY
 
     before = dict(REGISTRY)
     with pytest.raises(ConfigError, match="SelectionStrategy"):
@@ -135,7 +135,7 @@ def test_registering_what_is_not_a_strategy_class(thing):
 
 def test_a_strategy_class_without_a_name():
     import fedelastic as fe
-    from fedelastic.selection import SelectionStrategy
+    from fedelastic.selection.strategy import SelectionStrategy
 
     class Nameless(SelectionStrategy):
         name = ""
@@ -158,7 +158,7 @@ def test_an_absurd_number_of_rounds_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("field, value", [("heartbeat", "soon"), ("status", 3), ("rounds_done", "two")])
 def test_report_of_a_malformed_status_file(tmp_path, capsys, field, value):
-    from fedelastic.results import read_status
+    from fedelastic.results.recorder import read_status
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -255,7 +255,7 @@ def test_a_strategy_cannot_take_a_built_in_name_before_the_built_ins_load():
     code = (
         "import fedelastic as fe\n"
         "from fedelastic.errors import ConfigError\n"
-        "from fedelastic.selection import SelectionStrategy, available\n"
+        "from fedelastic.selection.strategy import SelectionStrategy, available\n"
         "class Mine(SelectionStrategy):\n"
         "    name = 'full'\n"
         "try:\n"
@@ -305,7 +305,7 @@ def test_a_trace_that_is_a_list_of_numbers(tmp_path, capsys):
 
 
 def test_a_trace_without_layer_regions_writes_nothing(tmp_path, capsys):
-    from fedelastic.devices import builtin_profile_dir
+    from fedelastic.devices.profile import builtin_profile_dir
 
     (tmp_path / "steps.json").write_text(json.dumps({"traceEvents": _steps_only()}))
     board = tmp_path / "my_board.toml"

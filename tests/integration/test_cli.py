@@ -68,7 +68,7 @@ def test_a_runs_own_config_toml_runs_again_to_the_same_results(tmp_path, capsys)
 
 
 def test_quantities_print_with_si_prefixes_and_missing_ones_as_n_a():
-    from fedelastic.units import fmt_bytes, si
+    from fedelastic.devices.units import fmt_bytes, si
 
     assert si(5.32e12, "FLOP/s") == "5.32 TFLOP/s" and si(25.6e9, "B/s") == "25.6 GB/s"
     assert si(480e6, "FLOP/s") == "480 MFLOP/s" and si(999.7, "B/s") == "1 kB/s" and si(7.0, "W") == "7 W"
@@ -82,7 +82,7 @@ def test_devices_list_shows_whole_names_and_prefixed_peaks(tmp_path, capsys):
 
     import tomli_w
 
-    from fedelastic.devices import builtin_profile_dir
+    from fedelastic.devices.profile import builtin_profile_dir
 
     raw = tomllib.loads((builtin_profile_dir() / "jetson_nano.toml").read_text())
     raw["name"] = "jetson_agx_orin_64gb_with_a_long_name"

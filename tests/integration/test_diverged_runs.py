@@ -4,7 +4,7 @@ A run whose training breaks down stops after that round (or goes on with
 ``simulation.on_divergence = "continue"``), ends with status 'diverged' and the round and
 reason in status.json, and `fedelastic run` exits 4. A client whose update is rejected
 (non-finite) is charged what its device spent and the round waits for it. The detector itself
-is checked on hand-built sequences in ``tests/unit/test_divergence.py``.
+is checked on hand-built sequences in ``tests/unit/sim/test_divergence.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedelastic.results import read_status
+from fedelastic.results.recorder import read_status
 from tests.support import only_run_dir, run_cli, scenario_file
 
 # small_cnn from its initialisation at lr 50, BatchNorm frozen: the weights reach ~1e13 in round 1
@@ -103,7 +103,7 @@ SCENARIO_B = {
 def test_a_barely_trained_run_whose_predictions_collapse_is_not_diverged(tmp_path, capsys, monkeypatch):
     """Before, round 3 ended 'diverged: 100.0% of the test predictions are class 3' (exit 4) and
     ``compare`` dropped such slow learners; a collapse now counts only with a test loss that went up."""
-    from fedelastic import divergence
+    from fedelastic.sim import divergence
 
     seen = []
     real = divergence.Detector.observe

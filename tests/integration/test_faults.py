@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from fedelastic.cli import main
-from fedelastic.devices import builtin_profile_dir
-from fedelastic.results import read_status
+from fedelastic.devices.profile import builtin_profile_dir
+from fedelastic.results.recorder import read_status
 from tests.support import (
     full_disk,
     only_run_dir,
@@ -536,7 +536,7 @@ def test_full_disk_fails_the_run_in_one_line_and_csv_and_parquet_agree(tmp_path,
 
 
 def test_table_append_is_all_or_nothing(tmp_path, monkeypatch):
-    from fedelastic.results import _Table
+    from fedelastic.results.recorder import _Table
 
     table = _Table(tmp_path, "t")
     table.append([{"a": 1, "b": "x"}])
@@ -559,7 +559,7 @@ def test_run_ids_are_unique_when_many_start_in_one_second(make_scenario):
 
 
 def test_report_draws_empty_and_non_finite_runs(tmp_path):
-    from fedelastic.results import plot_accuracy
+    from fedelastic.results.recorder import plot_accuracy
 
     rounds = pd.DataFrame({"round": [0, 1], "sim_time_s": [0.0, float("inf")], "test_accuracy": [0.1, 0.2]})
     clients = pd.DataFrame({"device": ["a", "b"], "device_class": ["mcu", "mcu"], "emulated_train_time_s": [float("nan"), float("inf")]})

@@ -260,7 +260,7 @@ def test_timeline_draws_every_phase_and_hatches_what_did_not_count(make_scenario
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedelastic.results import plot_timeline
+    from fedelastic.results.recorder import plot_timeline
 
     clients, rounds = _run(
         make_scenario, "gantt", server={"rounds": 3, "policy": "deadline_drop", "deadline_quantile": 0.5}

@@ -9,12 +9,12 @@ import warnings
 import pandas as pd
 import pytest
 
-from fedelastic.devices import LayerTiming, MeasuredTable, builtin_profile_dir, get_profile, profile_paths
-from fedelastic.fit import _roofline_device, fit_roofline, layer_roofline
+from fedelastic.devices.profile import LayerTiming, MeasuredTable, builtin_profile_dir, get_profile, profile_paths
 from fedelastic.fl.runner import run_scenario
-from fedelastic.measure import measure_copy_bandwidth
 from fedelastic.models import build_model
-from fedelastic.profiler import _origin
+from fedelastic.profiling.commands import _origin
+from fedelastic.profiling.measure import measure_copy_bandwidth
+from fedelastic.profiling.roofline_fit import _roofline_device, fit_roofline, layer_roofline
 from tests.support import small_info
 
 
@@ -94,7 +94,7 @@ def test_fitted_bandwidth_is_bounded_by_a_physical_limit_and_the_bound_is_report
 
 
 def test_copy_bandwidth_counts_bytes_read_and_written_and_keeps_the_best_size(monkeypatch):
-    import fedelastic.measure as measure
+    import fedelastic.profiling.measure as measure
 
     times = iter([1e-3, 2e-3])  # 1 MiB copied in 1 ms, 8 MiB in 2 ms (a stand-in clock: no timing in tests)
     monkeypatch.setattr(measure, "_median_time", lambda fn, repeats, warmup, clock: (fn(), next(times))[1])
@@ -126,7 +126,7 @@ def test_model_factory_from_a_file_path(tmp_path, monkeypatch):
 def test_accuracy_axis_starts_at_zero_and_names_the_range(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from fedelastic.results import plot_accuracy
+    from fedelastic.results.recorder import plot_accuracy
 
     seen = {}
     real = matplotlib.figure.Figure.savefig
@@ -168,7 +168,7 @@ def test_plugins_registered_in_the_driver_reach_the_ray_workers(make_scenario):
 
     from fedelastic import register_strategy
     from fedelastic.models import BUILTIN
-    from fedelastic.selection import REGISTRY
+    from fedelastic.selection.strategy import REGISTRY
     from strategies.last_layer import LastLayer
 
     class MyLastLayer(LastLayer):

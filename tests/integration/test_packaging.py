@@ -23,8 +23,8 @@ PROBE = textwrap.dedent(
     """
     import importlib.util, json, sys
     import fedelastic
-    from fedelastic.devices import builtin_profile_dir, get_profile
-    from fedelastic.selection import REGISTRY, available
+    from fedelastic.devices.profile import builtin_profile_dir, get_profile
+    from fedelastic.selection.strategy import REGISTRY, available
     names = available()
     print(json.dumps({
         "fedelastic": fedelastic.__file__,
@@ -39,7 +39,7 @@ PROBE = textwrap.dedent(
 
 THIRD_PARTY = """
 import numpy as np
-from fedelastic.selection import Selection, SelectionStrategy, register
+from fedelastic.selection.strategy import Selection, SelectionStrategy, register
 
 
 @register
@@ -113,7 +113,7 @@ def test_old_top_level_imports_in_a_source_tree_do_not_clash_with_the_installed_
     # same modules as fedelastic.strategies: each class registers once, under either name
     code = (
         "from strategies.tinytrain import layer_scores\n"
-        "from fedelastic.selection import REGISTRY, available, make_strategy\n"
+        "from fedelastic.selection.strategy import REGISTRY, available, make_strategy\n"
         "assert 'tinytrain' in available()\n"
         "make_strategy('tinytrain')\n"
         "print(REGISTRY['full'].__module__)\n"

@@ -17,7 +17,7 @@ from fedelastic.data.registry import DATASETS
 from fedelastic.errors import ConfigError
 from fedelastic.models import BUILTIN, MODELS, build_model, user_entries
 from fedelastic.plugins import adopt, registered, same_definition
-from fedelastic.selection import REGISTRY, SelectionStrategy
+from fedelastic.selection.strategy import REGISTRY, SelectionStrategy
 from fedelastic.sim.aggregators import AGGREGATORS, Aggregator
 from fedelastic.sim.policies import POLICIES, Policy
 
@@ -25,7 +25,7 @@ from fedelastic.sim.policies import POLICIES, Policy
 @pytest.fixture(autouse=True)
 def tables():
     """Leaves every registry as it found it."""
-    from fedelastic.selection import available
+    from fedelastic.selection.strategy import available
 
     available()  # the built-in strategies, loaded before the copy
     saved = [(t, dict(t)) for t in (REGISTRY, MODELS, DATASETS, POLICIES, AGGREGATORS)]

@@ -16,8 +16,8 @@ import sys
 import pandas as pd
 import pytest
 
-from fedelastic import idle
 from fedelastic.config import read_toml
+from fedelastic.results import idle
 from tests.support import ROOT
 
 SHIPPED = sorted((ROOT / "simulations").glob("*.toml"))

@@ -15,7 +15,7 @@ import pytest
 import tomli_w
 
 from fedelastic.cli import main
-from fedelastic.results import read_status
+from fedelastic.results.recorder import read_status
 from tests.support import small_scenario_dict
 
 CASES = {"SIGINT": (130, "interrupted (KeyboardInterrupt)"), "SIGTERM": (143, "stopped by SIGTERM")}

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import tomli_w
 
-from fedelastic.comparison import expand, expand_tuning
+from fedelastic.comparisons.comparison import expand, expand_tuning
 from fedelastic.fl.runner import run_scenario
 from fedelastic.runtime import patches
 from fedelastic.scenario import load_scenario

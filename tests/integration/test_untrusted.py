@@ -12,7 +12,7 @@ import tomli_w
 import fedelastic as fe
 from fedelastic.cli import main
 from fedelastic.errors import ConfigError
-from fedelastic.results import read_status
+from fedelastic.results.recorder import read_status
 from tests.support import small_scenario_dict
 
 EVIL = """
@@ -139,7 +139,7 @@ def test_a_link_planted_in_a_run_folder_is_not_written_through(tmp_path, planted
 
 
 def test_a_link_planted_as_errors_log_is_not_written_through(tmp_path):
-    from fedelastic.results import Recorder
+    from fedelastic.results.recorder import Recorder
 
     outside = tmp_path / "outside.txt"
     outside.write_text("precious\n")
@@ -155,7 +155,7 @@ def test_resume_refuses_a_device_profile_changed_since_the_run_started(tmp_path,
     """A profile edited between the kill and the resume would mix two devices' figures in one run."""
     import tomllib
 
-    from fedelastic.devices import builtin_profile_dir
+    from fedelastic.devices.profile import builtin_profile_dir
 
     devices = tmp_path / "devices"
     devices.mkdir()

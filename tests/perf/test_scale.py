@@ -25,10 +25,10 @@ from fedelastic.environment import environment
 from fedelastic.fl import server as fl_server
 from fedelastic.fl.clientapp import make_client_app
 from fedelastic.fl.grids import GuardedGrid, InProcessGrid
-from fedelastic.pretrain import initial_state
-from fedelastic.results import Recorder
+from fedelastic.results.recorder import Recorder
 from fedelastic.scenario import SimulationConfig, parse_scenario
-from fedelastic.sim.fleet import SessionAvailability
+from fedelastic.sim.availability import SessionAvailability
+from fedelastic.train.pretrain import initial_state
 from tests.support import small_scenario_dict
 
 pytestmark = pytest.mark.perf

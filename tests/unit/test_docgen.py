@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fedelastic import devices, docgen
+from fedelastic import docgen
 from fedelastic.config import field
+from fedelastic.devices import profile as devices
 from fedelastic.scenario import Scenario
 from tests.support import ROOT
 

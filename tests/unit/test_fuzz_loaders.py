@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedelastic.devices import DeviceProfile, parse_profile
+from fedelastic.devices.profile import DeviceProfile, parse_profile
 from fedelastic.errors import ConfigError
 from fedelastic.scenario import Scenario, parse_scenario
 from tests.support import small_scenario_dict

@@ -7,8 +7,8 @@ import sys
 def test_cost_model_and_every_strategy_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.costmodel, fedelastic.kernels, fedelastic.devices, fedelastic.selector, fedelastic.fit\n"
-        "from fedelastic.selection import available\n"
+        "import fedelastic.cost.costmodel, fedelastic.cost.kernels, fedelastic.devices.profile, fedelastic.selection.budgeted, fedelastic.profiling.roofline_fit\n"
+        "from fedelastic.selection.strategy import available\n"
         "assert len(available()) >= 9\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
     )
@@ -20,14 +20,14 @@ def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
     # layering: evaluation lives with training, partitioning with the data
     code = (
         "import sys\n"
-        "import fedelastic.pretrain, fedelastic.training, fedelastic.data, fedelastic.continual\n"
-        "from fedelastic.training import evaluate_model\n"
+        "import fedelastic.train.pretrain, fedelastic.train.trainer, fedelastic.data, fedelastic.results.continual\n"
+        "from fedelastic.train.trainer import evaluate_model\n"
         "from fedelastic.data import partition\n"
         "import numpy as np, torch\n"
         "m = torch.nn.Linear(2, 2); m.weight.data = torch.eye(2); m.bias.data.zero_()\n"
         "x = np.array([[1, 0], [0, 1], [1, 0]], np.float32); y = np.array([0, 1, 1])\n"
         "assert evaluate_model(m, x, y)[0] == 2 / 3  # by hand: rows 0, 1 right, row 2 wrong\n"
-        "from fedelastic.training import evaluate_predictions\n"
+        "from fedelastic.train.trainer import evaluate_predictions\n"
         "assert evaluate_predictions(m, x, y)[2].tolist() == [2, 1]  # predicted: class 0 twice, class 1 once\n"
         "assert sorted(map(len, partition(np.arange(10) % 2, 2, 'iid', 0))) == [5, 5]\n"
         "print(sorted(m for m in ('flwr', 'ray') if m in sys.modules))\n"
@@ -39,7 +39,7 @@ def test_central_pretraining_and_the_data_layer_load_without_flower_or_ray():
 def test_round_engine_and_fleet_dynamics_load_without_torch_flower_or_ray():
     code = (
         "import sys\n"
-        "import fedelastic.divergence, pkgutil, importlib, fedelastic.sim as sim\n"
+        "import fedelastic.sim.divergence, pkgutil, importlib, fedelastic.sim as sim\n"
         "for m in pkgutil.iter_modules(sim.__path__): importlib.import_module('fedelastic.sim.' + m.name)\n"
         "print(sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))\n"
     )

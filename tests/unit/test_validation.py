@@ -7,7 +7,7 @@ import sys
 import pytest
 import tomli_w
 
-from fedelastic.devices import load_profile, parse_profile, profile_paths
+from fedelastic.devices.profile import load_profile, parse_profile, profile_paths
 from fedelastic.errors import ConfigError
 from fedelastic.scenario import load_scenario
 from tests.support import small_scenario_dict

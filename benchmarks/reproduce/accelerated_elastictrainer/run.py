@@ -34,11 +34,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
-from fedelastic.trace import project_layer_names  # noqa: E402
+from fedelastic.profiling.chrome_trace import project_layer_names  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("et_time", HERE.parent / "elastictrainer_time" / "run.py")
 et_time = importlib.util.module_from_spec(_spec)

@@ -55,13 +55,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset, synth  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.seedstats import ci95  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, train_local  # noqa: E402
+from fedelastic.results.seedstats import ci95  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, train_local  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("et_accuracy", HERE.parent / "elastictrainer_accuracy" / "run.py")
 eta = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
 

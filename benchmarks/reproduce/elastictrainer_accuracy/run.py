@@ -55,15 +55,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.comparison import tune_lr  # noqa: E402
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.comparisons.comparison import tune_lr  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.data import ArrayDataset  # noqa: E402
 from fedelastic.data.shifts import Shift, apply_shift  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.models import build_with_input  # noqa: E402
-from fedelastic.selection import make_strategy  # noqa: E402
-from fedelastic.training import LocalTraining, train_local  # noqa: E402
+from fedelastic.selection.strategy import make_strategy  # noqa: E402
+from fedelastic.train.trainer import LocalTraining, train_local  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("reproduce_sources", Path(__file__).resolve().parents[1] / "sources.py")
 sources = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -294,7 +294,7 @@ def pretrained_state(name: str, opts: dict, d: dict, args: argparse.Namespace, c
 
 def tune_and_run(name: str, opts: dict, state: dict, d: dict, args: argparse.Namespace, epochs: int) -> dict:
     """Per strategy: the best of ``--lrs`` on the validation split (seed 0), the grid widened past its edge
-    while the pick sits there (up to ``--max-widen`` rates; :func:`fedelastic.comparison.tune_lr`), then
+    while the pick sits there (up to ``--max-widen`` rates; :func:`fedelastic.comparisons.comparison.tune_lr`), then
     ``--seeds`` test runs at it."""
     out: dict = {"tuning": [], "runs": [], "searches": {}}
     for strategy in args.strategies:

@@ -46,11 +46,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
-from fedelastic.trace import project_layer_names  # noqa: E402
+from fedelastic.profiling.chrome_trace import project_layer_names  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 # ../shared next to the checkout (a worktree sits one level deeper: the first ancestor that has it)
 TRACES = next(

@@ -21,10 +21,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 DEVICES = ("nrf52840", "stm32f746", "stm32h743", "raspberry_pi_zero_2w", "jetson_nano")
 SIZES = (16, 24, 32, 40, 48, 64)

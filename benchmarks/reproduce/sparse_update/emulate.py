@@ -17,10 +17,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import Quantity, load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import Quantity, load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 BUDGET_KIB = 256
 SIZES = (32, 64, 128)

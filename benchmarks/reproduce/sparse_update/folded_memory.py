@@ -24,9 +24,9 @@ _spec = importlib.util.spec_from_file_location("fewshot", HERE.parent / "fewshot
 fs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fs)  # type: ignore[union-attr]
 
-from fedelastic.costmodel import CostModel  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 CAPS = {"max_weight_layers": 8, "bias_last_k": 12}
 VARIANTS = [  # (label, strategy, options, budget KiB)

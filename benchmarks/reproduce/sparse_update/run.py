@@ -93,7 +93,7 @@ def contribution_analysis(d: dict, path: Path, lr: float) -> dict:
     pretrained, folded model with its prototype head, 2 epochs at batch 16 at ``lr`` (SGD momentum 0.9,
     cosine), priced on an unconstrained stm32f746 so every scheme is measured (each client's budget
     decides later which it may run). Written to ``path``."""
-    from fedelastic.contribution import analyse
+    from fedelastic.train.contribution import analyse
 
     rng = np.random.default_rng(7)
     tr, va = [], []

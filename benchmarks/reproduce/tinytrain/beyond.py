@@ -31,8 +31,8 @@ MACS, STEP, FLOOR = 7.4, 2.4, 1.5  # single device: backward MACs (MobileNetV2) 
 
 def forward_macs_per_step() -> float:
     """Forward MACs of one training step of ``BASE``'s model and batch (the part every selection pays)."""
-    from fedelastic.costmodel import CostModel
-    from fedelastic.devices import load_profile
+    from fedelastic.cost.costmodel import CostModel
+    from fedelastic.devices.profile import load_profile
     from fedelastic.models import describe_model
 
     info = describe_model("mcu_net", num_classes=10, input_size=32, width=bc.BASE["model"]["options"]["width"])

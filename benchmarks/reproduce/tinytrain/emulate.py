@@ -15,10 +15,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from fedelastic.costmodel import CostModel  # noqa: E402
-from fedelastic.devices import Quantity, load_profile  # noqa: E402
+from fedelastic.cost.costmodel import CostModel  # noqa: E402
+from fedelastic.devices.profile import Quantity, load_profile  # noqa: E402
 from fedelastic.models import describe_model  # noqa: E402
-from fedelastic.selection import SelectionContext, make_strategy  # noqa: E402
+from fedelastic.selection.strategy import SelectionContext, make_strategy  # noqa: E402
 
 MODELS = {"mobilenetv2": {"input_size": 224, "num_classes": 5}, "mcu_net": {"input_size": 32, "num_classes": 5, "width": 16}}
 DEVICES = ("raspberry_pi_zero_2w", "jetson_nano")

@@ -7,14 +7,14 @@ import pytest
 import torch
 from flwr.app import Array, ConfigRecord, Message, MessageType
 
-from fedelastic.costmodel import CostModel
-from fedelastic.devices import get_profile
+from fedelastic.cost.costmodel import CostModel
+from fedelastic.devices.profile import get_profile
 from fedelastic.fl.arrays import config_record, from_numpy, to_numpy
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import small_cnn
-from fedelastic.selection import Selection
+from fedelastic.selection.strategy import Selection
 from fedelastic.sim.aggregate import ClientUpdate, aggregate_partial
-from fedelastic.training import LocalResult, _add_to_union, _Applied, ordered_params
+from fedelastic.train.trainer import LocalResult, _add_to_union, _Applied, ordered_params
 
 
 def _plain_union(selections, applied_list, info):

@@ -12,7 +12,7 @@ from fedelastic.errors import ConfigError
 from fedelastic.fl.cohort import CohortGrid
 from fedelastic.fl.runner import run_scenario
 from fedelastic.runtime import patches
-from fedelastic.training import seed_torch
+from fedelastic.train.trainer import seed_torch
 from tests.support import assert_same_run, tables_and_model, user_models
 
 
@@ -246,7 +246,7 @@ def test_fast_array_records_are_flowers_own():
 
 def test_the_environments_strategy_cache_stays_bounded_under_per_client_rhos(make_scenario):
     from fedelastic import environment as env_module
-    from fedelastic.selection import make_strategy
+    from fedelastic.selection.strategy import make_strategy
 
     sc = make_scenario(train={"strategy": "elastic_tensor", "options": {"rho": 0.5}})
     env = env_module.environment(sc)

@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedelastic.comparison import curves, summarise
+from fedelastic.comparisons.comparison import curves, summarise
+from fedelastic.comparisons.report import write_html
 from fedelastic.errors import ConfigError
 from fedelastic.fl.runner import resume_run, run_scenario
-from fedelastic.report import write_html
-from fedelastic.results import plot_accuracy
+from fedelastic.results.recorder import plot_accuracy
 from fedelastic.scenario import parse_scenario
 from tests.support import full_disk, small_scenario_dict
 
@@ -202,7 +202,7 @@ def _mixed_rows(r: int, plain: bool = False) -> list[dict]:
 
 
 def test_appends_write_the_pandas_writers_bytes(tmp_path):
-    from fedelastic.results import _Table
+    from fedelastic.results.recorder import _Table
     from tests.pandas_writer import PandasTable
 
     (tmp_path / "new").mkdir(), (tmp_path / "pandas").mkdir()
@@ -232,7 +232,7 @@ def test_a_runs_results_files_are_byte_identical_to_the_pandas_writers(make_scen
     rows reach the oracle through a wrapper of the private ``_Table.append``: the only place that sees
     each append's rows as the run hands them over."""
     import fedelastic.fl.client as client
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
     from tests.pandas_writer import PandasTable
 
     real_train = client.train_local
@@ -361,7 +361,7 @@ def test_rows_and_checkpoint_are_written_behind_in_order(make_scenario, monkeypa
     import torch
 
     import fedelastic.fl.client as client
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
 
     release, blocked = threading.Event(), threading.Event()
     real_append, real_train = results._Table.append, client.train_local
@@ -402,7 +402,7 @@ def test_rows_and_checkpoint_are_written_behind_in_order(make_scenario, monkeypa
 
 
 def test_a_failed_write_behind_fails_the_run_and_keeps_earlier_rounds(make_scenario, monkeypatch):
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
 
     full_disk(monkeypatch, lambda name, rounds: name == "clients" and 2 in rounds)
     sc = make_scenario(server={"rounds": 4}, simulation={"write_every_s": 0})  # each round handed over
@@ -423,7 +423,7 @@ def test_a_comparison_with_skipped_evaluations(tmp_path):
     import tomli_w
 
     from fedelastic.api import stop_at_accuracy
-    from fedelastic.comparison import run_comparison
+    from fedelastic.comparisons.comparison import run_comparison
 
     raw = small_scenario_dict(tmp_path, server={"rounds": 3, "evaluate_every": 2})
     raw["compare"] = {"strategies": ["full"], "fleets": {"sbc": {"raspberry_pi_4": 3}}, "seeds": [0, 1]}
@@ -467,7 +467,7 @@ def test_a_failed_write_is_raised_at_the_next_round_and_stops_training(make_scen
 
 
 def test_a_failed_write_in_the_round_a_callback_stops_fails_the_run(make_scenario, monkeypatch):
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
     from fedelastic.errors import StopRun
 
     def stop_at_2(row):
@@ -483,7 +483,7 @@ def test_a_failed_write_in_the_round_a_callback_stops_fails_the_run(make_scenari
 
 
 def test_async_aggregations_are_handed_to_the_writer_before_the_next_one(make_scenario, monkeypatch):
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
 
     real = results.Recorder.add_clients
     waiting: list[int] = []
@@ -503,7 +503,7 @@ def test_async_aggregations_are_handed_to_the_writer_before_the_next_one(make_sc
 
 
 def test_a_hand_over_interrupted_by_ctrl_c_writes_each_job_once(tmp_path):
-    from fedelastic.results import Recorder
+    from fedelastic.results.recorder import Recorder
 
     rec = Recorder(tmp_path / "run", {"x": 1})
     rec.write_behind()
@@ -533,7 +533,7 @@ def test_a_rounds_writes_go_to_the_writer_once_the_next_rounds_messages_are_buil
     send of Flower's evaluate step, while the driver evaluates the model."""
     import fedelastic.fl.cohort as cohort
     import fedelastic.fl.grids as grids
-    import fedelastic.results as results
+    import fedelastic.results.recorder as results
 
     events: list[str] = []
 

@@ -14,10 +14,10 @@ from fedelastic.errors import FedelasticError, StopRun
 from fedelastic.fl.clientapp import make_client_app
 from fedelastic.fl.grids import GuardedGrid, InProcessGrid
 from fedelastic.fl.server import server_main
-from fedelastic.pretrain import initial_state
-from fedelastic.results import Recorder
+from fedelastic.results.recorder import Recorder
 from fedelastic.sim.callbacks import Callback
 from fedelastic.sim.records import round_columns
+from fedelastic.train.pretrain import initial_state
 
 # small_cnn from its initialisation at lr 50, BatchNorm frozen: the weights reach ~1e13 in round 1
 EXPLODES = {"strategy": "full", "batch_size": 16, "max_steps": 3, "lr": 50.0, "bn_mode": "frozen"}

@@ -41,7 +41,7 @@ def test_bias_and_norm_strategy_from_scratch_warns(make_scenario):
 def test_a_strategy_that_trains_most_of_the_model_does_not_warn(make_scenario):
     from fedelastic.environment import RunEnvironment
     from fedelastic.fl.untrained import trained_shares
-    from fedelastic.pretrain import initial_state
+    from fedelastic.train.pretrain import initial_state
 
     train = {"strategy": "elastic_tensor", "options": {"rho": 0.9}, "numerics": "fp32"}
     env = RunEnvironment(make_scenario(train=train))

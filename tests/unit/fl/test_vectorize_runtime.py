@@ -1,4 +1,4 @@
-"""``simulation.vectorize``: a cohort call trains its clients as one batched model (fedelastic/vectorized.py)."""
+"""``simulation.vectorize``: a cohort call trains its clients as one batched model (fedelastic/train/vectorized.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _run(make_scenario, vectorize: bool, run_id: str, train=TRAIN):
 
 @pytest.mark.parametrize("train", [TRAIN, SHIPPED], ids=["fp32-frozen", "int8-batch-statistics"])
 def test_vectorised_cohorts_train_what_the_per_client_loop_trains(make_scenario, monkeypatch, train):
-    import fedelastic.vectorized as vectorized
+    import fedelastic.train.vectorized as vectorized
 
     calls = []
     real = vectorized.train_partitions_vmap

@@ -7,19 +7,17 @@ import pandas as pd
 import pytest
 
 from fedelastic.errors import ConfigError
+from fedelastic.sim.availability import SessionAvailability, TraceAvailability
 from fedelastic.sim.clock import Trip, run_async, staleness_weight, sync_round
-from fedelastic.sim.fleet import (
-    SessionAvailability,
-    TraceAvailability,
+from fedelastic.sim.deadline import (
     deadline_from_quantile,
     deadline_rho,
     deadline_rho_steps,
     deadline_steps,
-    link_factors,
-    load_availability_trace,
-    load_network_trace,
     local_steps,
 )
+from fedelastic.sim.network import link_factors
+from fedelastic.sim.traces import load_availability_trace, load_network_trace
 
 # three clients dispatched at t = 100: (down, train, up) seconds
 A = Trip(0, 100.0, 1.0, 4.0, 1.0)  # arrives 106
@@ -235,7 +233,7 @@ def test_async_handles_simultaneous_arrivals_before_dispatching():
 def test_fedscale_availability_import(tmp_path):
     import pickle
 
-    from fedelastic.sim.fleet import import_fedscale_availability
+    from fedelastic.sim.traces import import_fedscale_availability
 
     traces = {
         7: {"active": [0, 30], "inactive": [10, 35], "finish_time": 40},
@@ -251,7 +249,7 @@ def test_fedscale_availability_import(tmp_path):
 
 
 def test_battery_drains_refuses_and_recharges_on_schedule():
-    from fedelastic.sim.fleet import Batteries
+    from fedelastic.sim.battery import Batteries
 
     # 100 J, refuses below 30%, charges at 2 W from 60 s to 80 s of every 100 s day
     b = Batteries(

@@ -93,9 +93,9 @@ def _tables() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def test_the_readers_read_tables_made_of_the_records_alone(tmp_path, capsys):
-    from fedelastic.report import device_table, energy_by_class, memory_by_device, write_html
-    from fedelastic.seedstats import summarise
-    from fedelastic.summary import report
+    from fedelastic.comparisons.report import device_table, energy_by_class, memory_by_device, write_html
+    from fedelastic.results.seedstats import summarise
+    from fedelastic.results.summary import report
 
     rounds, clients = _tables()
     headline = summarise(rounds, clients, target=0.7)  # by hand from the rows above

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedelastic.errors import ConfigError
-from fedelastic.selection import SelectionContext, make_strategy
-from fedelastic.selector import select_artifact_dp
+from fedelastic.selection.budgeted import select_artifact_dp
+from fedelastic.selection.strategy import SelectionContext, make_strategy
 from fedelastic.strategies.elastic_artifact import artifact_budget
 from fedelastic.testing import _setup
 

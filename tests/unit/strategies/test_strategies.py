@@ -15,16 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from fedelastic.costmodel import CostModel
+from fedelastic.cost.costmodel import CostModel
 from fedelastic.data import load_digits_dataset
-from fedelastic.devices import Quantity, get_profile
+from fedelastic.devices.profile import Quantity, get_profile
 from fedelastic.errors import ConfigError
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
-from fedelastic.selection import Selection, SelectionContext, SelectionStrategy, make_strategy
+from fedelastic.selection.strategy import Selection, SelectionContext, SelectionStrategy, make_strategy
 from fedelastic.strategies.budget import solve, tensor_times
 from fedelastic.strategies.tinytrain import layer_scores
-from fedelastic.training import LocalTraining, fisher_probe, importance_probe, ordered_params, train_local
+from fedelastic.train.trainer import LocalTraining, fisher_probe, importance_probe, ordered_params, train_local
 
 BATCH = 16
 
@@ -408,7 +408,7 @@ def test_sparse_update_trains_the_input_channels_of_largest_norm():
     ratios[2] = 0.25  # the second conv's weight
     sparse = np.zeros(info.num_tensors, bool)
     sparse[2] = True
-    from fedelastic.contribution import _Fixed
+    from fedelastic.train.contribution import _Fixed
 
     result = train_local(model, info, _Fixed(Selection(ratios, input_sparse=sparse)), cost, digits(), LocalTraining(epochs=1, batch_size=BATCH, lr=0.5, max_steps=3))
     after = model[2].weight.detach()
@@ -584,7 +584,7 @@ def test_a_later_selection_that_does_not_fit_keeps_the_time_spent():
 
 
 def test_sgdw_decays_decoupled_and_cosine_schedules_the_rate():
-    from fedelastic.training import SGDW
+    from fedelastic.train.trainer import SGDW
 
     w = nn.Parameter(torch.tensor([2.0, -1.0]))
     opt = SGDW([w], lr=0.1, momentum=0.0, weight_decay=0.5)
@@ -715,7 +715,7 @@ def test_no_fisher_probe_when_no_layer_fits_memory():
 def test_the_contribution_analysis_says_what_data_it_ran_on(tmp_path):
     import json
 
-    from fedelastic.contribution import analyse
+    from fedelastic.train.contribution import analyse
 
     model, info, cost = build(small_cnn, 4, "jetson_tx2")
     data = digits()
