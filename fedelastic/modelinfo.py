@@ -214,6 +214,12 @@ def _kind(module: nn.Module) -> str:
     return "other"
 
 
+# functional ops that do what a leaf module of that kind does: a leaf whose weights its parent
+# passes to one of them is recorded there (anything else, e.g. MultiheadAttention's fused forward
+# with its out_proj's weights, stays unreached and is refused)
+_LEAF_OPS = {"linear": "linear", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv"}
+
+
 def _macs(module: nn.Module, kind: str, inp: torch.Tensor, out: torch.Tensor, batch: int) -> int:
     """Multiply-accumulates per sample of a batch of ``batch`` (a module may fold other axes into
     its tensors' first one, as Swin's windows do)."""
@@ -345,12 +351,12 @@ def describe(model: nn.Module, sample: torch.Tensor, model_name: str = "") -> Mo
     class Functional(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if depth[0] == 0:
+            name = getattr(func, "__name__", "")
+            if depth[0] == 0 and name in _LEAF_OPS:  # the leaf's own op, called on its weights
                 owner = next((leaf_of[id(a)] for a in args if id(a) in leaf_of), None)
-                if owner is not None and id(owner[1]) not in seen:
+                if owner is not None and id(owner[1]) not in seen and _kind(owner[1]) == _LEAF_OPS[name]:
                     record(*owner, args, out)
                     return out
-            name = getattr(func, "__name__", "")
             kind = _fn_kind(name) if depth[0] == 0 else None
             o = first_tensor(out) if kind else None
             if o is not None:

@@ -40,6 +40,7 @@ from ..sim.callbacks import (
     ContinualReport,
     DivergenceCheck,
     Evaluation,
+    FunctionCallback,
     ResultsWriter,
     RoundEnd,
 )
@@ -208,7 +209,12 @@ class EngineStrategy:
         writes = [] if recorder is None else [ResultsWriter(recorder), Checkpointer(recorder, checkpoint)]
         if recorder is not None and self.sc.stream is not None:
             writes.append(ContinualReport(recorder.folder, self.sc.stream.recover_share))
-        self.callbacks = CallbackList([*checks, *callbacks, progress, *writes])
+        # objects may return columns, so they run before the row is written; plain functions of the
+        # row (the command's progress line, fe.run's functions) after it: a round printed is on record
+        users = CallbackList([progress, *callbacks]).callbacks
+        functions = [cb for cb in users if isinstance(cb, FunctionCallback)]
+        objects = [cb for cb in users if not isinstance(cb, FunctionCallback)]
+        self.callbacks = CallbackList([*checks, *objects, *writes, *functions])
         self.offset = 0  # a resumed run's rounds start after the checkpoint's round (set by the Checkpointer)
         self.resumed, self.hand_back = False, False
         self.client_states: dict[int, dict[str, np.ndarray]] = {}  # every node's strategy state (checkpointed)

@@ -16,9 +16,11 @@ A callback is an object with any of these methods (:class:`Callback` has them al
 The round loop (:meth:`fedelastic.fl.server.EngineStrategy.run`) calls one :class:`CallbackList`,
 in this order: the central evaluation (``fl/server.py``'s ``CentralEvaluation``: the ``test_*``,
 ``val_*`` and ``host_wall_s`` columns), the :class:`DivergenceCheck` (the ``divergence`` column;
-``stop = "diverged"`` under ``simulation.on_divergence = "stop"``), the user's progress function
-and callbacks (``fe.run``: ``progress`` first, then ``callbacks`` in the order given), the :class:`ResultsWriter` (the row, with every column, to
-the results), the checkpoint, the continual report. Each sees the columns of those before it. A
+``stop = "diverged"`` under ``simulation.on_divergence = "stop"``), the user's callback objects
+(``fe.run``'s ``callbacks`` in the order given), the :class:`ResultsWriter` (the row, with every
+column, to the results), the checkpoint, then the plain functions of the row (``progress`` first,
+then ``callbacks`` that are functions): a round a progress line reports is on record, so a signal
+during the line loses nothing. Each sees the columns of those before it. A
 built-in column (:func:`~fedelastic.sim.records.round_columns`) is set only by the callback that
 declares it in its ``owns``; any other callback returning one, two callbacks returning the same
 column, or a column first returned after the run's first round (the table's columns are fixed by

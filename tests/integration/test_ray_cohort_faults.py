@@ -47,7 +47,8 @@ def test_ray_a_cohort_whose_worker_dies_is_split_and_only_the_culprit_fails(make
     sc = make_scenario(
         fleet=SIX, train={"batch_size": 512, "max_steps": 1}, server={"rounds": 1},
         model={"name": "exit_models:net", "options": {"size": sizes[culprit]}},
-        simulation={"backend": "ray", "num_cpus_per_client": 1, "client_retries": 0, "cohorts": 2},
+        # the per-client cohort path, whose clients each run their own forward (a vectorised cohort is one batch)
+        simulation={"backend": "ray", "num_cpus_per_client": 1, "client_retries": 0, "cohorts": 2, "vectorize": False},
     )  # fmt: skip
     clients = pd.read_parquet(run_scenario(sc, run_id="exit") / "clients.parquet")
     assert len(clients) == 6  # no client vanished
