@@ -1,8 +1,9 @@
 """The old import paths of issue 39's restructure stay for one release: each warns, naming the new
 path, and gives the very objects of the new modules; nothing in the repository imports them.
 
-``old_public_names.json`` was written by ``benchmarks/restructure/apply.py`` from the old modules'
-source before they moved: every public name each defined, and the modules it went to.
+``old_public_names.json`` was written by the restructure script (``benchmarks/restructure/apply.py``,
+in git history at ``096592f``) from the old modules' source before they moved: every public name
+each defined, and the modules it went to.
 """
 
 from __future__ import annotations
