@@ -41,9 +41,14 @@ def profile_raw() -> dict:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``patched`` check what fedelastic's runtime patches do: skipped when they are off."""
+    """Tests marked ``ray`` run one after another on one pytest-xdist worker (``--dist loadgroup``:
+    each starts its own Ray cluster, and two at once would fight over one machine's cores and ports);
+    tests marked ``patched`` check what fedelastic's runtime patches do: skipped when they are off."""
     from fedelastic.runtime.patches import switched_on
 
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if switched_on():
         return
     skip = pytest.mark.skip(reason="checks a runtime patch, and FEDELASTIC_PATCHES turns them off")
