@@ -497,7 +497,7 @@ def test_ray_dead_and_hung_clients_are_retried_or_timed_out_and_the_pool_recover
         # timeout_s is a few seconds of CPU work per healthy client
         # the per-client path, whose timeout is per client (vectorize = "auto" would batch the cohort:
         # a hang there costs the cohort's budget, then its clients are retried one by one)
-        simulation={"backend": "ray", "num_cpus_per_client": 1.0, "timeout_s": 30.0, "vectorize": False},
+        simulation={"backend": "ray", "num_cpus_per_client": 1.0, "timeout_s": 40.0, "vectorize": False},
     )  # fmt: skip
     code, out = run_cli(["run", path], capsys)  # returns at all: the driver does not wait for the hung client
     run_dir = only_run_dir(tmp_path)
