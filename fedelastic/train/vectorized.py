@@ -128,9 +128,9 @@ class _Client:
         self.union = np.zeros(info.num_tensors)
         self.whole = np.zeros(info.num_tensors, dtype=bool)  # train_local's union of the round's selections
         self.channel_union: dict[int, tuple[int, np.ndarray]] = {}
-        # the client's current weights (views of its slice of the stacked ones): Sparse Update picks
-        # input channels by their norm when a selection is applied; set once they are stacked
-        self.weights: Any = None
+        # the client's current weights (its slice of the stacked ones): Sparse Update picks input
+        # channels by their norm when a selection is applied; set once they are stacked
+        self.weights: _Row | None = None
         self.elem: dict[int, torch.Tensor] = {}  # channel-sparse tensors: the trained elements (broadcastable)
         self.losses: list[float] = []
         self.failed = ""
@@ -216,7 +216,8 @@ class _Client:
         """Train ``selection`` from now on (its peak memory already checked)."""
         self.selection = self.kept = selection
         self.result.peak_memory_bytes = max(self.result.peak_memory_bytes, peak)
-        weights = self.weights()
+        weights = self.weights
+        assert weights is not None
         masks = _Masks(self.info, weights, selection)  # train_local's channel masks, on the current weights
         _add_to_union(selection, masks, self.union, self.whole, self.channel_union)
         self.elem = {}
@@ -240,6 +241,16 @@ class _Client:
         self.result.train_time_s += self.step_time
         self.result.macs += self.step_macs
         self.result.steps += 1
+
+
+class _Row:
+    """Client ``i``'s current weights, by tensor index: views of its slice of the stacked tensors."""
+
+    def __init__(self, stacked: dict[str, torch.Tensor], names: list[str], i: int):
+        self.stacked, self.names, self.i = stacked, names, i
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self.stacked[self.names[k]][self.i]
 
 
 class _MaskedNorms:
@@ -289,24 +300,15 @@ class _MaskedNorms:
 
 
 class _Taps:
-    """The Fisher probe's taps: each scored conv/linear layer's output multiplied by ones that are
-    an input of the batched call. The gradient of those ones is ``sum_d a[n, o, d] * dL/da[n, o, d]``
-    per sample and output channel (``fisher_probe``'s inner sum), and the gradient below is unchanged."""
+    """The Fisher probe's taps: each scored conv/linear layer's output multiplied by ones, one per
+    sample and output channel, that are an input of the batched call. Their gradient is
+    ``sum_d a[n, o, d] * dL/da[n, o, d]`` (``fisher_probe``'s inner sum over the channel's
+    positions), and the gradient below is unchanged (``a * 1``)."""
 
     def __init__(self, model: nn.Module, info: ModelInfo):
         modules = dict(model.named_modules())
-        self.info = info
         self.modules = {li: modules[layer.name] for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear")}
-        self.z: dict[int, torch.Tensor] = {}  # inside a call: one client's ones
-
-    def ones(self, li: int, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """Ones for layer ``li``'s output, one per output channel of each of ``lead`` (clients, samples)."""
-        layer, m = self.info.layers[li], self.modules[li]
-        if isinstance(m, nn.modules.conv._ConvNd):
-            tail: tuple[int, ...] = (layer.out_channels, *[1] * len(m.kernel_size))
-        else:  # a linear's channels come last (a sequence's: after its positions)
-            tail = (1, layer.out_channels) if layer.out_numel > layer.out_channels else (layer.out_channels,)
-        return torch.ones(*lead, *tail, device=device, requires_grad=True)
+        self.z: dict[int, torch.Tensor] = {}  # inside a call: one client's ones (samples x channels)
 
     def loss(self, loss_fn):
         """``loss_fn`` with the ones as a last argument (batched by ``vmap`` like the others)."""
@@ -317,8 +319,11 @@ class _Taps:
 
         return tapped
 
-    def _hook(self, li: int, _module: nn.Module, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
-        return out * self.z[li]
+    def _hook(self, li: int, module: nn.Module, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        z, ones = self.z[li], [1] * (out.dim() - 2)
+        if isinstance(module, nn.modules.conv._ConvNd):  # channels after the samples, then positions
+            return out * z.reshape(*z.shape, *ones)
+        return out * z.reshape(z.shape[0], *ones, z.shape[1])  # a linear's channels come last
 
     @contextmanager
     def on(self, layers: Mapping[int, Any]) -> Iterator[None]:
@@ -440,7 +445,7 @@ def train_cohort_vmap(
 
     stacked = per_client(given)
     for i, c in enumerate(clients):
-        c.weights = functools.partial(lambda i: [stacked[name][i] for name in names], i)
+        c.weights = _Row(stacked, names, i)
     bufs = {k: torch.zeros_like(v) for k, v in stacked.items()} if momentum > 0 else {}
     # norm statistics: each client's own when its norm layers run on batch statistics, else shared
     buffers = dict(model.named_buffers())
@@ -565,16 +570,23 @@ def train_cohort_vmap(
         sums = {li: torch.zeros(len(rows), info.layers[li].out_channels, dtype=torch.float64, device=dev) for li in scored}
         with torch.no_grad():
             for part in parts:
-                ones = {li: taps.ones(li, (len(rows), x[:, part].shape[1]), dev) for li in scored}
+                width = x[:, part].shape[1]
+                ones = {li: torch.ones(len(rows), width, info.layers[li].out_channels, device=dev, requires_grad=True) for li in scored}
                 with taps.on(ones), torch.enable_grad():
                     q = int8.state(sel)
                     losses, used = tapped_loss(params, rows_buffers(sel), x[:, part], y[:, part], w[:, part], denom, q, ones)
-                    grads = torch.autograd.grad(losses.sum(), list(ones.values()))
+                    grads = torch.autograd.grad(losses.sum(), list(ones.values()), allow_unused=True)
                 int8.update(sel, used)
                 for li, g in zip(ones, grads):
-                    sums[li] += (g.flatten(2).double() ** 2).sum(1)
+                    if g is None:  # a layer the forward did not run: no score, as fisher_probe's
+                        sums.pop(li, None)
+                    elif li in sums:
+                        sums[li] += (g.double() ** 2).sum(1)
         sizes = [len(clients[i].order[t]) for i in rows]
-        return [{li: (sums[li][r] / (2 * n)).cpu().numpy() for li in mine} for r, (mine, n) in enumerate(zip(layers, sizes))]
+        return [
+            {li: (sums[li][r] / (2 * n)).cpu().numpy() for li in mine if li in sums}
+            for r, (mine, n) in enumerate(zip(layers, sizes))
+        ]
 
     def grouped(keyed: dict[int, tuple]) -> list[tuple[tuple, list[int]]]:
         """Clients split into calls: those of one key run together (``_Client.group``)."""
@@ -618,6 +630,7 @@ def train_cohort_vmap(
                 grads, losses = step_fn(params, stats, x, y, w, sel, {names[k] for k in np.flatnonzero(masks_np.any(0))})
                 lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
                 masks = torch.as_tensor(masks_np, device=dev)
+                sparse = set().union(*(clients[i].elem for i in rows))  # the tensors some client trains in part
                 with torch.no_grad():
                     if batch_stats and not every:  # the clients' statistics this step moved
                         for stat, v in stats.items():
@@ -626,7 +639,7 @@ def train_cohort_vmap(
                         on = masks[:, k]
                         if not bool(on.any()):
                             continue
-                        if any(k in clients[i].elem for i in rows):  # channel-sparse for some: a mask per element
+                        if k in sparse:  # channel-sparse for some: a mask per element
                             on = torch.stack([clients[i].elem.get(k, on[r]).expand(params[name].shape[1:]) for r, i in enumerate(rows)])
                         buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
                         new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)

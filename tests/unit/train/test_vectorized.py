@@ -445,6 +445,7 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
         ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
         ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, True, '"auto", eligible'),  # small_cnn's BatchNorm
         ({"train": {**FP32_FROZEN, "numerics": "device"}}, True, '"auto", eligible'),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "strategy": "tinytrain"}}, True, '"auto", eligible'),  # Fisher probe, channels
         ({"train": {**FP32_FROZEN, "numerics": "device", "master_weights": "device"}}, False, "train.master_weights"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "node_mode": "per_client"}}, False, "node_mode"),
         ({"train": FP32_FROZEN, "server": {"rounds": 2, "aggregator": "fedprox"}}, False, "server.aggregator"),
