@@ -88,6 +88,18 @@ def importance_probe(
     return importance
 
 
+def fisher_layers(info: ModelInfo, scope: np.ndarray | None) -> list[int]:
+    """The layers :func:`fisher_probe` scores: the conv/linear layers from the deepest to the
+    highest tensor of ``scope`` (all when None; none when it is empty)."""
+    lowest, highest = 0, len(info.layers) - 1
+    if scope is not None:
+        picked = np.flatnonzero(np.asarray(scope, bool))
+        lowest, highest = (
+            (int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])) if picked.size else (1, 0)
+        )
+    return [li for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear") and lowest <= li <= highest]
+
+
 def fisher_probe(
     model: nn.Module,
     info: ModelInfo,
@@ -104,17 +116,7 @@ def fisher_probe(
     frozen); ``scope`` limits it to the layers from the deepest to the highest tensor in scope.
     """
     modules = dict(model.named_modules())
-    lowest, highest = 0, len(info.layers) - 1
-    if scope is not None:
-        picked = np.flatnonzero(np.asarray(scope, bool))
-        lowest, highest = (
-            (int(info.tensor_layer[picked[0]]), int(info.tensor_layer[picked[-1]])) if picked.size else (1, 0)
-        )
-    targets = {
-        li: modules[layer.name]
-        for li, layer in enumerate(info.layers)
-        if layer.kind in ("conv", "linear") and lowest <= li <= highest
-    }
+    targets = {li: modules[info.layers[li].name] for li in fisher_layers(info, scope)}
     outputs: dict[int, torch.Tensor] = {}
 
     def keep(li):

@@ -227,26 +227,12 @@ def _input_channels_by_norm(weight: torch.Tensor, groups: int, ratio: float) -> 
     return axis, mask
 
 
-class _Applied:
-    """A selection applied to a model: requires_grad, norm modes and channel masks."""
+class _Masks:
+    """A selection's channel masks on the weights ``params`` (per tensor: the axis and the kept
+    channels): its listed output channels, and Sparse Update's input channels by weight norm."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        info: ModelInfo,
-        params: list[nn.Parameter],
-        selection: Selection,
-        bn_mode: str,
-        modules: dict[str, nn.Module] | None = None,
-    ):
-        self.params, self.selection = params, selection
-        for p, r in zip(params, selection.ratios):
-            p.requires_grad_(bool(r > 0))
-        modules = dict(model.named_modules()) if modules is None else modules
-        for layer in info.layers:
-            mod = modules[layer.name]
-            if isinstance(mod, _NORM_TYPES):
-                mod.train(bn_mode == "train" and any(selection.ratios[k] > 0 for k in layer.tensors))
+    def __init__(self, info: ModelInfo, params, selection: Selection):
+        self.selection = selection
         self.masks: dict[int, tuple[int, torch.Tensor]] = {}  # tensor -> (axis, kept channels)
         for k, idx in selection.channels.items():
             mask = torch.zeros(params[k].shape[0], dtype=torch.bool)
@@ -265,6 +251,29 @@ class _Applied:
         if k in self.masks:
             return float(self.masks[k][1].float().mean())
         return float(self.selection.ratios[k])
+
+
+class _Applied(_Masks):
+    """A selection applied to a model: requires_grad, norm modes and channel masks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        info: ModelInfo,
+        params: list[nn.Parameter],
+        selection: Selection,
+        bn_mode: str,
+        modules: dict[str, nn.Module] | None = None,
+    ):
+        self.params = params
+        for p, r in zip(params, selection.ratios):
+            p.requires_grad_(bool(r > 0))
+        modules = dict(model.named_modules()) if modules is None else modules
+        for layer in info.layers:
+            mod = modules[layer.name]
+            if isinstance(mod, _NORM_TYPES):
+                mod.train(bn_mode == "train" and any(selection.ratios[k] > 0 for k in layer.tensors))
+        super().__init__(info, params, selection)
 
     def step(self, optimizer: SGD | torch.optim.Optimizer) -> None:
         """Optimizer step that leaves unselected channels exactly as they were."""
@@ -307,7 +316,7 @@ def batches(n: int, batch_size: int, epochs: int, rng: np.random.Generator, max_
 
 def _add_to_union(
     selection: Selection,
-    applied: _Applied,
+    applied: _Masks,
     union: np.ndarray,
     whole: np.ndarray,
     channel_union: dict[int, tuple[int, np.ndarray]],
@@ -344,6 +353,17 @@ def _add_to_union(
             del channel_union[k]
             continue
         channel_union[k] = (axis, np.union1d(old, kept).astype(np.int64))
+
+
+def channel_mask(shape: tuple[int, ...], axis: int, kept: np.ndarray) -> np.ndarray | None:
+    """A tensor's 0/1 mask of the ``kept`` channels along ``axis`` (a :class:`LocalResult`'s
+    ``channel_masks`` entry: 1-D for output channels, else broadcastable), or None if it keeps all."""
+    size = shape[axis]
+    if len(kept) >= size:
+        return None
+    mask = np.zeros(size, dtype=np.float32)
+    mask[kept] = 1
+    return mask if axis == 0 else mask.reshape([size if d == axis else 1 for d in range(len(shape))])
 
 
 def _set_norm_modes(model: nn.Module, bn_mode: str) -> None:
@@ -595,16 +615,9 @@ def train_local(
     for k in np.flatnonzero(union > 0).tolist():
         name = info.tensor_names[k]
         result.trained[name] = state[name].detach().cpu().numpy().copy()
-        if whole[k]:
-            continue
-        axis, kept = channel_union[k]
-        size = state[name].shape[axis]
-        if len(kept) < size:
-            shape = [1] * state[name].dim()
-            shape[axis] = size
-            mask = np.zeros(size, dtype=np.float32)
-            mask[kept] = 1
-            result.channel_masks[name] = mask if axis == 0 else mask.reshape(shape)
+        mask = None if whole[k] else channel_mask(state[name].shape, *channel_union[k])
+        if mask is not None:
+            result.channel_masks[name] = mask
     if bn_mode == "train":  # norm running statistics travel with a trained norm layer
         for layer in info.layers:
             if isinstance(modules[layer.name], _NORM_TYPES) and any(union[k] > 0 for k in layer.tensors):

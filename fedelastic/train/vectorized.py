@@ -14,13 +14,16 @@ failures and the reported figures.
   so its loss and gradient are the mean over its valid samples only.
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
-* Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, ``elastic_tensor``,
-  ``elastic_layer``, ...) are masks: an unselected tensor keeps its value and momentum, and a
-  step differentiates only the tensors some client of the step trains (so backprop stops below
-  the deepest of them, as in ``train_local``). The
-  ``importance`` probe (ElasticTrainer's) runs vectorised too, on the clients that reselect at a
-  step, on their current weights and batch, piece by piece where memory splits it; each client's
-  selection is then taken on the host between steps, as ``train_local`` takes it.
+* Selections are masks: an unselected tensor keeps its value and momentum, and a step
+  differentiates only the tensors some client of the step trains (so backprop stops below the
+  deepest of them, as in ``train_local``). A channel-sparse tensor (TinyTrain's output channels,
+  Sparse Update's input channels, picked by norm on the client's weights when the selection is
+  applied: ``train_local``'s ``_Masks``) is masked per element: its other channels keep their
+  values and momentum, what ``_Applied.step``'s restore leaves. The ``importance`` probe
+  (ElasticTrainer's) and the ``fisher`` probe (TinyTrain's; :class:`_Taps`) run vectorised too, on
+  the clients that reselect at a step, on their current weights and batch, piece by piece where
+  memory splits it; each client's selection is then taken on the host between steps, as
+  ``train_local`` takes it.
 * BatchNorm in train mode (``train.bn_mode = "train"``): each client keeps its own norm buffers
   (running statistics, momentum and ``num_batches_tracked``, stacked like its parameters), and a
   norm layer runs on batch statistics for the clients whose selection trains one of its tensors,
@@ -31,8 +34,8 @@ failures and the reported figures.
 * int8 devices' numerics (``train.numerics = "device"``) with QAS, fp32 master weights and fp32
   gradients (the defaults): :class:`~fedelastic.train.quant.BatchedInt8`, each client's activation
   ranges calibrated on its own first batch; int8 and fp32 clients run in separate calls.
-* Refused, with an error naming the key: the ``fisher`` probe (``tinytrain``) and
-  channel-sparse selections (``train.strategy``), active dropout (``model.name``), fp16 numerics
+* Refused, with an error naming the key: a probe other than these (``train.strategy``),
+  active dropout (``model.name``), fp16 numerics
   (``train.numerics``; no shipped profile trains in fp16), and int8 without QAS
   (``train.qas``), with quantised gradients (``train.quantized_gradients``) or device-dtype master
   weights (``train.master_weights``): their optimizer hooks are not written for stacked tensors.
@@ -60,7 +63,7 @@ from ..data import ArrayDataset
 from ..errors import ConfigError
 from ..modelinfo import ModelInfo
 from ..selection.strategy import Selection, SelectionContext, SelectionStrategy
-from .probes import _chunks
+from .probes import _chunks, fisher_layers
 from .quant import BatchedInt8, Numerics
 from .trainer import (
     _NORM_TYPES,
@@ -68,10 +71,13 @@ from .trainer import (
     SCHEDULES,
     CohortJob,
     LocalResult,
+    _add_to_union,
+    _Masks,
     _set_norm_modes,
     batches,
     carried_selection,
     carry_selection,
+    channel_mask,
     flash_shortfall,
     no_step_reason,
     select_and_charge,
@@ -83,6 +89,9 @@ from .trainer import (
 RunEnvironment = Any
 
 _SOURCE = "<vectorised training>"
+
+#: The strategies' probes the vectorised path runs (None: a strategy without a probe).
+PROBES = (None, "importance", "fisher")
 
 
 def _refuse(key: str, expected: str, got: object, source: str = _SOURCE) -> ConfigError:
@@ -109,16 +118,20 @@ class _Client:
         batch_stats: bool,
         int8: bool = False,
     ):
-        if strategy.probe not in (None, "importance"):
-            raise _refuse(
-                "train.strategy", "a strategy without a probe or with the importance probe", type(strategy).__name__
-            )
+        if strategy.probe not in PROBES:
+            raise _refuse("train.strategy", f"a strategy without a probe or with one of {PROBES[1:]}", type(strategy).__name__)
         self.info, self.strategy, self.cost = info, strategy, cost
         self.rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used (no dropout)
         self.rng.integers(2**62)
         self.order = list(batches(n, batch_size, epochs, self.rng, max_steps))
         self.result = LocalResult(fits=True, num_examples=n)
         self.union = np.zeros(info.num_tensors)
+        self.whole = np.zeros(info.num_tensors, dtype=bool)  # train_local's union of the round's selections
+        self.channel_union: dict[int, tuple[int, np.ndarray]] = {}
+        # the client's current weights (its slice of the stacked ones): Sparse Update picks input
+        # channels by their norm when a selection is applied; set once they are stacked
+        self.weights: _Row | None = None
+        self.elem: dict[int, torch.Tensor] = {}  # channel-sparse tensors: the trained elements (broadcastable)
         self.losses: list[float] = []
         self.failed = ""
         self.selection: Selection | None = None
@@ -182,16 +195,12 @@ class _Client:
         result.probes += 1
         return scopes
 
-    def finish(self, importance: np.ndarray | None) -> None:
-        """Select with the probe's ``importance`` (summed over its pieces), price it, check memory."""
+    def finish(self) -> None:
+        """Select with what the probe put in ``ctx`` (summed over its pieces), price it, check memory."""
         ctx, cost, result, strategy = self.ctx, self.cost, self.result, self.strategy
         assert ctx is not None
-        if importance is not None:
-            ctx.importance = importance
         selection, peak = select_and_charge(strategy, ctx, cost, result)
         self.note = ctx.note
-        if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
-            raise _refuse("train.strategy", "selections of whole tensors", type(strategy).__name__)
         if peak > ctx.memory_budget_bytes:
             why = f" ({self.note})" if self.note else ""
             self.failed = f"the selection needs {peak:.0f} bytes; the device has {self.memory:.0f}{why}"
@@ -207,7 +216,15 @@ class _Client:
         """Train ``selection`` from now on (its peak memory already checked)."""
         self.selection = self.kept = selection
         self.result.peak_memory_bytes = max(self.result.peak_memory_bytes, peak)
-        self.union = np.maximum(self.union, selection.ratios)
+        weights = self.weights
+        assert weights is not None
+        masks = _Masks(self.info, weights, selection)  # train_local's channel masks, on the current weights
+        _add_to_union(selection, masks, self.union, self.whole, self.channel_union)
+        self.elem = {}
+        for k, (axis, kept) in masks.masks.items():
+            shape = [1] * weights[k].dim()
+            shape[axis] = len(kept)
+            self.elem[k] = kept.to(weights[k].device).view(shape)
         self.norms = tuple(self.batch_stats and bool(np.any(selection.ratios[k] > 0)) for k in self.norm_tensors)
         self.step_time, self.step_macs = self.cost.step_time_s(selection.ratios), self.cost.step_macs(selection.ratios)
 
@@ -224,6 +241,16 @@ class _Client:
         self.result.train_time_s += self.step_time
         self.result.macs += self.step_macs
         self.result.steps += 1
+
+
+class _Row:
+    """Client ``i``'s current weights, by tensor index: views of its slice of the stacked tensors."""
+
+    def __init__(self, stacked: dict[str, torch.Tensor], names: list[str], i: int):
+        self.stacked, self.names, self.i = stacked, names, i
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self.stacked[self.names[k]][self.i]
 
 
 class _MaskedNorms:
@@ -270,6 +297,44 @@ class _MaskedNorms:
         finally:
             for m in self.modules:
                 m.__dict__.pop("forward", None)
+
+
+class _Taps:
+    """The Fisher probe's taps: each scored conv/linear layer's output multiplied by ones, one per
+    sample and output channel, that are an input of the batched call. Their gradient is
+    ``sum_d a[n, o, d] * dL/da[n, o, d]`` (``fisher_probe``'s inner sum over the channel's
+    positions), and the gradient below is unchanged (``a * 1``)."""
+
+    def __init__(self, model: nn.Module, info: ModelInfo):
+        modules = dict(model.named_modules())
+        self.modules = {li: modules[layer.name] for li, layer in enumerate(info.layers) if layer.kind in ("conv", "linear")}
+        self.z: dict[int, torch.Tensor] = {}  # inside a call: one client's ones (samples x channels)
+
+    def loss(self, loss_fn):
+        """``loss_fn`` with the ones as a last argument (batched by ``vmap`` like the others)."""
+
+        def tapped(params, bufs_, x, y, w, denom, q, z):
+            self.z = z
+            return loss_fn(params, bufs_, x, y, w, denom, q)
+
+        return tapped
+
+    def _hook(self, li: int, module: nn.Module, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        z, ones = self.z[li], [1] * (out.dim() - 2)
+        if isinstance(module, nn.modules.conv._ConvNd):  # channels after the samples, then positions
+            return out * z.reshape(*z.shape, *ones)
+        return out * z.reshape(z.shape[0], *ones, z.shape[1])  # a linear's channels come last
+
+    @contextmanager
+    def on(self, layers: Mapping[int, Any]) -> Iterator[None]:
+        """Taps on ``layers`` inside the block."""
+        handles = [self.modules[li].register_forward_hook(functools.partial(self._hook, li)) for li in layers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.z = {}
 
 
 def cross_entropy_terms(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -379,6 +444,8 @@ def train_cohort_vmap(
         return {k: v.detach().unsqueeze(0).repeat(n_clients, *([1] * v.dim())).contiguous() for k, v in tensors.items()}
 
     stacked = per_client(given)
+    for i, c in enumerate(clients):
+        c.weights = _Row(stacked, names, i)
     bufs = {k: torch.zeros_like(v) for k, v in stacked.items()} if momentum > 0 else {}
     # norm statistics: each client's own when its norm layers run on batch statistics, else shared
     buffers = dict(model.named_buffers())
@@ -448,7 +515,7 @@ def train_cohort_vmap(
         if momentum > 0:
             new_buf = buf * momentum + g
             g = new_buf
-        keep = on.view(shape)
+        keep = on.view(shape) if on.dim() == 1 else on  # per client, or per element (channel-sparse)
         new_p = torch.where(keep, new_p - lr_col * g, p)
         return new_p, None if new_buf is None else torch.where(keep, new_buf, buf)
 
@@ -485,6 +552,42 @@ def train_cohort_vmap(
             sums = [-(grads2[n] * (moved[n] - params[n])).flatten(1).sum(1) if n in scope else zero for n in names]
         return torch.where(on, torch.stack(sums, 1), 0).double().cpu().numpy()
 
+    taps = _Taps(model, info)
+    tapped_loss = vmap(taps.loss(loss_fn), in_dims=(0, 0 if batch_stats else None, 0, 0, 0, 0, 0, 0))
+
+    def fisher(rows: list[int], scopes: np.ndarray, micro: int, t: int) -> list[dict[int, np.ndarray]]:
+        """``fisher_probe`` of clients ``rows`` on step ``t``'s batch, each over its scope.
+
+        Each scored layer's output is multiplied by ones (``_Taps``), whose gradient is the sum over
+        the layer's positions of ``a * dL/da`` per sample and channel; in micro-batches as ``probe``."""
+        sel = torch.as_tensor(rows, device=dev)
+        params = {k: v[sel] for k, v in stacked.items()}
+        x, y, w = batch(rows, t)
+        parts = _chunks(x.shape[1], micro) if any(clients[rows[0]].norms) or int8.on else [slice(None)]
+        denom = w.sum(1)
+        layers = [fisher_layers(info, scope) for scope in scopes]
+        scored = sorted(set().union(*layers))
+        sums = {li: torch.zeros(len(rows), info.layers[li].out_channels, dtype=torch.float64, device=dev) for li in scored}
+        with torch.no_grad():
+            for part in parts:
+                width = x[:, part].shape[1]
+                ones = {li: torch.ones(len(rows), width, info.layers[li].out_channels, device=dev, requires_grad=True) for li in scored}
+                with taps.on(ones), torch.enable_grad():
+                    q = int8.state(sel)
+                    losses, used = tapped_loss(params, rows_buffers(sel), x[:, part], y[:, part], w[:, part], denom, q, ones)
+                    grads = torch.autograd.grad(losses.sum(), list(ones.values()), allow_unused=True)
+                int8.update(sel, used)
+                for li, g in zip(ones, grads):
+                    if g is None:  # a layer the forward did not run: no score, as fisher_probe's
+                        sums.pop(li, None)
+                    elif li in sums:
+                        sums[li] += (g.double() ** 2).sum(1)
+        sizes = [len(clients[i].order[t]) for i in rows]
+        return [
+            {li: (sums[li][r] / (2 * n)).cpu().numpy() for li in mine if li in sums}
+            for r, (mine, n) in enumerate(zip(layers, sizes))
+        ]
+
     def grouped(keyed: dict[int, tuple]) -> list[tuple[tuple, list[int]]]:
         """Clients split into calls: those of one key run together (``_Client.group``)."""
         out: dict[tuple, list[int]] = {}
@@ -498,17 +601,24 @@ def train_cohort_vmap(
             active = [i for i, c in enumerate(clients) if t < len(c.order) and not c.failed]
             pending = {i: pieces for i in active if (pieces := clients[i].begin(t)) is not None}
             probing = [i for i, pieces in pending.items() if pieces and not clients[i].failed]
-            importance: dict[int, np.ndarray] = {i: np.zeros(info.num_tensors) for i in probing}
             for j in range(max((len(pending[i]) for i in probing), default=0)):  # a memory-split probe: piece by piece
                 at_j = [i for i in probing if len(pending[i]) > j]
-                keys = {i: (*clients[i].group(), pending[i][j][1] * (any(clients[i].norms) or clients[i].int8)) for i in at_j}
-                for (norms, in_int8, micro), rows in grouped(keys):
+                keys = {
+                    i: (*clients[i].group(), pending[i][j][1] * (any(clients[i].norms) or clients[i].int8), clients[i].strategy.probe)
+                    for i in at_j
+                }  # fmt: skip
+                for (norms, in_int8, micro, kind), rows in grouped(keys):
                     set_modes(norms, in_int8)
-                    for i, imp in zip(rows, probe(rows, np.stack([pending[i][j][0] for i in rows]), micro, t)):
-                        importance[i] += imp
+                    scopes = np.stack([pending[i][j][0] for i in rows])
+                    if kind == "fisher":
+                        for i, scores in zip(rows, fisher(rows, scopes, micro, t)):
+                            clients[i].ctx.fisher.update(scores)  # type: ignore[union-attr]
+                    else:
+                        for i, imp in zip(rows, probe(rows, scopes, micro, t)):
+                            clients[i].ctx.importance += imp  # type: ignore[union-attr,operator]
             for i in pending:
                 if not clients[i].failed:
-                    clients[i].finish(importance.get(i))
+                    clients[i].finish()
             for (norms, in_int8), rows in grouped({i: clients[i].group() for i in active if clients[i].trains()}):
                 set_modes(norms, in_int8)
                 every = len(rows) == n_clients
@@ -520,6 +630,7 @@ def train_cohort_vmap(
                 grads, losses = step_fn(params, stats, x, y, w, sel, {names[k] for k in np.flatnonzero(masks_np.any(0))})
                 lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
                 masks = torch.as_tensor(masks_np, device=dev)
+                sparse = set().union(*(clients[i].elem for i in rows))  # the tensors some client trains in part
                 with torch.no_grad():
                     if batch_stats and not every:  # the clients' statistics this step moved
                         for stat, v in stats.items():
@@ -528,6 +639,8 @@ def train_cohort_vmap(
                         on = masks[:, k]
                         if not bool(on.any()):
                             continue
+                        if k in sparse:  # channel-sparse for some: a mask per element
+                            on = torch.stack([clients[i].elem.get(k, on[r]).expand(params[name].shape[1:]) for r, i in enumerate(rows)])
                         buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
                         new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
                         if every:
@@ -556,6 +669,10 @@ def train_cohort_vmap(
             r.trained = {
                 names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(c.union > 0)
             }
+            for k in np.flatnonzero(c.union > 0):
+                mask = None if c.whole[k] else channel_mask(stacked[names[k]].shape[1:], *c.channel_union[k])
+                if mask is not None:
+                    r.channel_masks[names[k]] = mask
             if batch_stats:  # norm running statistics travel with a trained norm layer, as train_local's
                 for layer, tensors in zip(norm_layers, norm_tensors):
                     if np.any(c.union[tensors] > 0):
@@ -614,14 +731,8 @@ def check_vectorizable(env: RunEnvironment) -> None:
 
     src = env.scenario.source or "<scenario>"
     t = env.scenario.train
-    strategy = env.strategy()
-    if strategy.probe not in (None, "importance"):
-        raise _refuse("train.strategy", "a strategy without a probe or with the importance probe", t.strategy, src)
-    if strategy.probe is None:  # its selections need no probe: those of step 0 on every device are checked now
-        for device in sorted(set(env.devices)):
-            selection = env.strategy().select(SelectionContext(env.info, env.cost(device), 0, np.random.default_rng(0)))
-            if selection.channels or np.any((selection.ratios > 0) & (selection.ratios < 1)):
-                raise _refuse("train.strategy", f"selections of whole tensors (on {device} it selects parts)", t.strategy, src)
+    if env.strategy().probe not in PROBES:
+        raise _refuse("train.strategy", f"a strategy without a probe or with one of {PROBES[1:]}", t.strategy, src)
     for device in sorted(set(env.devices)):
         _check_numerics(device_numerics(t, env.profile(device).train_dtype), src, device)
     try:

@@ -93,6 +93,9 @@ def assert_same(ref, got, atol=1e-6, loss_rtol=1e-6):
             assert b.ratios is None
         else:
             np.testing.assert_array_equal(a.ratios, b.ratios)
+        assert sorted(a.channel_masks) == sorted(b.channel_masks)  # the same channels trained
+        for name in a.channel_masks:
+            np.testing.assert_array_equal(b.channel_masks[name], a.channel_masks[name], err_msg=name)
 
 
 SIZES = (37, 16, 5, 61, 23)  # 3, 1, 1, 4 and 2 batches of 16; short last batches of 5, 5, 13, 7
@@ -252,8 +255,6 @@ class FirstChannel(SelectionStrategy):
 @pytest.mark.parametrize(
     "case, key",
     [
-        (dict(strategy="tinytrain"), "train.strategy"),  # the Fisher probe
-        (dict(partial=True), "train.strategy"),  # a channel-sparse selection
         (dict(numerics=[Numerics("fp16")] * 2), "train.numerics"),
         (dict(numerics=[Numerics("int8", qas=False)] * 2), "train.qas"),
         (dict(numerics=[Numerics("int8", master_weights="device")] * 2), "train.master_weights"),
@@ -267,8 +268,6 @@ def test_what_it_cannot_vectorise_is_refused_naming_the_key(case, key):
         else (lambda: small_cnn(width=4))
     )
     model, info, costs, strategies, data = setup(factory, 16, (20, 20), strategy=case.get("strategy", "full"))
-    if case.get("partial"):
-        strategies = [FirstChannel(), FirstChannel()]
     bn_mode = case.get("bn_mode", "frozen")
     costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -342,15 +341,15 @@ def test_elastic_strategies_probe_and_select_like_the_loop(name):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
 
 
-def recording(strategies):
-    """Wrap each strategy's select() to keep the importance it was given."""
+def recording(strategies, probe="importance"):
+    """Wrap each strategy's select() to keep what its probe gave it (``ctx.importance`` or ``ctx.fisher``)."""
     seen = []
     for s in strategies:
-        log: list[np.ndarray] = []
+        log: list = []
         seen.append(log)
 
         def select(ctx, inner=s.select, log=log):
-            log.append(ctx.importance.copy())
+            log.append(copy.deepcopy(getattr(ctx, probe)))
             return inner(ctx)
 
         s.select = select
@@ -360,12 +359,11 @@ def recording(strategies):
 @pytest.mark.parametrize(
     "train, key",
     [
-        ({"strategy": "tinytrain", "numerics": "fp32", "bn_mode": "frozen"}, "train.strategy"),
+        ({"strategy": "tinytrain", "numerics": "fp32", "bn_mode": "frozen"}, None),
         ({"strategy": "full", "bn_mode": "frozen", "quantized_gradients": True}, "train.quantized_gradients"),  # stm32h743: int8
         ({"strategy": "elastic_tensor", "numerics": "fp32", "bn_mode": "frozen"}, None),
-        # no probe, but Sparse Update trains a share of a tensor's input channels: refused before training
-        ({"strategy": "sparse_update", "numerics": "fp32", "bn_mode": "frozen", "options": {"channel_ratios": [0.25, 0.5]}},
-         "train.strategy"),
+        # Sparse Update trains a share of a tensor's input channels
+        ({"strategy": "sparse_update", "numerics": "fp32", "bn_mode": "frozen", "options": {"channel_ratios": [0.25, 0.5]}}, None),
     ],
 )
 def test_a_scenario_is_checked_before_training(make_scenario, train, key):
@@ -447,6 +445,7 @@ FP32_FROZEN = {"strategy": "full", "numerics": "fp32", "bn_mode": "frozen"}
         ({"train": FP32_FROZEN, "model": {"name": "small_cnn", "options": {"width": 32}}}, False, "MACs a sample exceed"),
         ({"train": {**FP32_FROZEN, "bn_mode": "train"}}, True, '"auto", eligible'),  # small_cnn's BatchNorm
         ({"train": {**FP32_FROZEN, "numerics": "device"}}, True, '"auto", eligible'),  # stm32h743: int8
+        ({"train": {**FP32_FROZEN, "strategy": "tinytrain"}}, True, '"auto", eligible'),  # Fisher probe, channels
         ({"train": {**FP32_FROZEN, "numerics": "device", "master_weights": "device"}}, False, "train.master_weights"),
         ({"train": FP32_FROZEN, "simulation": {"backend": "inprocess", "node_mode": "per_client"}}, False, "node_mode"),
         ({"train": FP32_FROZEN, "server": {"rounds": 2, "aggregator": "fedprox"}}, False, "server.aggregator"),
@@ -473,3 +472,73 @@ def test_vectorize_true_on_what_it_cannot_vectorise_is_refused(make_scenario):
     env = RunEnvironment(make_scenario(train=train, simulation={"backend": "inprocess", "vectorize": True}))
     with pytest.raises(ConfigError, match=r"train\.qas"):
         choose_path(env)
+
+
+def test_an_output_channel_selection_trains_only_those_channels_like_the_loop():
+    # FirstChannel trains output channel 0 of the first conv's weight: each step's update is masked
+    # per element, momentum and weight decay included, and the other 3 channels keep their values
+    model, info, costs, _, data = setup(tiny_cnn, 16, SIZES)
+    seeds = [[2, 1, pid] for pid in range(len(SIZES))]
+    caps = [0] * len(SIZES)
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode="frozen")
+    got = train_cohort_vmap(model, info, [FirstChannel() for _ in SIZES], costs, data, seeds=seeds, **common)
+    ref = loop(model, info, [FirstChannel() for _ in SIZES], costs, data, seeds, caps, **common)
+    assert_same(ref, got)
+    start = model[0].weight.detach().numpy()
+    for r in got:
+        assert sorted(r.trained) == ["0.weight"] and r.ratios[0] == 0.25  # 1 of 4 channels
+        np.testing.assert_array_equal(r.channel_masks["0.weight"], [1, 0, 0, 0])
+        np.testing.assert_array_equal(r.trained["0.weight"][1:], start[1:])  # exactly unchanged
+        assert np.abs(r.trained["0.weight"][0] - start[0]).max() > 1e-4  # channel 0 trained: 100x the tolerance
+
+
+@pytest.mark.parametrize(
+    "bn_mode, int8, options",
+    [
+        ("frozen", False, {}),
+        ("train", True, {}),  # the int8 clients calibrate on the probe's first micro-batch
+        ("frozen", False, {"interval": 2}),  # re-probed every 2 steps on the current weights
+    ],
+)
+def test_tinytrain_probes_fisher_and_trains_its_channels_like_the_loop(bn_mode, int8, options):
+    # the Fisher probe runs vectorised (per-sample channel sums of a * dL/da through taps on each
+    # conv/linear output); its scores select the same top channels per client, which then train
+    # channel-sparse. On the first two clients' devices the probe fits 7 samples at a time.
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=8), 16, SIZES, "tinytrain", options)
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    small = dataclasses.replace(costs[0].device, memory_train_bytes=Quantity(costs[0].probe_memory("fisher", 7).total_bytes, "test"))
+    costs[:2] = [CostModel(info, small, 16, "momentum", bn_mode)] * 2
+    assert [m for _, m in costs[0].probe_segments("fisher", small.memory_train_bytes.value)] == [7]  # the premise
+    numerics = [Numerics("int8") if int8 and i % 2 else None for i in range(len(SIZES))]
+    seeds = [[8, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode)
+    fresh = [make_strategy("tinytrain", options) for _ in SIZES]
+    seen_vmap, seen_loop = recording(strategies, "fisher"), recording(fresh, "fisher")
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, numerics=numerics, **common)
+    ref = loop(model, info, fresh, costs, data, seeds, caps, numerics=numerics, **common)
+    assert_same(ref, got)
+    assert sum(bool(r.channel_masks) for r in ref) >= 3  # real channel-sparse selections (the small devices: the head)
+    assert [len(v) for v in seen_vmap] == [len(v) for v in seen_loop] == [r.selections for r in ref]
+    for mine, theirs in zip(seen_vmap, seen_loop):  # the Fisher potential each selection saw, per layer
+        for a, b in zip(mine, theirs):
+            assert sorted(a) == sorted(b) == [0, 2, 4, 6]  # small_cnn's 3 convs and its linear head (layers 1, 3, 5: norms)
+            for li in b:
+                np.testing.assert_allclose(a[li], b[li], rtol=1e-4, atol=1e-6 * np.abs(b[li]).max())
+
+
+@pytest.mark.parametrize("bn_mode", ["frozen", "train"])
+def test_sparse_update_trains_input_channels_by_norm_like_the_loop(bn_mode):
+    # Sparse Update: the last biases whole, some weights on a share of their input channels, kept
+    # by their weight norm on each client's weights when the selection is applied
+    options = {"channel_ratios": [0.25, 0.5]}
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=8), 16, SIZES, "sparse_update", options)
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    seeds = [[9, 1, pid] for pid in range(len(SIZES))]
+    caps = [0, 0, 0, 3, 0]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode, optimizer="sgdw")
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, max_steps=caps, **common)
+    ref = loop(model, info, [make_strategy("sparse_update", options) for _ in SIZES], costs, data, seeds, caps, **common)
+    assert_same(ref, got)
+    masks = [m for r in ref for m in r.channel_masks.values()]
+    assert masks and all(m.ndim > 1 and 0 < m.mean() < 1 for m in masks)  # input channels (dim 1), in part
