@@ -10,8 +10,9 @@ the selections, their pricing on the client's :class:`~fedelastic.cost.costmodel
 failures and the reported figures.
 
 * Step ``t`` runs the clients that have a ``t``-th batch (the others are not computed and keep
-  their parameters); a short batch is padded with zero-weight samples to the step's widest batch,
-  so its loss and gradient are the mean over its valid samples only.
+  their parameters); a short batch is padded with zero-weight samples to its call's widest batch,
+  so its loss and gradient are the mean over its valid samples only. On a CPU, where padding costs
+  as much as data, a step's clients run in calls of similar batch widths (:func:`by_width`).
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
 * Selections of whole tensors (``full``, ``last_layer``, ``bn_bias``, ``elastic_tensor``,
@@ -308,9 +309,9 @@ def _check_model(model: nn.Module) -> None:
 
 
 #: A vectorised step call's fixed cost, in padded samples: on a CPU a call over ``B`` clients padded to
-#: ``W`` samples takes about ``4 ms + 0.05 ms x B x W`` for the peers' CNN (1 thread; 50 x 16: 44 ms,
-#: 50 x 8: 25 ms, 25 x 16: 23 ms, 1 x 4: 4.5 ms; benchmarks/studies/vectorised.md), so a call costs as
-#: much as ~80 padded samples.
+#: ``W`` samples costs about ``c0 + a x B x W`` of CPU (the peers' CNN, 1 thread; ``python
+#: benchmarks/vmap_width.py``, benchmarks/studies/throughput.md): c0 / a measured 80 and 123 on a loaded
+#: host. The split it drives is coarse (a handful of widths), so the constant need not be exact.
 CALL_SAMPLES = 80
 
 
