@@ -348,27 +348,25 @@ def by_width(rows: list[int], width: np.ndarray, dev: torch.device) -> list[list
 def _ordered_samples(
     datasets: list[ArrayDataset], orders: list[list[np.ndarray]], dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Every client's samples in the order its batches take them, one client after another, and a zero
-    sample (label 0) last: (x, y, starts, widths), where client ``i``'s step ``t`` is the ``widths[i, t]``
-    samples from ``starts[i, t]`` (width 0: no such step). A step's padded batch is then one gather."""
+    """Every client's samples, one client after another, and a zero sample (label 0) last: (x, y,
+    index, widths), where client ``i``'s step ``t`` takes the samples ``index[i, t, :widths[i, t]]``
+    (the rest of the row points at the zero sample; width 0: no such step). A step's padded batch is
+    then one gather, and each sample is held once whatever the epochs."""
     horizon = max((len(o) for o in orders), default=0)
-    starts = np.zeros((len(orders), horizon), np.int64)
+    widest = max((len(b) for o in orders for b in o), default=0)
+    total = sum(len(d) for d in datasets)
+    index = np.full((len(orders), horizon, widest), total, np.int64)
     widths = np.zeros((len(orders), horizon), np.int64)
-    xs, ys, at = [], [], 0
+    at = 0
     for i, (d, order) in enumerate(zip(datasets, orders)):
-        if not order:
-            continue
-        n = np.fromiter((len(b) for b in order), np.int64, len(order))
-        widths[i, : len(order)] = n
-        starts[i, : len(order)] = at + np.cumsum(n) - n
-        idx = np.concatenate(order)
-        xs.append(np.asarray(d.x)[idx])
-        ys.append(np.asarray(d.y)[idx])
-        at += len(idx)
+        for t, b in enumerate(order):
+            index[i, t, : len(b)] = at + b
+            widths[i, t] = len(b)
+        at += len(d)
     x0, y0 = np.asarray(datasets[0].x), np.asarray(datasets[0].y)
-    xs.append(np.zeros((1, *x0.shape[1:]), x0.dtype))
-    ys.append(np.zeros(1, y0.dtype))
-    return torch.from_numpy(np.concatenate(xs)).to(dev), torch.from_numpy(np.concatenate(ys)).to(dev), starts, widths
+    xs = np.concatenate([*(np.asarray(d.x) for d in datasets), np.zeros((1, *x0.shape[1:]), x0.dtype)])
+    ys = np.concatenate([*(np.asarray(d.y) for d in datasets), np.zeros(1, y0.dtype)])
+    return torch.from_numpy(xs).to(dev), torch.from_numpy(ys).to(dev), index, widths
 
 
 def train_cohort_vmap(
@@ -454,7 +452,7 @@ def train_cohort_vmap(
     # norm statistics: each client's own when its norm layers run on batch statistics, else shared
     buffers = dict(model.named_buffers())
     buffers = per_client(buffers) if batch_stats else {k: v.detach() for k, v in buffers.items()}
-    xs, ys, starts, widths = _ordered_samples(datasets, [c.order for c in clients], dev)
+    xs, ys, index, widths = _ordered_samples(datasets, [c.order for c in clients], dev)
 
     def loss_fn(params, bufs_, x, y, w, denom, q):
         int8.call(q, w)
@@ -497,9 +495,8 @@ def train_cohort_vmap(
         """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest:
         one gather from the clients' samples in batch order (padding reads the zero sample at the end)."""
         n = widths[rows, t]
-        cols = np.arange(int(n.max()))
-        valid = cols < n[:, None]
-        idx = torch.from_numpy(np.where(valid, starts[rows, t][:, None] + cols, len(xs) - 1)).to(dev)
+        idx = torch.from_numpy(index[rows, t, : int(n.max())]).to(dev)
+        valid = np.arange(idx.shape[1]) < n[:, None]
         return xs[idx], ys[idx], torch.from_numpy(valid.astype(np.float32)).to(dev)
 
     def sgd(p, g, buf, lr_t, on):
