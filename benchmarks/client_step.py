@@ -2,6 +2,7 @@
 
     python benchmarks/client_step.py                  # 3 interleaved repetitions
     python benchmarks/client_step.py --part step --reps 5
+    python benchmarks/client_step.py --vectorize false     # the per-client loop (default: the run's own path)
 
 It uses benchmarks/peers.py's workload (200 Dirichlet clients on digits, 10 rounds of 50,
 its 6k-parameter CNN, batch 16, 1 epoch, SGD lr 0.05, strategy "full"), torch on 1 thread.
@@ -35,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 import peers  # noqa: E402
 
 
-def step_part(reps: int) -> dict:
+def step_part(reps: int, vectorize: bool | str = "auto") -> dict:
     from flwr.app import ConfigRecord
 
     from fedelastic.api import load
@@ -44,7 +45,9 @@ def step_part(reps: int) -> dict:
 
     wl = peers.Workload()
     with tempfile.TemporaryDirectory() as tmp:
-        env = environment(load(wl.scenario("inprocess", tmp)))
+        raw = wl.scenario("inprocess", tmp)
+        raw["simulation"]["vectorize"] = vectorize
+        env = environment(load(raw))
     _ = env.data, env.info
     model = env.client_model
     init = {k: v.detach().clone() for k, v in peers.initial_model().state_dict().items()}
@@ -80,13 +83,14 @@ def step_part(reps: int) -> dict:
                 variants[name](rnd)
             cpu[name].append((time.process_time() - start) / updates * 1e3)
     med = {k: statistics.median(v) for k, v in cpu.items()}
-    return {"cpu_ms_per_update": cpu, "median_ms": med, "fedelastic_x_bare_speed": med["bare"] / med["fedelastic"]}
+    return {"training_path": env.training_path[1], "cpu_ms_per_update": cpu, "median_ms": med, "fedelastic_x_bare_speed": med["bare"] / med["fedelastic"]}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("step",), default="step", help="the one part (kept for the recorded commands)")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+    p.add_argument("--vectorize", choices=("auto", "true", "false"), default="auto", help="simulation.vectorize")
     p.add_argument("--out", default=str(HERE.parent / "results" / "client_step.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -97,11 +101,12 @@ def main(argv=None) -> None:
         "loadavg_start": os.getloadavg(),
     }
     if args.part == "step":
-        report["step"] = step_part(args.reps)
+        report["step"] = step_part(args.reps, {"true": True, "false": False}.get(args.vectorize, "auto"))
         med = report["step"]["median_ms"]
         print(
             f"client step, CPU ms per update (median of {args.reps}): fedelastic {med['fedelastic']:.3f}, "
-            f"bare loop {med['bare']:.3f}: fedelastic at {report['step']['fedelastic_x_bare_speed']:.2f}x the bare loop"
+            f"bare loop {med['bare']:.3f}: fedelastic at {report['step']['fedelastic_x_bare_speed']:.2f}x the bare loop "
+            f"({report['step']['training_path']})"
         )
     report["loadavg_end"] = os.getloadavg()
     out = Path(args.out)

@@ -10,8 +10,9 @@ the selections, their pricing on the client's :class:`~fedelastic.cost.costmodel
 failures and the reported figures.
 
 * Step ``t`` runs the clients that have a ``t``-th batch (the others are not computed and keep
-  their parameters); a short batch is padded with zero-weight samples to the step's widest batch,
-  so its loss and gradient are the mean over its valid samples only.
+  their parameters); a short batch is padded with zero-weight samples to its call's widest batch,
+  so its loss and gradient are the mean over its valid samples only. On a CPU, where padding costs
+  as much as data, a step's clients run in calls of similar batch widths (:func:`by_width`).
 * The optimizer is ``train_local``'s, written out on the stacked tensors: SGD with momentum and
   coupled weight decay (torch's formula), or SGDW (decoupled decay), constant or cosine rate.
 * Selections are masks: an unselected tensor keeps its value and momentum, and a step
@@ -71,6 +72,7 @@ from .trainer import (
     SCHEDULES,
     CohortJob,
     LocalResult,
+    Prepared,
     _add_to_union,
     _Masks,
     _set_norm_modes,
@@ -116,11 +118,13 @@ class _Client:
         lr_schedule: str,
         norm_tensors: list[np.ndarray],
         batch_stats: bool,
+        prepared: Prepared,
         int8: bool = False,
     ):
         if strategy.probe not in PROBES:
             raise _refuse("train.strategy", f"a strategy without a probe or with one of {PROBES[1:]}", type(strategy).__name__)
         self.info, self.strategy, self.cost = info, strategy, cost
+        self.prepared = prepared  # its price cache: a cohort's clients mostly select alike
         self.rng = np.random.default_rng(seed)  # seed_everything's stream; torch's RNG is not used (no dropout)
         self.rng.integers(2**62)
         self.order = list(batches(n, batch_size, epochs, self.rng, max_steps))
@@ -162,7 +166,7 @@ class _Client:
         if self.selection is not None and not due:
             return None
         if self.kept is not None and not due:  # carried from an earlier round: no probe, no selector work
-            self._apply(self.kept, self.cost.peak_memory_bytes(self.kept.ratios, self.kept.input_sparse))
+            self._apply(self.kept, self.prepared.prices(self.cost, self.kept)[0])
             return None
         info, cost, result, probe = self.info, self.cost, self.result, self.strategy.probe
         self.ctx = ctx = SelectionContext(info, cost, step, self.rng)
@@ -199,7 +203,7 @@ class _Client:
         """Select with what the probe put in ``ctx`` (summed over its pieces), price it, check memory."""
         ctx, cost, result, strategy = self.ctx, self.cost, self.result, self.strategy
         assert ctx is not None
-        selection, peak = select_and_charge(strategy, ctx, cost, result)
+        selection, peak = select_and_charge(strategy, ctx, cost, result, self.prepared)
         self.note = ctx.note
         if peak > ctx.memory_budget_bytes:
             why = f" ({self.note})" if self.note else ""
@@ -226,7 +230,7 @@ class _Client:
             shape[axis] = len(kept)
             self.elem[k] = kept.to(weights[k].device).view(shape)
         self.norms = tuple(self.batch_stats and bool(np.any(selection.ratios[k] > 0)) for k in self.norm_tensors)
-        self.step_time, self.step_macs = self.cost.step_time_s(selection.ratios), self.cost.step_macs(selection.ratios)
+        _, self.step_time, self.step_macs = self.prepared.prices(self.cost, selection)
 
     def group(self) -> tuple:
         """Clients of one key run a step in one call: their norm layers' modes are the same, and
@@ -369,6 +373,67 @@ def _check_model(model: nn.Module) -> None:
             raise _refuse("model.name", "a model without active dropout", f"{name}: {type(m).__name__}(p={m.p})")
 
 
+#: A vectorised step call's fixed cost, in padded samples: on a CPU a call over ``B`` clients padded to
+#: ``W`` samples costs about ``c0 + a x B x W`` of CPU (the peers' CNN, 1 thread; ``python
+#: benchmarks/vmap_width.py``, benchmarks/studies/throughput.md): c0 / a measured 80 and 123 on a loaded
+#: host. The split it drives is coarse (a handful of widths), so the constant need not be exact.
+CALL_SAMPLES = 80
+
+
+def by_width(rows: list[int], width: np.ndarray, dev: torch.device) -> list[list[int]]:
+    """Clients ``rows`` split into step calls by their batch widths (``width[i]``), to pad less.
+
+    A call pads every client to its widest batch; on a CPU padding costs as much as real samples,
+    so clients of similar widths run together: the split of the widths (sorted) that minimises
+    ``sum(CALL_SAMPLES + clients x widest)`` over the calls. On an accelerator padding is nearly
+    free and each call costs a launch: one call.
+    """
+    w = width[rows]
+    values = np.unique(w)
+    if dev.type != "cpu" or len(values) < 2:
+        return [rows]
+    upto = np.searchsorted(np.sort(w), values, side="right").tolist()  # clients of width <= values[k]
+    best, cut = [0.0], []  # best[k + 1]: least cost of the clients of width <= values[k]; cut[k]: its last call's first width
+    for k, top in enumerate(values.tolist()):
+        options = [best[j] + CALL_SAMPLES + (upto[k] - (upto[j - 1] if j else 0)) * top for j in range(k + 1)]
+        j = int(np.argmin(options))
+        best.append(options[j])
+        cut.append(j)
+    bounds, k = [], len(values) - 1
+    while k >= 0:
+        bounds.append(values[cut[k]])
+        k = cut[k] - 1
+    bounds.sort()
+    calls: list[list[int]] = [[] for _ in bounds]
+    for i, wi in zip(rows, w.tolist()):
+        calls[int(np.searchsorted(bounds, wi, side="right")) - 1].append(i)
+    return calls
+
+
+def _ordered_samples(
+    datasets: list[ArrayDataset], orders: list[list[np.ndarray]], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Every client's samples, one client after another, and a zero sample (label 0) last: (x, y,
+    index, widths), where client ``i``'s step ``t`` takes the samples ``index[i, t, :widths[i, t]]``
+    (the rest of the row points at the zero sample; width 0: no such step). A step's padded batch is
+    then one gather, and each sample is held once whatever the epochs."""
+    horizon = max((len(o) for o in orders), default=0)
+    widest = max((len(b) for o in orders for b in o), default=0)
+    total = sum(len(d) for d in datasets)
+    index = np.full((len(orders), horizon, widest), total, np.int64)
+    widths = np.zeros((len(orders), horizon), np.int64)
+    at = 0
+    for i, (d, order) in enumerate(zip(datasets, orders)):
+        for t, b in enumerate(order):
+            index[i, t, : len(b)] = at + b
+            widths[i, t] = len(b)
+        at += len(d)
+    x0, y0 = np.asarray(datasets[0].x), np.asarray(datasets[0].y)
+    xs = np.concatenate([*(np.asarray(d.x) for d in datasets), np.zeros((1, *x0.shape[1:]), x0.dtype)])
+    ys = np.concatenate([*(np.asarray(d.y) for d in datasets), np.zeros(1, y0.dtype)])
+    return torch.from_numpy(xs).to(dev), torch.from_numpy(ys).to(dev), index, widths
+
+
 def train_cohort_vmap(
     model: nn.Module,
     info: ModelInfo,
@@ -399,6 +464,8 @@ def train_cohort_vmap(
     n_clients = len(datasets)
     if not (len(strategies) == len(costs) == len(seeds) == n_clients):
         raise ValueError("strategies, costs, datasets and seeds need one entry per client")
+    if not n_clients:
+        return []
     caps = max_steps if isinstance(max_steps, list) else [max_steps] * n_clients
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
@@ -415,6 +482,7 @@ def train_cohort_vmap(
     norm_layers = [layer for layer in info.layers if isinstance(modules[layer.name], _NORM_TYPES)]
     norm_tensors = [np.asarray(layer.tensors, np.int64) for layer in norm_layers]
     batch_stats = bn_mode == "train" and any(isinstance(m, _NORM_TYPES) for m in model.modules())
+    prepared = Prepared(model, info)
     clients = [
         _Client(
             info,
@@ -429,6 +497,7 @@ def train_cohort_vmap(
             lr_schedule=lr_schedule,
             norm_tensors=norm_tensors,
             batch_stats=batch_stats,
+            prepared=prepared,
             int8=nm is not None and nm.dtype == "int8",
         )
         for s, c, d, cap, seed, nm in zip(strategies, costs, datasets, caps, seeds, numerics)
@@ -450,8 +519,7 @@ def train_cohort_vmap(
     # norm statistics: each client's own when its norm layers run on batch statistics, else shared
     buffers = dict(model.named_buffers())
     buffers = per_client(buffers) if batch_stats else {k: v.detach() for k, v in buffers.items()}
-    xs = [torch.as_tensor(d.x, device=dev) for d in datasets]
-    ys = [torch.as_tensor(d.y, device=dev) for d in datasets]
+    xs, ys, index, widths = _ordered_samples(datasets, [c.order for c in clients], dev)
 
     def loss_fn(params, bufs_, x, y, w, denom, q):
         int8.call(q, w)
@@ -491,18 +559,15 @@ def train_cohort_vmap(
         return buffers if sel is None else {k: v[sel] for k, v in buffers.items()}
 
     def batch(rows: list[int], t: int):
-        """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest."""
-        width = max(len(clients[i].order[t]) for i in rows)
-        x = torch.zeros((len(rows), width, *xs[rows[0]].shape[1:]), dtype=xs[rows[0]].dtype, device=dev)
-        y = torch.zeros((len(rows), width), dtype=ys[rows[0]].dtype, device=dev)
-        w = torch.zeros((len(rows), width), device=dev)
-        for row, i in enumerate(rows):
-            idx = torch.as_tensor(clients[i].order[t], device=dev)
-            x[row, : len(idx)], y[row, : len(idx)], w[row, : len(idx)] = xs[i][idx], ys[i][idx], 1.0
-        return x, y, w
+        """Step ``t``'s batches of clients ``rows``, padded with zero-weight samples to the widest:
+        one gather from the clients' samples in batch order (padding reads the zero sample at the end)."""
+        n = widths[rows, t]
+        idx = torch.from_numpy(index[rows, t, : int(n.max())]).to(dev)
+        valid = np.arange(idx.shape[1]) < n[:, None]
+        return xs[idx], ys[idx], torch.from_numpy(valid.astype(np.float32)).to(dev)
 
     def sgd(p, g, buf, lr_t, on):
-        """One optimizer step of a stacked tensor, for the clients where ``on``: (new values, new momentum)."""
+        """One optimizer step of a stacked tensor, for the clients where ``on`` (None: all): (new values, new momentum)."""
         shape = (-1,) + (1,) * (p.dim() - 1)
         lr_col = lr_t.to(p.dtype).to(dev).view(shape)
         if optimizer == "sgdw" and weight_decay:
@@ -515,6 +580,8 @@ def train_cohort_vmap(
         if momentum > 0:
             new_buf = buf * momentum + g
             g = new_buf
+        if on is None:
+            return new_p - lr_col * g, new_buf
         keep = on.view(shape) if on.dim() == 1 else on  # per client, or per element (channel-sparse)
         new_p = torch.where(keep, new_p - lr_col * g, p)
         return new_p, None if new_buf is None else torch.where(keep, new_buf, buf)
@@ -619,43 +686,47 @@ def train_cohort_vmap(
             for i in pending:
                 if not clients[i].failed:
                     clients[i].finish()
-            for (norms, in_int8), rows in grouped({i: clients[i].group() for i in active if clients[i].trains()}):
+            for (norms, in_int8), group in grouped({i: clients[i].group() for i in active if clients[i].trains()}):
                 set_modes(norms, in_int8)
-                every = len(rows) == n_clients
-                sel = torch.as_tensor(rows, device=dev)
-                x, y, w = batch(rows, t)
-                params = stacked if every else {k: v[sel] for k, v in stacked.items()}
-                masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
-                stats = rows_buffers(None if every else sel)
-                grads, losses = step_fn(params, stats, x, y, w, sel, {names[k] for k in np.flatnonzero(masks_np.any(0))})
-                lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
-                masks = torch.as_tensor(masks_np, device=dev)
-                sparse = set().union(*(clients[i].elem for i in rows))  # the tensors some client trains in part
-                with torch.no_grad():
-                    if batch_stats and not every:  # the clients' statistics this step moved
-                        for stat, v in stats.items():
-                            buffers[stat][sel] = v
-                    for k, name in enumerate(names):
-                        on = masks[:, k]
-                        if not bool(on.any()):
-                            continue
-                        if k in sparse:  # channel-sparse for some: a mask per element
-                            on = torch.stack([clients[i].elem.get(k, on[r]).expand(params[name].shape[1:]) for r, i in enumerate(rows)])
-                        buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
-                        new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
-                        if every:
-                            stacked[name].copy_(new_p)
-                            if new_buf is not None:
-                                bufs[name].copy_(new_buf)
-                        else:
-                            stacked[name][sel] = new_p
-                            if new_buf is not None:
-                                bufs[name][sel] = new_buf
-                for i, loss in zip(rows, losses.tolist()):
-                    clients[i].count_step(loss)
+                for rows in by_width(group, widths[:, t], dev):
+                    every = len(rows) == n_clients
+                    sel = torch.as_tensor(rows, device=dev)
+                    x, y, w = batch(rows, t)
+                    params = stacked if every else {k: v[sel] for k, v in stacked.items()}
+                    masks_np = np.stack([clients[i].selection.mask for i in rows])  # type: ignore[union-attr]
+                    stats = rows_buffers(None if every else sel)
+                    grads, losses = step_fn(params, stats, x, y, w, sel, {names[k] for k in np.flatnonzero(masks_np.any(0))})
+                    lr_t = torch.tensor([clients[i].lr_at(t) for i in rows], dtype=torch.float64)
+                    masks = torch.as_tensor(masks_np, device=dev)
+                    sparse = set().union(*(clients[i].elem for i in rows))  # the tensors some client trains in part
+                    with torch.no_grad():
+                        if batch_stats and not every:  # the clients' statistics this step moved
+                            for stat, v in stats.items():
+                                buffers[stat][sel] = v
+                        for k, name in enumerate(names):
+                            if not masks_np[:, k].any():
+                                continue
+                            if k in sparse:  # channel-sparse for some: a mask per element
+                                shape = params[name].shape[1:]
+                                on = torch.stack([clients[i].elem.get(k, masks[r, k]).expand(shape) for r, i in enumerate(rows)])
+                            else:
+                                on = None if masks_np[:, k].all() else masks[:, k]
+                            buf = (bufs[name] if every else bufs[name][sel]) if bufs else None
+                            new_p, new_buf = sgd(params[name], grads[name], buf, lr_t, on)
+                            if every:
+                                stacked[name].copy_(new_p)
+                                if new_buf is not None:
+                                    bufs[name].copy_(new_buf)
+                            else:
+                                stacked[name][sel] = new_p
+                                if new_buf is not None:
+                                    bufs[name][sel] = new_buf
+                    for i, loss in zip(rows, losses.tolist()):
+                        clients[i].count_step(loss)
 
     wall = time.perf_counter() - start
     total_steps = max(1, sum(c.result.steps for c in clients))
+    final = {name: stacked[name].detach().cpu().numpy() for name in names}  # each client's row: a view
     results = []
     for i, c in enumerate(clients):
         r = c.result
@@ -666,9 +737,7 @@ def train_cohort_vmap(
             r.fits, r.reason = False, c.failed
         else:
             r.ratios = c.union
-            r.trained = {
-                names[k]: stacked[names[k]][i].detach().cpu().numpy().copy() for k in np.flatnonzero(c.union > 0)
-            }
+            r.trained = {names[k]: final[names[k]][i] for k in np.flatnonzero(c.union > 0)}
             for k in np.flatnonzero(c.union > 0):
                 mask = None if c.whole[k] else channel_mask(stacked[names[k]].shape[1:], *c.channel_union[k])
                 if mask is not None:

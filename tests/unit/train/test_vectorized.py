@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -24,9 +25,10 @@ from fedelastic.devices.profile import Quantity, get_profile
 from fedelastic.modelinfo import describe
 from fedelastic.models.small import mcu_net, small_cnn
 from fedelastic.selection.strategy import Selection, SelectionStrategy, make_strategy
+from fedelastic.train import vectorized
 from fedelastic.train.quant import Numerics
 from fedelastic.train.trainer import LocalTraining, train_local
-from fedelastic.train.vectorized import train_cohort_vmap
+from fedelastic.train.vectorized import CALL_SAMPLES, by_width, train_cohort_vmap
 
 DEVICES = ("raspberry_pi_4", "jetson_nano", "stm32h743")
 
@@ -190,6 +192,51 @@ def test_int8_clients_train_like_the_loop(name, bn_mode, factory):
     fp32 = loop(model, info, [make_strategy(name, options) for _ in SIZES], costs, data, seeds, caps, **common)
     moved = [np.abs(a.trained[k] - b.trained[k]).max() for a, b in zip(ref[:3], fp32[:3]) for k in a.trained if k in b.trained]
     assert max(moved) > 1e-5  # int8 really changed the int8 clients' training: 10x the tolerance
+
+
+def test_step_calls_split_by_batch_width_where_padding_costs_more_than_a_call():
+    # by hand, CALL_SAMPLES = 80: 10 clients of width 16 and 40 of width 2 in one call pad to
+    # 80 + 50 x 16 = 880 samples, in two calls 80 + 40 x 2 + 80 + 10 x 16 = 400; widths 3 and 4
+    # alone: one call (80 + 2 x 4 = 88 against 167); on an accelerator always one call
+    widths = np.array([16] * 10 + [2] * 40)
+    cpu = torch.device("cpu")
+    assert by_width(list(range(50)), widths, cpu) == [list(range(10, 50)), list(range(10))]
+    assert by_width([0, 1], np.array([4, 3]), cpu) == [[0, 1]]
+    assert by_width(list(range(50)), widths, torch.device("meta")) == [list(range(50))]
+    # three widths: 16 (x8), 12 (x10), 2 (x30): {2},{12,16} = 80 + 60 + 80 + 18 x 16 = 508 against
+    # {2},{12},{16} = 548, {2,12},{16} = 768 and one call 848
+    widths = np.array([16] * 8 + [12] * 10 + [2] * 30)
+    assert by_width(list(range(48)), widths, cpu) == [list(range(18, 48)), list(range(18))]
+    # brute force: every split of the sorted widths into runs, against the calls it picks
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        widths = rng.integers(1, 9, size=int(rng.integers(2, 60)))
+        values = np.unique(widths)
+        best = min(
+            sum(CALL_SAMPLES + len(run) * run.max() for run in np.split(np.sort(widths), np.searchsorted(np.sort(widths), cut)))
+            for k in range(len(values))
+            for cut in itertools.combinations(values[1:], k)
+        )
+        calls = by_width(list(range(len(widths))), widths, cpu)
+        assert sorted(i for c in calls for i in c) == list(range(len(widths)))
+        assert sum(CALL_SAMPLES + len(c) * widths[c].max() for c in calls) == best
+
+
+@pytest.mark.parametrize("bn_mode", ["frozen", "train"])
+def test_a_cohort_split_into_calls_by_width_matches_the_loop(bn_mode, monkeypatch):
+    # 3 clients of 16 samples and 20 of 2, one batch an epoch: each of the 2 steps runs as two calls
+    # (80 + 20 x 2 + 80 + 3 x 16 = 248 padded samples against 80 + 23 x 16 = 448 in one)
+    sizes = (16, 16, 16) + (2,) * 20
+    model, info, costs, strategies, data = setup(lambda: small_cnn(width=4), 16, sizes)
+    costs = [CostModel(info, c.device, 16, "momentum", bn_mode) for c in costs]
+    seeds = [[3, 2, pid] for pid in range(len(sizes))]
+    common = dict(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-4, bn_mode=bn_mode)
+    calls = []
+    monkeypatch.setattr(vectorized, "by_width", lambda *a: calls.append(by_width(*a)) or calls[-1])
+    got = train_cohort_vmap(model, info, strategies, costs, data, seeds=seeds, **common)
+    assert [len(c) for c in calls] == [2, 2]  # the premise: each step in two calls
+    ref = loop(model, info, [make_strategy("full") for _ in sizes], costs, data, seeds, [0] * len(sizes), **common)
+    assert_same(ref, got)
 
 
 def test_a_client_without_a_batch_keeps_its_weights_and_a_selection_masks_tensors():
