@@ -53,6 +53,15 @@ import numpy as np
 from measuring import tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
+# the driver's parts of a round, timed on its thread: (class, method, part); the rest of the thread's CPU
+# in a round is "other" (the round row, callbacks, the results writer's hand-over, this benchmark's progress)
+DRIVER_PARTS = [
+    ("RoundEngine", "plan", "plan"),
+    ("EngineStrategy", "messages", "messages"),
+    ("CohortGrid", "send_and_receive", "grid"),
+    ("EngineStrategy", "settle", "settle"),
+    ("CentralEvaluation", "evaluate", "evaluation"),
+]
 FLEET = {"raspberry_pi_4": 0.4, "jetson_nano": 0.4, "phone_midrange": 0.2}  # device mix, scaled to --clients
 
 
@@ -165,6 +174,29 @@ def worker(args, backend: str) -> dict:
 
         setattr(owner, name, wrapper)
 
+    from fedelastic.fl.cohort import CohortGrid
+    from fedelastic.sim.engine import RoundEngine
+
+    # the driver thread's CPU in each part of a round (time.thread_time: this thread only; in-process the
+    # clients train on another thread, on Ray in other processes), summed over a round, read by progress()
+    parts: dict[str, float] = {}
+
+    def driver_part(owner, name: str, part: str):
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            cpu0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[part] = parts.get(part, 0.0) + time.thread_time() - cpu0
+
+        setattr(owner, name, wrapper)
+
+    for owner, name, part in DRIVER_PARTS:
+        driver_part({"RoundEngine": RoundEngine, "EngineStrategy": server.EngineStrategy, "CohortGrid": CohortGrid,
+                     "CentralEvaluation": server.CentralEvaluation}[owner], name, part)  # fmt: skip
     timed(vce_api, "_register_nodes")  # Flower: one create_node per virtual client
     timed(server, "wait_for_nodes")
     timed(server, "discover_partitions")  # one query message to every node
@@ -180,9 +212,13 @@ def worker(args, backend: str) -> dict:
 
         tracemalloc.start(10)
 
+    thread_cpu: list[float | None] = [None]  # set by the round loop's thread, in progress()
+
     def progress(row: dict) -> None:
         now = time.perf_counter()
         rnd = int(row["round"])
+        # the round loop's thread (progress runs on it), since the previous round's row
+        driver_thread = float("nan") if thread_cpu[0] is None else time.thread_time() - thread_cpu[0]
         if not watch:
             watch.append(FileWatch(next(out.glob("*/*"))))
         files = watch[0].check()
@@ -201,8 +237,11 @@ def worker(args, backend: str) -> dict:
                 "rewritten": files["rewritten"],
                 "clients": row["clients"],
                 "test_accuracy": row["test_accuracy"],
+                "driver_thread_cpu_s": driver_thread,
+                "driver_parts_cpu_s": dict(parts),
             }
         )
+        parts.clear()
         if args.tracemalloc and rnd in (10, args.rounds):
             import tracemalloc
 
@@ -216,6 +255,7 @@ def worker(args, backend: str) -> dict:
                 flush=True,
             )
         last[0] = time.perf_counter()
+        thread_cpu[0] = time.thread_time()
 
     run_dir = run_scenario(scenario, progress=progress)
     status = json.loads((run_dir / "status.json").read_text())
@@ -344,6 +384,14 @@ def summarise(result: dict, first: int = 10) -> dict:
             "trend_pct": 100.0 * slope * (x[-1] - x[0]) / median if median else float("nan"),  # slope x span / median
         }
     clients = float(np.median([r["clients"] for r in span]))
+    if "driver_thread_cpu_s" in span[0]:  # the driver thread's CPU a round by part, medians, in ms a client
+        parts = {p: [r["driver_parts_cpu_s"].get(p, 0.0) for r in span] for _, _, p in DRIVER_PARTS}
+        thread = [r["driver_thread_cpu_s"] for r in span]
+        parts["other"] = [t - sum(v[i] for v in parts.values()) for i, t in enumerate(thread)]
+        out["driver_thread_ms_per_client"] = {
+            "all": 1000 * float(np.median(thread)) / clients,
+            **{p: 1000 * float(np.median(v)) / clients for p, v in parts.items()},
+        }
     out["ms_per_client"] = {
         "round_wall": 1000 * out["round_s"]["median"] / clients,
         "tree_cpu": 1000 * out["tree_cpu_s"]["median"] / clients,
@@ -367,7 +415,12 @@ def summarise(result: dict, first: int = 10) -> dict:
 def table(summaries: dict[str, dict]) -> str:
     first = next(iter(summaries.values()), {})
     a, b = first.get("from_round", 10), first.get("rounds", "R")
-    lines = [
+    lines = []
+    for name, s in summaries.items():
+        if "driver_thread_ms_per_client" in s:
+            lines.append(f"{name}: driver thread, ms CPU a client (medians): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in s["driver_thread_ms_per_client"].items()))  # fmt: skip
+    lines += [
         f"| variant | driver RSS r{a} -> r{b} MB | growth | tree RSS MB | growth | round wall s, median | wall trend | "
         "tree CPU s/round, median | CPU trend | ms/client: wall, CPU (bare loop: wall, CPU) | rounds with rewritten files | "
         "query s | start to round 0 s |",
