@@ -242,6 +242,9 @@ def worker(args, backend: str) -> dict:
             }
         )
         parts.clear()
+        if args.rounds_log:  # each round as it ends: a run cut short still leaves its rounds
+            with open(args.rounds_log, "a") as fh:
+                fh.write(json.dumps(records[-1]) + "\n")
         if args.tracemalloc and rnd in (10, args.rounds):
             import tracemalloc
 
@@ -467,6 +470,9 @@ def main() -> None:
     parser.add_argument(
         "--windows-days", type=int, default=0, help="also measure 'sessions' online-window state over this many days"
     )
+    parser.add_argument(
+        "--rounds-log", default="", help="also append each round's record to this JSON-lines file as the round ends"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -478,6 +484,7 @@ def main() -> None:
     runs, summaries = {}, {}
     sizes = ["--clients", args.clients, "--per-round", args.per_round, "--rounds", args.rounds]
     sizes += ["--samples", args.samples, "--seed", args.seed] + (["--tracemalloc"] if args.tracemalloc else [])
+    sizes += ["--rounds-log", args.rounds_log] if args.rounds_log else []
     for backend in args.backends:
         for chunk in args.query_chunk:
             name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
