@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -447,7 +448,9 @@ def table(summaries: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=10_000)
-    parser.add_argument("--per-round", type=int, default=100)
+    parser.add_argument(
+        "--per-round", type=int, nargs="+", default=[100], help="clients a round; several values run one variant each"
+    )
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument(
         "--samples", type=int, default=0,
@@ -477,30 +480,32 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.samples = args.samples or max(60_000, -(-11 * args.clients // 10))
+    cohorts, args.per_round = args.per_round, args.per_round[0]
     if args.worker:
         print(json.dumps(worker(args, args.worker)))
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     runs, summaries = {}, {}
-    sizes = ["--clients", args.clients, "--per-round", args.per_round, "--rounds", args.rounds]
-    sizes += ["--samples", args.samples, "--seed", args.seed] + (["--tracemalloc"] if args.tracemalloc else [])
+    sizes = ["--clients", args.clients, "--rounds", args.rounds, "--samples", args.samples, "--seed", args.seed]
+    sizes += ["--tracemalloc"] if args.tracemalloc else []
     sizes += ["--rounds-log", args.rounds_log] if args.rounds_log else []
-    for backend in args.backends:
-        for chunk in args.query_chunk:
-            name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
-            repeat = sum(k == name or k.startswith(f"{name} (run ") for k in runs)
-            name = f"{name} (run {repeat + 1})" if repeat else name
-            cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk)] + [str(a) for a in sizes]
-            print(
-                f"[scale] {name}: {args.clients} clients, {args.per_round} a round, {args.rounds} rounds",
-                file=sys.stderr,
-            )
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-            if proc.returncode:
-                raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
-            runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            summaries[name] = summarise(runs[name], args.warm_up)
-            print(table({name: summaries[name]}), file=sys.stderr)
+    for backend, cohort, chunk in itertools.product(args.backends, cohorts, args.query_chunk):
+        name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
+        name += f", {cohort} a round" if len(cohorts) > 1 else ""
+        repeat = sum(k == name or k.startswith(f"{name} (run ") for k in runs)
+        name = f"{name} (run {repeat + 1})" if repeat else name
+        cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk), "--per-round", str(cohort)]
+        cmd += [str(a) for a in sizes]
+        print(
+            f"[scale] {name}: {args.clients} clients, {cohort} a round, {args.rounds} rounds",
+            file=sys.stderr,
+        )
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        if proc.returncode:
+            raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
+        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        summaries[name] = summarise(runs[name], args.warm_up)
+        print(table({name: summaries[name]}), file=sys.stderr)
     windows = windows_growth(args.clients, args.windows_days, args.seed) if args.windows_days else None
     if windows:
         for name, mb in windows.items():
@@ -509,7 +514,7 @@ def main() -> None:
         "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
         "started": started,
         "machine": f"{platform.node()} {os.cpu_count()} CPUs (shared with other sessions)",
-        "sizes": {"clients": args.clients, "per_round": args.per_round, "rounds": args.rounds, "samples": args.samples},
+        "sizes": {"clients": args.clients, "per_round": cohorts, "rounds": args.rounds, "samples": args.samples},
         "summary": summaries,
         "windows_mb_by_day": windows,
         "runs": runs,
