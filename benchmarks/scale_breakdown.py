@@ -25,7 +25,8 @@ import re
 import numpy as np
 
 THREADS = {"EngineStrategy.run": "driver", "KeptThread._loop": "training thread", "_Writer._work": "writer thread"}
-IDLE = ("Condition.wait", "Event.wait", "Queue.get", "SimpleQueue.get", "Lock.acquire")
+# a thread waiting; a stack ending in a thread's own loop waits in C for its next call (SimpleQueue.get)
+IDLE = ("Condition.wait", "Event.wait", "Queue.get", "SimpleQueue.get", "Lock.acquire", "KeptThread._loop", "_Writer._work")
 
 # (thread, part, frames that claim a sample), first match wins
 PARTS: list[tuple[str, str, tuple[str, ...]]] = [
