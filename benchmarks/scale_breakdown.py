@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import re
 
@@ -65,7 +66,7 @@ def split(path: str) -> tuple[collections.Counter, collections.Counter]:
     """Samples per part, and the unclaimed stacks."""
     parts: collections.Counter = collections.Counter()
     unmatched: collections.Counter = collections.Counter()
-    with open(path) as fh:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as fh:
         for line in fh:
             stack, _, count = line.rstrip().rpartition(" ")
             names = frames(stack)
@@ -83,7 +84,7 @@ def split(path: str) -> tuple[collections.Counter, collections.Counter]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("profile", help="py-spy --format raw output")
+    parser.add_argument("profile", help="py-spy --format raw output (.gz: gzipped)")
     parser.add_argument("run", help="the scale worker's JSON (its stdout's last line)")
     parser.add_argument("--unmatched", action="store_true")
     args = parser.parse_args()
