@@ -5,6 +5,7 @@
     python benchmarks/scale.py --backends ray inprocess --windows-days 8
     python benchmarks/scale.py --rounds 3 --query-chunk 10000 256 10000 256   # the partition query, A/B
     python benchmarks/scale.py --clients 500 --per-round 20 --rounds 20 --samples 12000   # shrunk
+    python benchmarks/scale.py --backends inprocess --clients 100000 --per-round 100 500 1000 --rounds 6  # vs the cohort
 
 The scenario: ``synth_digits`` (``--samples`` images, by default 60,000 or 1.1 per client if that is
 more; 5% held out for the server's test set, at most 3,000 images, which it evaluates every round), IID partitions over ``--clients`` clients (5-6
@@ -15,7 +16,9 @@ rounds, through ``fedelastic.fl.runner.run_scenario`` (the same path as ``fedela
 Each variant runs in a fresh subprocess, one after the other.
 
 Recorded per round (from the run's progress callback, in the driver): the wall time since the
-previous round ended; the driver's RSS and CPU seconds (``/proc``); the RSS and CPU seconds of
+previous round ended; the driver's RSS and CPU seconds (``/proc``); the CPU of the driver's round-loop
+thread, in all and by part (``DRIVER_PARTS``: plan, messages, the cohort grid, settle, evaluation;
+``time.thread_time``, so in-process the clients' training thread is not in it); the RSS and CPU seconds of
 the driver's whole process tree (Ray's GCS, raylet and workers descend from it); for each
 results file its size and whether it was only appended to (a ``.csv`` keeps its inode and the
 bytes it had, a ``.parquet`` folder keeps every earlier part file unchanged and gains new ones).
