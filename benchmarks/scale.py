@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from measuring import tree_usage
+from measuring import Timers, tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 # the driver's parts of a round, timed on its thread: (class, method, part); the rest of the thread's CPU
@@ -183,24 +183,11 @@ def worker(args, backend: str) -> dict:
 
     # the driver thread's CPU in each part of a round (time.thread_time: this thread only; in-process the
     # clients train on another thread, on Ray in other processes), summed over a round, read by progress()
-    parts: dict[str, float] = {}
-
-    def driver_part(owner, name: str, part: str):
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def wrapper(*a, **kw):
-            cpu0 = time.thread_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                parts[part] = parts.get(part, 0.0) + time.thread_time() - cpu0
-
-        setattr(owner, name, wrapper)
-
+    parts = Timers(clock=time.thread_time)
+    owners = {"RoundEngine": RoundEngine, "EngineStrategy": server.EngineStrategy, "CohortGrid": CohortGrid}
+    owners["CentralEvaluation"] = server.CentralEvaluation
     for owner, name, part in DRIVER_PARTS:
-        driver_part({"RoundEngine": RoundEngine, "EngineStrategy": server.EngineStrategy, "CohortGrid": CohortGrid,
-                     "CentralEvaluation": server.CentralEvaluation}[owner], name, part)  # fmt: skip
+        parts.wrap(owners[owner], name, part)
     timed(vce_api, "_register_nodes")  # Flower: one create_node per virtual client
     timed(server, "wait_for_nodes")
     timed(server, "discover_partitions")  # one query message to every node
@@ -242,10 +229,10 @@ def worker(args, backend: str) -> dict:
                 "clients": row["clients"],
                 "test_accuracy": row["test_accuracy"],
                 "driver_thread_cpu_s": driver_thread,
-                "driver_parts_cpu_s": dict(parts),
+                "driver_parts_cpu_s": dict(parts.total),
             }
         )
-        parts.clear()
+        parts.total.clear()
         if args.rounds_log:  # each round as it ends: a run cut short still leaves its rounds
             with open(args.rounds_log, "a") as fh:
                 fh.write(json.dumps(records[-1]) + "\n")
