@@ -54,10 +54,11 @@ def tree_usage(root: int | None = None) -> TreeUsage:
 class Timers:
     """Wall-time accumulators wrapped around functions (monkeypatched in the measured process only)."""
 
-    def __init__(self, since: float = float("-inf")):
+    def __init__(self, since: float = float("-inf"), clock=time.perf_counter):
         self.total: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
-        self.since = since  # only calls that start at or after this perf_counter() time count
+        self.since = since  # only calls that start at or after this clock() time count
+        self.clock = clock  # time.thread_time: the calling thread's CPU instead of wall time
 
     def wrap(self, owner, name: str, label: str) -> None:
         fn = getattr(owner, name, None)
@@ -66,12 +67,12 @@ class Timers:
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if start >= self.since:
-                    self.total[label] += time.perf_counter() - start
+                    self.total[label] += self.clock() - start
                     self.calls[label] += 1
 
         setattr(owner, name, timed)

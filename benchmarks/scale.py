@@ -5,6 +5,7 @@
     python benchmarks/scale.py --backends ray inprocess --windows-days 8
     python benchmarks/scale.py --rounds 3 --query-chunk 10000 256 10000 256   # the partition query, A/B
     python benchmarks/scale.py --clients 500 --per-round 20 --rounds 20 --samples 12000   # shrunk
+    python benchmarks/scale.py --backends inprocess --clients 100000 --per-round 100 500 1000 --rounds 6  # vs the cohort
 
 The scenario: ``synth_digits`` (``--samples`` images, by default 60,000 or 1.1 per client if that is
 more; 5% held out for the server's test set, at most 3,000 images, which it evaluates every round), IID partitions over ``--clients`` clients (5-6
@@ -15,7 +16,9 @@ rounds, through ``fedelastic.fl.runner.run_scenario`` (the same path as ``fedela
 Each variant runs in a fresh subprocess, one after the other.
 
 Recorded per round (from the run's progress callback, in the driver): the wall time since the
-previous round ended; the driver's RSS and CPU seconds (``/proc``); the RSS and CPU seconds of
+previous round ended; the driver's RSS and CPU seconds (``/proc``); the CPU of the driver's round-loop
+thread, in all and by part (``DRIVER_PARTS``: plan, messages, the cohort grid, settle, evaluation;
+``time.thread_time``, so in-process the clients' training thread is not in it); the RSS and CPU seconds of
 the driver's whole process tree (Ray's GCS, raylet and workers descend from it); for each
 results file its size and whether it was only appended to (a ``.csv`` keeps its inode and the
 bytes it had, a ``.parquet`` folder keeps every earlier part file unchanged and gains new ones).
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -50,9 +54,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-from measuring import tree_usage
+from measuring import Timers, tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
+# the driver's parts of a round, timed on its thread: (class, method, part); the rest of the thread's CPU
+# in a round is "other" (the round row, callbacks, the results writer's hand-over, this benchmark's progress)
+DRIVER_PARTS = [
+    ("RoundEngine", "plan", "plan"),
+    ("EngineStrategy", "messages", "messages"),
+    ("CohortGrid", "send_and_receive", "grid"),
+    ("EngineStrategy", "settle", "settle"),
+    ("CentralEvaluation", "evaluate", "evaluation"),
+]
 FLEET = {"raspberry_pi_4": 0.4, "jetson_nano": 0.4, "phone_midrange": 0.2}  # device mix, scaled to --clients
 
 
@@ -165,6 +178,16 @@ def worker(args, backend: str) -> dict:
 
         setattr(owner, name, wrapper)
 
+    from fedelastic.fl.cohort import CohortGrid
+    from fedelastic.sim.engine import RoundEngine
+
+    # the driver thread's CPU in each part of a round (time.thread_time: this thread only; in-process the
+    # clients train on another thread, on Ray in other processes), summed over a round, read by progress()
+    parts = Timers(clock=time.thread_time)
+    owners = {"RoundEngine": RoundEngine, "EngineStrategy": server.EngineStrategy, "CohortGrid": CohortGrid}
+    owners["CentralEvaluation"] = server.CentralEvaluation
+    for owner, name, part in DRIVER_PARTS:
+        parts.wrap(owners[owner], name, part)
     timed(vce_api, "_register_nodes")  # Flower: one create_node per virtual client
     timed(server, "wait_for_nodes")
     timed(server, "discover_partitions")  # one query message to every node
@@ -180,9 +203,13 @@ def worker(args, backend: str) -> dict:
 
         tracemalloc.start(10)
 
+    thread_cpu: list[float | None] = [None]  # set by the round loop's thread, in progress()
+
     def progress(row: dict) -> None:
         now = time.perf_counter()
         rnd = int(row["round"])
+        # the round loop's thread (progress runs on it), since the previous round's row
+        driver_thread = float("nan") if thread_cpu[0] is None else time.thread_time() - thread_cpu[0]
         if not watch:
             watch.append(FileWatch(next(out.glob("*/*"))))
         files = watch[0].check()
@@ -201,8 +228,14 @@ def worker(args, backend: str) -> dict:
                 "rewritten": files["rewritten"],
                 "clients": row["clients"],
                 "test_accuracy": row["test_accuracy"],
+                "driver_thread_cpu_s": driver_thread,
+                "driver_parts_cpu_s": dict(parts.total),
             }
         )
+        parts.total.clear()
+        if args.rounds_log:  # each round as it ends: a run cut short still leaves its rounds
+            with open(args.rounds_log, "a") as fh:
+                fh.write(json.dumps(records[-1]) + "\n")
         if args.tracemalloc and rnd in (10, args.rounds):
             import tracemalloc
 
@@ -216,6 +249,7 @@ def worker(args, backend: str) -> dict:
                 flush=True,
             )
         last[0] = time.perf_counter()
+        thread_cpu[0] = time.thread_time()
 
     run_dir = run_scenario(scenario, progress=progress)
     status = json.loads((run_dir / "status.json").read_text())
@@ -344,6 +378,14 @@ def summarise(result: dict, first: int = 10) -> dict:
             "trend_pct": 100.0 * slope * (x[-1] - x[0]) / median if median else float("nan"),  # slope x span / median
         }
     clients = float(np.median([r["clients"] for r in span]))
+    if "driver_thread_cpu_s" in span[0]:  # the driver thread's CPU a round by part, medians, in ms a client
+        parts = {p: [r["driver_parts_cpu_s"].get(p, 0.0) for r in span] for _, _, p in DRIVER_PARTS}
+        thread = [r["driver_thread_cpu_s"] for r in span]
+        parts["other"] = [t - sum(v[i] for v in parts.values()) for i, t in enumerate(thread)]
+        out["driver_thread_ms_per_client"] = {
+            "all": 1000 * float(np.median(thread)) / clients,
+            **{p: 1000 * float(np.median(v)) / clients for p, v in parts.items()},
+        }
     out["ms_per_client"] = {
         "round_wall": 1000 * out["round_s"]["median"] / clients,
         "tree_cpu": 1000 * out["tree_cpu_s"]["median"] / clients,
@@ -367,7 +409,12 @@ def summarise(result: dict, first: int = 10) -> dict:
 def table(summaries: dict[str, dict]) -> str:
     first = next(iter(summaries.values()), {})
     a, b = first.get("from_round", 10), first.get("rounds", "R")
-    lines = [
+    lines = []
+    for name, s in summaries.items():
+        if "driver_thread_ms_per_client" in s:
+            lines.append(f"{name}: driver thread, ms CPU a client (medians): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in s["driver_thread_ms_per_client"].items()))  # fmt: skip
+    lines += [
         f"| variant | driver RSS r{a} -> r{b} MB | growth | tree RSS MB | growth | round wall s, median | wall trend | "
         "tree CPU s/round, median | CPU trend | ms/client: wall, CPU (bare loop: wall, CPU) | rounds with rewritten files | "
         "query s | start to round 0 s |",
@@ -391,7 +438,9 @@ def table(summaries: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=10_000)
-    parser.add_argument("--per-round", type=int, default=100)
+    parser.add_argument(
+        "--per-round", type=int, nargs="+", default=[100], help="clients a round; several values run one variant each"
+    )
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument(
         "--samples", type=int, default=0,
@@ -414,33 +463,39 @@ def main() -> None:
     parser.add_argument(
         "--windows-days", type=int, default=0, help="also measure 'sessions' online-window state over this many days"
     )
+    parser.add_argument(
+        "--rounds-log", default="", help="also append each round's record to this JSON-lines file as the round ends"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.samples = args.samples or max(60_000, -(-11 * args.clients // 10))
+    cohorts, args.per_round = args.per_round, args.per_round[0]
     if args.worker:
         print(json.dumps(worker(args, args.worker)))
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     runs, summaries = {}, {}
-    sizes = ["--clients", args.clients, "--per-round", args.per_round, "--rounds", args.rounds]
-    sizes += ["--samples", args.samples, "--seed", args.seed] + (["--tracemalloc"] if args.tracemalloc else [])
-    for backend in args.backends:
-        for chunk in args.query_chunk:
-            name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
-            repeat = sum(k == name or k.startswith(f"{name} (run ") for k in runs)
-            name = f"{name} (run {repeat + 1})" if repeat else name
-            cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk)] + [str(a) for a in sizes]
-            print(
-                f"[scale] {name}: {args.clients} clients, {args.per_round} a round, {args.rounds} rounds",
-                file=sys.stderr,
-            )
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-            if proc.returncode:
-                raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
-            runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            summaries[name] = summarise(runs[name], args.warm_up)
-            print(table({name: summaries[name]}), file=sys.stderr)
+    sizes = ["--clients", args.clients, "--rounds", args.rounds, "--samples", args.samples, "--seed", args.seed]
+    sizes += ["--tracemalloc"] if args.tracemalloc else []
+    sizes += ["--rounds-log", args.rounds_log] if args.rounds_log else []
+    for backend, cohort, chunk in itertools.product(args.backends, cohorts, args.query_chunk):
+        name = backend if chunk == 0 else f"{backend}, query chunk {chunk}"
+        name += f", {cohort} a round" if len(cohorts) > 1 else ""
+        repeat = sum(k == name or k.startswith(f"{name} (run ") for k in runs)
+        name = f"{name} (run {repeat + 1})" if repeat else name
+        cmd = [sys.executable, __file__, "--worker", backend, "--query-chunk", str(chunk), "--per-round", str(cohort)]
+        cmd += [str(a) for a in sizes]
+        print(
+            f"[scale] {name}: {args.clients} clients, {cohort} a round, {args.rounds} rounds",
+            file=sys.stderr,
+        )
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        if proc.returncode:
+            raise SystemExit(f"[scale] {name} failed (exit {proc.returncode})")
+        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        summaries[name] = summarise(runs[name], args.warm_up)
+        print(table({name: summaries[name]}), file=sys.stderr)
     windows = windows_growth(args.clients, args.windows_days, args.seed) if args.windows_days else None
     if windows:
         for name, mb in windows.items():
@@ -449,7 +504,7 @@ def main() -> None:
         "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
         "started": started,
         "machine": f"{platform.node()} {os.cpu_count()} CPUs (shared with other sessions)",
-        "sizes": {"clients": args.clients, "per_round": args.per_round, "rounds": args.rounds, "samples": args.samples},
+        "sizes": {"clients": args.clients, "per_round": cohorts, "rounds": args.rounds, "samples": args.samples},
         "summary": summaries,
         "windows_mb_by_day": windows,
         "runs": runs,
