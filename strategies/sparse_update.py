@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -143,6 +144,10 @@ def weights_in_range(info: ModelInfo, updated: set[int]) -> list[int]:
     return out
 
 
+#: schemes found, per cost model (weakly: a run's cost models go with it), keyed by (config, budget)
+_SCHEMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @register
 class SparseUpdate(SelectionStrategy):
     """Sparse Update: biases of the last k layers plus an offline-searched static set of input-channel-sparse weights."""
@@ -153,6 +158,18 @@ class SparseUpdate(SelectionStrategy):
     offline = True  # the scheme is searched offline, before deployment: the device does not pay for it
 
     def select(self, ctx: SelectionContext) -> Selection:
+        """The scheme of this config on ``ctx``'s cost model and memory budget: static, so searched once
+        per (cost model, budget, config) in a process and copied out (the search prices tens of thousands
+        of candidate schemes)."""
+        schemes = _SCHEMES.setdefault(ctx.cost, {}) if ctx.info is ctx.cost.info else {}
+        key = (self.config, ctx.memory_budget_bytes)
+        if key not in schemes:
+            schemes[key] = self._search(ctx)
+        found = schemes[key]
+        assert found.input_sparse is not None
+        return Selection(found.ratios.copy(), input_sparse=found.input_sparse.copy())
+
+    def _search(self, ctx: SelectionContext) -> Selection:
         cfg, info, cost = self.config, ctx.info, ctx.cost
         budget = cfg.memory_fraction * ctx.memory_budget_bytes
         n = info.num_tensors

@@ -379,6 +379,26 @@ def test_sparse_update_static_scheme_fits_mcu():
     assert result.fits and result.steps == 3
 
 
+def test_sparse_update_searches_a_scheme_once_per_cost_model_and_budget(monkeypatch):
+    _, info, cost = build(mcu_net, 16, "stm32f746")
+    calls = []
+    priced = cost.peak_memory_bytes
+    monkeypatch.setattr(cost, "peak_memory_bytes", lambda *a, **k: calls.append(1) or priced(*a, **k))
+    strategy = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 3})
+    first = strategy.select(SelectionContext(info, cost, 0, np.random.default_rng(0)))
+    searched = len(calls)
+    assert searched > 10
+    first.ratios[:] = 0  # a caller's change to its copy reaches no later selection
+    again = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 3}).select(
+        SelectionContext(info, cost, 7, np.random.default_rng(3))
+    )
+    assert len(calls) == searched and again.ratios.any()  # the same config, cost model and budget: not searched again
+    other = make_strategy("sparse_update", {"bias_last_k": 4, "max_weight_layers": 2}).select(
+        SelectionContext(info, cost, 0, np.random.default_rng(0))
+    )
+    assert len(calls) > searched and np.count_nonzero(other.ratios[other.input_sparse]) <= 2  # another config: searched
+
+
 def test_sparse_update_input_channel_memory_matches_hand_computation():
     # conv 8 -> 4 (1x1) on 8 x 3 x 3 inputs, batch 2, fp32: its weight gradient reads its input
     model = nn.Sequential(nn.Conv2d(8, 4, 1, bias=False), nn.Flatten(), nn.Linear(36, 2))
