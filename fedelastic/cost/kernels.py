@@ -85,10 +85,8 @@ def step_kernels(info: ModelInfo, device: DeviceProfile, batch_size: int) -> Ste
         ins, outs, macs = b * layer.in_numel, b * layer.out_numel, b * layer.macs
         wsize = float(sum(info.tensor_numel[k] for k in layer.tensors))
         first = layer.tensors[0]
-        # a depthwise conv (one input channel per group) has its own classes; a grouped conv with
-        # several channels per group runs as a dense GEMM per group (its MACs already count the groups)
-        kind = "depthwise" if layer.groups > 1 and layer.groups >= layer.in_channels else "gemm"
         if layer.kind in ("conv", "linear", "attention"):
+            kind = "depthwise" if layer.groups > 1 else "gemm"
             add(FWD, first, f"{kind}_fwd", 2 * macs, ins + outs + wsize, outs)
             add(DX, first, f"{kind}_dx", 2 * macs, ins + outs + wsize, ins)
             if transposes and layer.kind == "conv":  # its output back to the framework's layout
@@ -99,7 +97,7 @@ def step_kernels(info: ModelInfo, device: DeviceProfile, batch_size: int) -> Ste
         for k in layer.tensors:
             role, size = info.tensor_roles[k], float(info.tensor_numel[k])
             if role == "weight":
-                cls = f"{kind}_dw"
+                cls = "depthwise_dw" if layer.groups > 1 else "gemm_dw"
                 add(DW, k, cls, 2 * macs, ins + outs + size, size)
                 if transposes and layer.kind == "conv":  # the output gradient into the conv's layout
                     add(DW, k, "layout", 0.0, 2 * outs, outs)

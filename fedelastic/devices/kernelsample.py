@@ -225,7 +225,7 @@ def predicted_layers(
         price(_op_kernel(op.module, b, op.in_numel, op.out_numel), op.above)
     for fn in info.functional:
         price(_functional_kernel(fn.name, fn.kind, b, fn.macs, fn.in_numel, fn.out_numel), fn.above)
-    cal = predictors.get("calibration", NO_CALIBRATION)
+    cal = predictors.get("calibration", {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)})
     out = {}
     for li, layer in enumerate(info.layers):
         kernel = layer_kernel(info, li, b)
@@ -235,58 +235,38 @@ def predicted_layers(
         fwd, dx, dw = (predictors[cls][ph].predict(cls, f)[0] for ph in ("fwd", "dx", "dw"))
         if not any(info.tensor_roles[k] == "weight" for k in layer.tensors) and layer.kind != "norm":
             dw = 0.0
-        out[layer.name] = calibrated(cal, fwd + extra[li, 0], dx + extra[li, 1], dw, layer_bytes(info, li, b))
+        out[layer.name] = calibrated(cal, fwd + extra[li, 0], dx + extra[li, 1], dw)
     return out, float(extra[nl, 0])
 
 
-#: the identity calibration: a layer's step pays its kernels as timed alone
-NO_CALIBRATION: dict[str, tuple[float, ...]] = {"fwd": (1.0, 0.0, 0.0), "bwd": (1.0, 0.0, 0.0)}
-
-
-def layer_bytes(info: ModelInfo, li: int, b: float) -> float:
-    """Bytes a layer's kernels touch at batch ``b``: its input, output and parameters (fp32)."""
-    layer = info.layers[li]
-    return 4.0 * (b * (layer.in_numel + layer.out_numel) + sum(float(info.tensor_numel[k]) for k in layer.tensors))
-
-
-def calibrated(
-    cal: dict[str, tuple[float, ...]], fwd: float, dx: float, dw: float, nbytes: float = 0.0
-) -> tuple[float, float, float]:
-    """A layer's kernels timed alone, as its step pays them: ``scale * t + seconds + per_byte * bytes``
-    for the forward and for the backward (dX + dW, split as predicted); ``nbytes``: the layer's
-    :func:`layer_bytes` (what a step, whose working set no longer fits the caches, reloads)."""
-
-    def step(c: tuple[float, ...], t: float) -> float:
-        return c[0] * t + c[1] + (c[2] * nbytes if len(c) > 2 else 0.0)
-
+def calibrated(cal: dict[str, tuple[float, float]], fwd: float, dx: float, dw: float) -> tuple[float, float, float]:
+    """A layer's kernels timed alone, as its step pays them: ``scale * t + seconds`` for the forward
+    and for the backward (dX + dW, split as predicted)."""
+    (sf, cf), (sb, cb) = cal["fwd"], cal["bwd"]
     bwd = dx + dw
     share = dx / bwd if bwd > 0 else 0.5
-    total = step(cal["bwd"], bwd)
-    return step(cal["fwd"], fwd), total * share, total * (1 - share)
+    total = sb * bwd + cb
+    return sf * fwd + cf, total * share, total * (1 - share)
 
 
 def fit_calibration(
-    pred: np.ndarray, meas: np.ndarray, weight: np.ndarray | None = None, nbytes: np.ndarray | None = None
-) -> dict[str, tuple[float, ...]]:
-    """``{fwd, bwd: (scale, seconds, seconds per byte)}`` that map layers' predicted ``[fwd, dx, dw]``
-    rows (kernels timed alone) to their measured rows (the same layers inside a model's step), the
-    backward as dX + dW: non-negative least squares in seconds, each row times ``weight``
-    (:func:`fedelastic.profiling.commands.calibrate` passes 1 / its model's measured forward, so
-    that every tuning model counts alike and, within one, the large layers, which carry its step,
-    set the fit). ``nbytes``: each layer's :func:`layer_bytes` (None: no per-byte term)."""
+    pred: np.ndarray, meas: np.ndarray, weight: np.ndarray | None = None
+) -> dict[str, tuple[float, float]]:
+    """``{fwd, bwd: (scale, seconds)}`` that map layers' predicted ``[fwd, dx, dw]`` rows (kernels
+    timed alone) to their measured rows (the same layers inside a model's step): non-negative
+    least squares in seconds, each row times ``weight`` (:func:`fedelastic.profiling.commands.calibrate`
+    passes 1 / its model's measured forward, so that every tuning model counts alike and, within
+    one, the large layers, which carry its step, set the fit).
+
+    Only the forward is calibrated; the backward keeps ``(1, 0)``. Both choices were made on the
+    tuning models alone, and are within the noise of their tables (``benchmarks/studies/fidelity.md``)."""
     from scipy.optimize import nnls
 
     w = np.ones(len(pred)) if weight is None else np.asarray(weight, float)
-    out = {}
-    for key, p, m in (("fwd", pred[:, 0], meas[:, 0]), ("bwd", pred[:, 1] + pred[:, 2], meas[:, 1] + meas[:, 2])):
-        ok = m > 0
-        cols = [p[ok], np.ones(ok.sum())] + ([np.asarray(nbytes, float)[ok]] if nbytes is not None else [])
-        x = np.column_stack(cols) * w[ok, None]
-        scale = np.abs(x).max(axis=0) + 1e-30
-        coef, _ = nnls(x / scale, m[ok] * w[ok])
-        coef = coef / scale
-        out[key] = (float(coef[0]), float(coef[1]), float(coef[2]) if nbytes is not None else 0.0)
-    return out
+    ok = meas[:, 0] > 0
+    x = np.column_stack([pred[ok, 0], np.ones(ok.sum())]) * w[ok, None]
+    coef, _ = nnls(x, meas[ok, 0] * w[ok])
+    return {"fwd": (float(coef[0]), float(coef[1])), "bwd": (1.0, 0.0)}
 
 
 def optimizer_seconds(
@@ -355,25 +335,20 @@ def parse_sampled(src: str, raw: Any) -> dict[str, dict[str, Predictor]]:
             if not _finite(err) or err < 0 or not isinstance(n, int) or n < 0:
                 raise ConfigError(src, key, "cv_error >= 0 and n, a count", {"cv_error": err, "n": n})
             out[cls][ph] = Predictor(p["form"], tuple(float(c) for c in coef), float(err), n)
-    out["calibration"] = _calibration(src, raw.get("calibration", {k: list(v) for k, v in NO_CALIBRATION.items()}))
+    out["calibration"] = _calibration(src, raw.get("calibration", {"fwd": [1.0, 0.0], "bwd": [1.0, 0.0]}))
     return out
 
 
-def _calibration(src: str, raw: Any) -> dict[str, tuple[float, ...]]:
+def _calibration(src: str, raw: Any) -> dict[str, tuple[float, float]]:
     from ..errors import ConfigError
 
     ok = isinstance(raw, dict) and set(raw) == {"fwd", "bwd"}
-    ok = ok and all(
-        isinstance(v, list) and len(v) in (2, 3) and all(_finite(x) and x >= 0 for x in v) for v in raw.values()
-    )
+    ok = ok and all(isinstance(v, list) and len(v) == 2 and all(_finite(x) and x >= 0 for x in v) for v in raw.values())
     if not ok:
         raise ConfigError(
-            src,
-            "sampled.calibration",
-            "{ fwd = [scale, seconds, seconds per byte], bwd = [...] } (the per-byte term optional), all >= 0",
-            raw,
+            src, "sampled.calibration", "{ fwd = [scale, seconds], bwd = [scale, seconds] }, all >= 0", raw
         )
-    return {k: (float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0) for k, v in raw.items()}
+    return {k: (float(v[0]), float(v[1])) for k, v in raw.items()}
 
 
 def _finite(v: Any) -> bool:

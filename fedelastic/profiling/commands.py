@@ -240,42 +240,37 @@ def sampled_into(
 
 def calibrate(
     predictors: dict[str, Any], pairs: Sequence[tuple[Any, MeasuredTable]], say: Callable[[str], None]
-) -> tuple[dict[str, tuple[float, ...]], list[float]]:
+) -> tuple[dict[str, tuple[float, float]], list[float]]:
     """The calibration fitted to every table of ``pairs`` and, per model, the error of its layers
     (forward, dX, dW summed) with the calibration fitted to the others (uncalibrated if alone)."""
     import numpy as np
 
     from ..devices.kernelsample import predicted_layers
 
-    from ..devices.kernelsample import NO_CALIBRATION, layer_bytes
-
     rows = []
     for info, table in pairs:
-        pred, _ = predicted_layers({**predictors, "calibration": NO_CALIBRATION}, info, table.batch_size)
-        index = {layer.name: li for li, layer in enumerate(info.layers)}
+        pred, _ = predicted_layers(predictors, info, table.batch_size)
         names = [n for n in pred if n in table.layers]
-        nbytes = np.array([layer_bytes(info, index[n], table.batch_size) for n in names])
-        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names]), nbytes))
+        rows.append((np.array([pred[n] for n in names]), np.array([_row(table.layers[n]) for n in names])))
     errs = []
-    for k, (_pred, meas, _nbytes) in enumerate(rows):
+    for k, (_pred, meas) in enumerate(rows):
         rest = [r for j, r in enumerate(rows) if j != k]
-        cal = _calibration(rest) if rest else NO_CALIBRATION
+        cal = _calibration(rest) if rest else {"fwd": (1.0, 0.0), "bwd": (1.0, 0.0)}
         held = {**predictors, "calibration": cal}
         errs.append(predicted_total(held, pairs[k][0], pairs[k][1].batch_size) / meas.sum() - 1)
         say(f"{pairs[k][0].model_name}: layers predicted by the sampled kernels {errs[-1]:+.1%} (held out)")
     return _calibration(rows), errs
 
 
-def _calibration(rows: list[tuple[Any, Any, Any]]) -> dict[str, tuple[float, ...]]:
-    """:func:`~fedelastic.devices.kernelsample.fit_calibration` over the (predicted, measured, bytes)
-    layer rows of several models, each model's rows weighted by 1 / its measured forward."""
+def _calibration(rows: list[tuple[Any, Any]]) -> dict[str, tuple[float, float]]:
+    """:func:`~fedelastic.devices.kernelsample.fit_calibration` over the (predicted, measured) layer rows
+    of several models, each model's rows weighted by 1 / its measured forward."""
     import numpy as np
 
     from ..devices.kernelsample import fit_calibration
 
-    weight = np.concatenate([np.full(len(m), 1 / max(m[:, 0].sum(), 1e-12)) for _, m, _ in rows])
-    pred, meas, nbytes = (np.concatenate([r[i] for r in rows]) for i in range(3))
-    return fit_calibration(pred, meas, weight, nbytes)
+    weight = np.concatenate([np.full(len(m), 1 / max(m[:, 0].sum(), 1e-12)) for _, m in rows])
+    return fit_calibration(np.concatenate([p for p, _ in rows]), np.concatenate([m for _, m in rows]), weight)
 
 
 def _row(t) -> tuple[float, float, float]:
