@@ -132,11 +132,15 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log,
         row.update({k: reuse[k] for k in ("real_s", "real_median_rel_sd", "samples", "layers")})
     names_measured = [layer.name for layer in info.layers if layer.name in row["layers"]]
     meas = np.array([row["layers"][n] for n in names_measured])
+    row["layer_names"] = names_measured
+    row["layer_class"] = [_layer_class(info, i) for i, layer in enumerate(info.layers) if layer.name in names_measured]
+    row["layer_pred"] = {}
     for label, device in profiles.items():
         cost = CostModel(info, device, 8)
         row["pred_s"][label] = {k: cost.step_time_s(r) for k, r in sels.items()}
         pred = layer_matrix(cost, info)[[i for i, layer in enumerate(info.layers) if layer.name in names_measured]]
         # per layer fwd + dX + dW; the first layer's dx is never paid (no gradient below the input)
+        row["layer_pred"][label] = pred.tolist()
         p_sum, m_sum = pred.sum(axis=1) - np.r_[pred[0, 1], np.zeros(len(pred) - 1)], meas.sum(axis=1)
         ok = m_sum > 0
         row["layer_err"][label] = (p_sum[ok] / m_sum[ok] - 1).tolist()
@@ -146,6 +150,32 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log,
         + f" ({time.perf_counter() - t0:.0f} s)"
     )
     return row
+
+
+def _layer_class(info, li: int) -> str:
+    from fedelastic.devices.kernelsample import layer_kernel
+
+    kernel = layer_kernel(info, li, 8.0)
+    return kernel[0] if kernel else info.layers[li].kind
+
+
+def by_class(rows: list[dict], label: str) -> dict[str, dict]:
+    """Per layer class and phase (fwd, dx, dw): layers, median predicted / measured, and the class's
+    share of the measured time of every held-out layer (where the per-layer error comes from)."""
+    out: dict[str, dict] = {}
+    total = sum(np.sum(r["layers"][n]) for r in rows for n in r["layer_names"])
+    for r in rows:
+        pred = np.array(r["layer_pred"][label])
+        meas = np.array([r["layers"][n] for n in r["layer_names"]])
+        for i, cls in enumerate(r["layer_class"]):
+            d = out.setdefault(cls, {"n": 0, "ratio": [[], [], []], "share": 0.0})
+            d["n"] += 1
+            d["share"] += float(meas[i].sum() / total)
+            for ph in range(3):
+                if meas[i, ph] > 1e-7 and not (i == 0 and ph == 1):
+                    d["ratio"][ph].append(pred[i, ph] / meas[i, ph])
+    return {c: {"n": d["n"], "share": d["share"], "median_ratio": [float(np.median(v)) if v else None for v in d["ratio"]]}
+            for c, d in sorted(out.items(), key=lambda kv: -kv[1]["share"])}  # fmt: skip
 
 
 def summary(rows: list[dict], label: str, band: float = 0.0) -> dict:
@@ -200,6 +230,13 @@ def markdown(res: dict) -> str:
                   f"{min(loads):.1f}-{max(loads):.1f} at the rounds' ends; a cell's round-to-round sd: median "
                   f"{n['round_spread_median']:.1%}, max {n['round_spread_max']:.1%}."]  # fmt: skip
     labels = list(res["summary"])
+    lines += ["", "| layer class | layers | share of measured layer time | "
+              + " | ".join(f"{lab}: predicted / measured, fwd / dX / dW (medians)" for lab in labels) + " |",
+              "|---|---|---|" + "---|" * len(labels)]  # fmt: skip
+    classes = {lab: by_class(res["rows"], lab) for lab in labels}
+    for cls, d in classes[labels[0]].items():
+        ratios = [" / ".join("-" if x is None else f"{x:.2f}" for x in classes[lab][cls]["median_ratio"]) for lab in labels]
+        lines.append(f"| {cls} | {d['n']} | {d['share']:.1%} | " + " | ".join(ratios) + " |")
     lines += [
         "",
         "| model | real full step (median's rel. sd) | "
