@@ -22,6 +22,20 @@ per-class roofline ``[kernels]``: what main did). Reported per pricing: share of
 selection) cells within +-10%, median |error|, share of selection/full speedups within +-5%,
 per-layer median |error|, and the real median's own uncertainty (bootstrap, relative).
 
+``--interleave MINUTES`` (the honest check on a shared host) times everything in one run, in rounds:
+each round measures the tuning models' per-layer tables (one repeat), every held-out cell's real
+steps and per-layer table, and a new slice of the kernel sampler's sequence between the models;
+the profile is then fitted (roofline classes and sampled predictors, calibrated on the tuning
+tables' medians over rounds) to those samples, so the fit and the truths see the same host state.
+The timings are saved (``--data``); ``--from-data`` refits and prices them again without timing
+(several runs pooled), with the ``fedelastic`` of ``$HELDOUT_CODE`` (default: this checkout), so
+that two versions of the code are compared on the same timings. The noise floor is reported with
+it: the goal's figures of the even rounds' truth against the odd rounds'.
+
+    python benchmarks/heldout.py --profile benchmarks/results/heldout_host.toml --interleave 38   # ~30-40 min
+    python benchmarks/heldout.py --profile benchmarks/results/heldout_host.toml --from-data \
+        --data benchmarks/results/heldout_interleaved.json benchmarks/results/heldout_interleaved2.json
+
 torchvision 0.28's compiled detection ops do not load against this CPU torch; the classification
 models do not need them, so :func:`import_torchvision` skips the registration of their fake
 kernels (only inside this benchmark).
@@ -351,6 +365,20 @@ def time_interleaved(zoo, models: list[str], tuning: list[str], minutes: float, 
     return out
 
 
+def pooled(runs: list[dict]) -> dict:
+    """Several interleaved runs as one: their rounds, kernel samples and tables together."""
+    out = json.loads(json.dumps(runs[0]))
+    for run in runs[1:]:
+        out["rounds"] += run["rounds"]
+        out["kernels"] += run["kernels"]
+        for name, rounds in run["tuning"].items():
+            out["tuning"][name] += rounds
+        for name, h in run["held"].items():
+            out["held"][name]["steps"] += h["steps"]
+            out["held"][name]["layers"] += h["layers"]
+    return out
+
+
 def _median_layers(rounds: list[dict]) -> dict[str, list[float]]:
     return {n: np.median([r[n] for r in rounds], axis=0).tolist() for n in rounds[0]}
 
@@ -452,8 +480,9 @@ def main() -> int:
                         "other keys it keeps) and price")  # fmt: skip
     parser.add_argument("--kernel-share", type=float, default=0.45, help="with --interleave: share of a round spent on kernel samples")
     parser.add_argument("--tuning", nargs="*", default=list(TUNING), help="the tuning models (interleaved runs)")
-    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "results" / "heldout_interleaved.json",
-                        help="an interleaved run's timings (written by --interleave; read by --from-data)")  # fmt: skip
+    parser.add_argument("--data", type=Path, nargs="+", default=[ROOT / "benchmarks" / "results" / "heldout_interleaved.json"],
+                        help="an interleaved run's timings (written by --interleave; read by --from-data, "
+                        "several runs pooled round by round)")  # fmt: skip
     parser.add_argument("--from-data", action="store_true", help="fit and price from --data (no timing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -462,10 +491,10 @@ def main() -> int:
     if args.interleave:
         log = lambda m: print(m, flush=True)  # noqa: E731
         data = time_interleaved(zoo, args.models, args.tuning, args.interleave, args.kernel_share, 0, log)
-        args.data.parent.mkdir(parents=True, exist_ok=True)
-        args.data.write_text(json.dumps(data))
+        args.data[0].parent.mkdir(parents=True, exist_ok=True)
+        args.data[0].write_text(json.dumps(data))
     elif args.from_data:
-        data = json.loads(args.data.read_text())
+        data = pooled([json.loads(p.read_text()) for p in args.data])
     if data is not None:
         args.profile = interleaved_profile(data, args.profile, args.out.with_suffix(".toml"), args.tuning)
     elif args.refit_samples:
@@ -477,7 +506,7 @@ def main() -> int:
     t0 = time.perf_counter()
     earlier = {r["model"]: r for r in json.loads(args.reuse.read_text())["rows"]} if args.reuse else {}
     if data is not None:
-        earlier, args.reuse = interleaved_rows(data), args.data
+        earlier, args.reuse = interleaved_rows(data), args.data[0]
     rows = []
     for name in args.models:
         if args.reuse and name not in earlier:
