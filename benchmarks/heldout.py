@@ -22,6 +22,20 @@ per-class roofline ``[kernels]``: what main did). Reported per pricing: share of
 selection) cells within +-10%, median |error|, share of selection/full speedups within +-5%,
 per-layer median |error|, and the real median's own uncertainty (bootstrap, relative).
 
+``--interleave MINUTES`` (the honest check on a shared host) times everything in one run, in rounds:
+each round measures the tuning models' per-layer tables (one repeat), every held-out cell's real
+steps and per-layer table, and a new slice of the kernel sampler's sequence between the models;
+the profile is then fitted (roofline classes and sampled predictors, calibrated on the tuning
+tables' medians over rounds) to those samples, so the fit and the truths see the same host state.
+The timings are saved (``--data``); ``--from-data`` refits and prices them again without timing
+(several runs pooled), with the ``fedelastic`` of ``$HELDOUT_CODE`` (default: this checkout), so
+that two versions of the code are compared on the same timings. The noise floor is reported with
+it: the goal's figures of the even rounds' truth against the odd rounds'.
+
+    python benchmarks/heldout.py --profile benchmarks/results/heldout_host.toml --interleave 38   # ~30-40 min
+    python benchmarks/heldout.py --profile benchmarks/results/heldout_host.toml --from-data \
+        --data benchmarks/results/heldout_interleaved.json benchmarks/results/heldout_interleaved2.json
+
 torchvision 0.28's compiled detection ops do not load against this CPU torch; the classification
 models do not need them, so :func:`import_torchvision` skips the registration of their fake
 kernels (only inside this benchmark).
@@ -32,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
@@ -41,8 +56,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+CODE = Path(os.environ.get("HELDOUT_CODE", ROOT))  # whose fedelastic prices (e.g. main's checkout, for "before")
+sys.path.insert(0, str(CODE))
+sys.path.insert(0, str(CODE / "benchmarks"))
 
 from fidelity import apply_selection, layer_matrix  # noqa: E402
 
@@ -130,11 +146,15 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log,
         row.update({k: reuse[k] for k in ("real_s", "real_median_rel_sd", "samples", "layers")})
     names_measured = [layer.name for layer in info.layers if layer.name in row["layers"]]
     meas = np.array([row["layers"][n] for n in names_measured])
+    row["layer_names"] = names_measured
+    row["layer_class"] = [_layer_class(info, i) for i, layer in enumerate(info.layers) if layer.name in names_measured]
+    row["layer_pred"] = {}
     for label, device in profiles.items():
         cost = CostModel(info, device, 8)
         row["pred_s"][label] = {k: cost.step_time_s(r) for k, r in sels.items()}
         pred = layer_matrix(cost, info)[[i for i, layer in enumerate(info.layers) if layer.name in names_measured]]
         # per layer fwd + dX + dW; the first layer's dx is never paid (no gradient below the input)
+        row["layer_pred"][label] = pred.tolist()
         p_sum, m_sum = pred.sum(axis=1) - np.r_[pred[0, 1], np.zeros(len(pred) - 1)], meas.sum(axis=1)
         ok = m_sum > 0
         row["layer_err"][label] = (p_sum[ok] / m_sum[ok] - 1).tolist()
@@ -144,6 +164,32 @@ def evaluate(name: str, zoo, profiles: dict, reps: int, layer_repeats: int, log,
         + f" ({time.perf_counter() - t0:.0f} s)"
     )
     return row
+
+
+def _layer_class(info, li: int) -> str:
+    from fedelastic.devices.kernelsample import layer_kernel
+
+    kernel = layer_kernel(info, li, 8.0)
+    return kernel[0] if kernel else info.layers[li].kind
+
+
+def by_class(rows: list[dict], label: str) -> dict[str, dict]:
+    """Per layer class and phase (fwd, dx, dw): layers, median predicted / measured, and the class's
+    share of the measured time of every held-out layer (where the per-layer error comes from)."""
+    out: dict[str, dict] = {}
+    total = sum(np.sum(r["layers"][n]) for r in rows for n in r["layer_names"])
+    for r in rows:
+        pred = np.array(r["layer_pred"][label])
+        meas = np.array([r["layers"][n] for n in r["layer_names"]])
+        for i, cls in enumerate(r["layer_class"]):
+            d = out.setdefault(cls, {"n": 0, "ratio": [[], [], []], "share": 0.0})
+            d["n"] += 1
+            d["share"] += float(meas[i].sum() / total)
+            for ph in range(3):
+                if meas[i, ph] > 1e-7 and not (i == 0 and ph == 1):
+                    d["ratio"][ph].append(pred[i, ph] / meas[i, ph])
+    return {c: {"n": d["n"], "share": d["share"], "median_ratio": [float(np.median(v)) if v else None for v in d["ratio"]]}
+            for c, d in sorted(out.items(), key=lambda kv: -kv[1]["share"])}  # fmt: skip
 
 
 def summary(rows: list[dict], label: str, band: float = 0.0) -> dict:
@@ -188,7 +234,23 @@ def markdown(res: dict) -> str:
             f"({s['median_signed']:+.1%}) | {s['speedup_within_5']:.0%} | {s['speedup_median_abs']:.1%} | "
             f"{s['layer_median_abs']:.1%} (of {s['layers']}) | {s['band']:.1%}: {s['coverage']:.0%} |"
         )
+    if "noise" in res:
+        n, loads = res["noise"], [r["load"] for r in res["rounds"]]
+        lines.append(
+            f"| the truth itself (even rounds' medians against odd rounds') | {n['within_10']:.0%} | | {n['median_abs']:.1%} | "
+            f"{n['speedup_within_5']:.0%} | | {n['layer_median_abs']:.1%} | |"
+        )
+        lines += ["", f"{len(loads)} rounds, {res['kernels_timed']} kernel configurations; load average "
+                  f"{min(loads):.1f}-{max(loads):.1f} at the rounds' ends; a cell's round-to-round sd: median "
+                  f"{n['round_spread_median']:.1%}, max {n['round_spread_max']:.1%}."]  # fmt: skip
     labels = list(res["summary"])
+    lines += ["", "| layer class | layers | share of measured layer time | "
+              + " | ".join(f"{lab}: predicted / measured, fwd / dX / dW (medians)" for lab in labels) + " |",
+              "|---|---|---|" + "---|" * len(labels)]  # fmt: skip
+    classes = {lab: by_class(res["rows"], lab) for lab in labels}
+    for cls, d in classes[labels[0]].items():
+        ratios = [" / ".join("-" if x is None else f"{x:.2f}" for x in classes[lab][cls]["median_ratio"]) for lab in labels]
+        lines.append(f"| {cls} | {d['n']} | {d['share']:.1%} | " + " | ".join(ratios) + " |")
     lines += [
         "",
         "| model | real full step (median's rel. sd) | "
@@ -231,6 +293,176 @@ def refit(path: Path, samples: Path, input_size: int | None = None) -> Path:
     return out
 
 
+TUNING = ("resnet_small", "mobilenetv2", "mcu_net")  # the project's own models (their factory sizes)
+
+
+def _table_row(table) -> dict:
+    return {
+        "layers": {n: [t.fwd_s, t.dx_s, t.dw_s] for n, t in table.layers.items()},
+        "unattributed": [table.unattributed_fwd_s, table.unattributed_bwd_s],
+    }
+
+
+def time_interleaved(zoo, models: list[str], tuning: list[str], minutes: float, kernel_share: float, seed: int, log) -> dict:
+    """Time, in rounds until ``minutes`` of wall time are spent, the tuning models' per-layer tables,
+    every held-out cell's real steps and per-layer table, and kernel samples (a new slice of the
+    sampler's sequence each round, between the models, ``kernel_share`` of each round's time), so
+    that the fit and the truths see the same host state. Everything is kept per round."""
+    from fedelastic.devices.clocks import get_clock
+    from fedelastic.devices.kernelsample import CLASSES, WEIGHTS, draw_config, time_config
+    from fedelastic.models import build_with_input
+    from fedelastic.profiling.measure import measure_copy_bandwidth
+
+    clock = get_clock("cpu")
+    rng = np.random.default_rng(seed)
+    names = list(CLASSES)
+    weights = np.array([WEIGHTS[c] for c in names], float)
+    order = [c for _ in range(8) for c in names]  # 8 of each class first, as the sampler does
+    kernels: list[dict] = []
+
+    def sample_for(seconds: float, rnd: int) -> float:
+        start = time.perf_counter()
+        while time.perf_counter() < start + seconds:
+            cls = order.pop(0) if order else str(rng.choice(names, p=weights / weights.sum()))
+            cfg = draw_config(cls, rng, 8)
+            feats, times = time_config(cls, cfg, clock, repeats=5)
+            kernels.append({"cls": cls, "cfg": cfg, "feats": feats.tolist(), "times": times, "round": rnd})
+        return time.perf_counter() - start
+
+    tun = []
+    for name in tuning:
+        torch.manual_seed(0)
+        model, shape = build_with_input(name)
+        tun.append((name, model, torch.randn(8, *shape)))
+    held = []
+    for name in models:
+        torch.manual_seed(0)
+        model = getattr(zoo, name)(weights=None)
+        x = torch.randn(8, 3, 64, 64)
+        y = torch.randint(0, 1000, (8,), generator=torch.Generator().manual_seed(0))
+        info = describe(model, x[:1], model_name=name)
+        held.append((name, model, info, x, y, selections(info)))
+    out: dict = {"copy_bandwidth": measure_copy_bandwidth(clock="cpu")[0], "rounds": [], "kernels": kernels,
+                 "tuning": {n: [] for n in tuning}, "held": {n: {"steps": [], "layers": []} for n in models}}  # fmt: skip
+    t0 = time.perf_counter()
+    rnd, last, chunk = 0, 0.0, 20.0  # the first round's kernel chunks: 20 s each
+    while rnd < 3 or time.perf_counter() - t0 + last < minutes * 60:
+        r0, in_kernels = time.perf_counter(), 0.0
+        for name, model, x in tun:
+            out["tuning"][name].append(_table_row(measure_layers(model, x, repeats=1, warmup=1, clock="cpu")))
+        in_kernels += sample_for(chunk, rnd)
+        for name, model, info, x, y, sels in held:
+            out["held"][name]["steps"].append(real_step_times(model, info, x, y, sels, 1))
+            table = measure_layers(model, x, model_name=name, repeats=1, warmup=1, clock="cpu")
+            out["held"][name]["layers"].append(_table_row(table)["layers"])
+            in_kernels += sample_for(chunk, rnd)
+        last = time.perf_counter() - r0
+        # next round: kernels take kernel_share of the round
+        chunk = kernel_share / (1 - kernel_share) * (last - in_kernels) / (len(held) + 1)
+        out["rounds"].append({"wall_s": last, "load": os.getloadavg()[0]})
+        log(f"round {rnd}: {last:.0f} s, {len(kernels)} kernels, load {os.getloadavg()[0]:.1f}")
+        rnd += 1
+    return out
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Several interleaved runs as one: their rounds, kernel samples and tables together."""
+    out = json.loads(json.dumps(runs[0]))
+    for run in runs[1:]:
+        out["rounds"] += run["rounds"]
+        out["kernels"] += run["kernels"]
+        for name, rounds in run["tuning"].items():
+            out["tuning"][name] += rounds
+        for name, h in run["held"].items():
+            out["held"][name]["steps"] += h["steps"]
+            out["held"][name]["layers"] += h["layers"]
+    return out
+
+
+def _median_layers(rounds: list[dict]) -> dict[str, list[float]]:
+    return {n: np.median([r[n] for r in rounds], axis=0).tolist() for n in rounds[0]}
+
+
+def interleaved_profile(data: dict, base: Path, out: Path, tuning: list[str]) -> Path:
+    """A profile fitted by the code on ``sys.path`` to an interleaved run's median tuning tables and
+    kernel samples (features recomputed from each configuration where the code can:
+    ``kernelsample.config_features``), the rest of ``base``'s keys kept."""
+    import tomllib
+
+    from fedelastic.devices import kernelsample
+    from fedelastic.devices.profile import LayerTiming, MeasuredTable
+    from fedelastic.models import build_with_input
+    from fedelastic.profiling.commands import sampled_into
+    from fedelastic.profiling.writer import fit_kernels_into, set_measured_table, write_profile
+
+    raw = tomllib.loads(base.read_text())
+    raw["name"], by = out.stem, "interleaved run"
+    raw.pop("measured", None)
+    pairs = []
+    for name in tuning:
+        model, shape = build_with_input(name)
+        info = describe(model, torch.zeros(1, *shape), model_name=name)
+        rounds = data["tuning"][name]
+        layers = _median_layers([r["layers"] for r in rounds])
+        unatt = np.median([r["unattributed"] for r in rounds], axis=0)
+        table = MeasuredTable(8, by, {n: LayerTiming(*v) for n, v in layers.items()}, float(unatt[0]),
+                              float(unatt[1]), model=name, shape=info.shape())  # fmt: skip
+        set_measured_table(raw, name, table)
+        pairs.append((info, table))
+    fit_kernels_into(raw, pairs, str(out), f"fitted: {by}", max_bandwidth=data["copy_bandwidth"])
+    features = getattr(kernelsample, "config_features", None)
+    samples: dict[str, list] = {}
+    for k in data["kernels"]:
+        f = features(k["cls"], k["cfg"]) if features else np.array(k["feats"])
+        samples.setdefault(k["cls"], []).append((f, k["times"]))
+    sampled_into(raw, pairs, samples, str(out), by, progress=print)
+    write_profile(raw, out)
+    return out
+
+
+def interleaved_rows(data: dict) -> dict[str, dict]:
+    """Per held-out model, the row :func:`evaluate` reuses: medians over every round."""
+    rng = np.random.default_rng(0)
+    rows = {}
+    for name, h in data["held"].items():
+        steps = {k: [t for r in h["steps"] for t in r[k]] for k in SELECTIONS}
+        rows[name] = {
+            "real_s": {k: float(np.median(v)) for k, v in steps.items()},
+            "real_median_rel_sd": {k: median_uncertainty(v, rng) for k, v in steps.items()},
+            "samples": len(steps["full"]),
+            "layers": _median_layers(h["layers"]),
+        }
+    return rows
+
+
+def noise_floor(data: dict) -> dict:
+    """The goal's figures of one half of the rounds' truth "predicting" the other half's (even
+    rounds against odd ones), and the round-to-round spread of a cell: what timing noise alone gives."""
+    cell, speed, layer, spread = [], [], [], []
+    for h in data["held"].values():
+        half = [h["steps"][i::2] for i in (0, 1)]
+        med = [{k: np.median([t for r in part for t in r[k]]) for k in SELECTIONS} for part in half]
+        cell += [med[0][k] / med[1][k] - 1 for k in SELECTIONS]
+        speed += [(med[0][k] / med[0]["full"]) / (med[1][k] / med[1]["full"]) - 1 for k in SELECTIONS[1:]]
+        lay = [_median_layers(h["layers"][i::2]) for i in (0, 1)]
+        for n in lay[0]:
+            a, b = sum(lay[0][n]), sum(lay[1][n])
+            if b > 0:
+                layer.append(a / b - 1)
+        for k in SELECTIONS:
+            per = np.array([np.median(r[k]) for r in h["steps"]])
+            spread.append(float(np.std(per) / np.median(per)))
+    c, s, la = (np.abs(np.array(v)) for v in (cell, speed, layer))
+    return {
+        "within_10": float(np.mean(c <= 0.10)),
+        "median_abs": float(np.median(c)),
+        "speedup_within_5": float(np.mean(s <= 0.05)),
+        "layer_median_abs": float(np.median(la)),
+        "round_spread_median": float(np.median(spread)),
+        "round_spread_max": float(np.max(spread)),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", type=Path, required=True, help="a profile written by `fedelastic profile measure`")
@@ -242,10 +474,30 @@ def main() -> int:
     parser.add_argument("--refit-samples", type=Path, help="refit [sampled] of --profile to these samples (JSON of --save-samples) first")
     parser.add_argument("--tuning-input-size", type=int, help="with --refit-samples: the input size the profile's tables were measured at (--input-size of profile measure)")
     parser.add_argument("--reuse", type=Path, help="an earlier --out: reuse its real steps and layer tables, re-price only")
+    parser.add_argument("--interleave", type=float, metavar="MINUTES",
+                        help="time the tuning tables, kernel samples and held-out cells interleaved in rounds for "
+                        "about MINUTES, write them to --data, then fit a profile to them (--profile: the base whose "
+                        "other keys it keeps) and price")  # fmt: skip
+    parser.add_argument("--kernel-share", type=float, default=0.45, help="with --interleave: share of a round spent on kernel samples")
+    parser.add_argument("--tuning", nargs="*", default=list(TUNING), help="the tuning models (interleaved runs)")
+    parser.add_argument("--data", type=Path, nargs="+", default=[ROOT / "benchmarks" / "results" / "heldout_interleaved.json"],
+                        help="an interleaved run's timings (written by --interleave; read by --from-data, "
+                        "several runs pooled round by round)")  # fmt: skip
+    parser.add_argument("--from-data", action="store_true", help="fit and price from --data (no timing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     zoo = import_torchvision()
-    if args.refit_samples:
+    data = None
+    if args.interleave:
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        data = time_interleaved(zoo, args.models, args.tuning, args.interleave, args.kernel_share, 0, log)
+        args.data[0].parent.mkdir(parents=True, exist_ok=True)
+        args.data[0].write_text(json.dumps(data))
+    elif args.from_data:
+        data = pooled([json.loads(p.read_text()) for p in args.data])
+    if data is not None:
+        args.profile = interleaved_profile(data, args.profile, args.out.with_suffix(".toml"), args.tuning)
+    elif args.refit_samples:
         args.profile = refit(args.profile, args.refit_samples, args.tuning_input_size)
     profile = load_profile(args.profile)
     if not profile.sampled:
@@ -253,6 +505,8 @@ def main() -> int:
     profiles = {"after (sampled kernels)": profile, "before (fitted kernel classes)": dataclasses.replace(profile, sampled={})}
     t0 = time.perf_counter()
     earlier = {r["model"]: r for r in json.loads(args.reuse.read_text())["rows"]} if args.reuse else {}
+    if data is not None:
+        earlier, args.reuse = interleaved_rows(data), args.data[0]
     rows = []
     for name in args.models:
         if args.reuse and name not in earlier:
@@ -276,6 +530,10 @@ def main() -> int:
         "summary": {label: summary(rows, label, band(p)) for label, p in profiles.items()},
         "rows": rows,
     }
+    if data is not None:
+        res["noise"] = noise_floor(data)
+        res["rounds"] = data["rounds"]
+        res["kernels_timed"] = len(data["kernels"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     text = markdown(res)

@@ -416,7 +416,7 @@ def draw_config(cls: str, rng: np.random.Generator, batch: int) -> dict[str, Any
     if cls == "layernorm" or cls == "softmax":
         return {"rows": b * _loguni(rng, 1, 256), "dim": _loguni(rng, 16, 1024)}
     if cls == "optimizer":
-        return {"tensors": _loguni(rng, 1, 300), "elements": _loguni(rng, 1e3, 3e7)}
+        return {"tensors": _loguni(rng, 1, 300), "elements": _loguni(rng, 1e3, 1.2e8)}
     channels = _channels(rng, 8, 1024)
     while b * channels * size * size > 4e6 and size > 2:
         size //= 2
