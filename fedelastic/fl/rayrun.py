@@ -67,7 +67,7 @@ class ShippedClientApp(ClientApp):
         self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
 
     def __reduce__(self):
-        if self._payload is None:  # the loader's call, pickled once: pickling the loader by value took ~0.7 ms a call
+        if self._payload is None:  # the loader's call, pickled once (not the loader by value at every call)
             from ray import cloudpickle
 
             plain = ClientApp.__new__(ClientApp)

@@ -51,10 +51,11 @@ def plain_message_pickling() -> None:
     pickler), not cloudpickle (``ray.util.register_serializer``; this process's Ray must be up).
 
     cloudpickle calls its Python ``reducer_override`` for every object it meets: a cohort's reply
-    (25 clients' arrays, metrics and state: ~700 objects, 0.67 MB) took 13-21 ms to pickle, plain
-    pickle 0.7-1.8 ms (``benchmarks/ray_phases.py``). A message holds Flower's records only, which
-    plain pickle handles; the receiving process unpickles it with ``pickle.loads``, so it needs
-    no registration, and the bytes it gets back are the same message.
+    (25 clients' arrays, metrics and state, 0.67 MB) takes 1.5x the CPU to pickle (1.58 against
+    1.08 ms, ``benchmarks/message_pickling.py``), and more wall time in a process whose other
+    threads want the GIL. A message holds Flower's records only, which plain pickle handles; the
+    receiving process unpickles it with ``pickle.loads``, so it needs no registration, and gets
+    the same message back.
     """
     import pickle
 
