@@ -8,6 +8,7 @@ processes in the run folder (``fedelastic.runtime.orphans``).
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import uuid
@@ -66,14 +67,25 @@ class ShippedClientApp(ClientApp):
         self._key = uuid.uuid4().hex  # names this app in the workers (a long-lived cluster serves many runs)
 
     def __reduce__(self):
-        if self._payload is None:
+        if self._payload is None:  # the loader's call, pickled once (not the loader by value at every call)
             from ray import cloudpickle
 
             plain = ClientApp.__new__(ClientApp)
             own = ("_root", "_paths", "_payload", "_key")
             plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
-            self._payload = cloudpickle.dumps(plain)
-        return (_loader(), (self._root, self._paths, self._key, self._payload))
+            call = _Call(_loader(), (self._root, self._paths, self._key, cloudpickle.dumps(plain)))
+            self._payload = cloudpickle.dumps(call)
+        return (pickle.loads, (self._payload,))
+
+
+class _Call:
+    """Pickles as the call ``fn(*args)``: unpickling it calls ``fn``."""
+
+    def __init__(self, fn, args: tuple):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
 
 
 def client_resources(sim) -> dict:
