@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 import tomllib
 
-import pytest
+# Flower's telemetry is off in the suite (read once, when flwr is imported): the tests send nothing
+# out, and its event thread runs `file -b python` (platform.architecture), a child process that the
+# tests listing a run's leftover processes would otherwise catch alive (seen in CI, 2026-11-29)
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+import pytest  # noqa: E402
 
 from fedelastic.devices.profile import builtin_profile_dir
 from fedelastic.scenario import parse_scenario
