@@ -19,6 +19,7 @@ SIX = {"raspberry_pi_4": 2, "jetson_nano": 2, "stm32h743": 2}
 
 
 @pytest.mark.ray
+@pytest.mark.unpatched
 def test_ray_cohorts_equal_per_client_nodes_in_process(make_scenario):
     """Through Ray, two cohort nodes compute exactly what one Flower node per client computes."""
     train = {"strategy": "static_elastic", "options": {"rho": 0.7}, "max_steps": 3}
@@ -35,6 +36,7 @@ def test_ray_cohorts_equal_per_client_nodes_in_process(make_scenario):
 
 
 @pytest.mark.ray
+@pytest.mark.unpatched
 def test_a_stream_on_ray_computes_what_it_computes_in_process(make_scenario):
     # buffers are replayed from (seed, client, round), so any actor builds the same one
     stream = {**SMALL_STREAM, "buffer_policy": "reservoir"}

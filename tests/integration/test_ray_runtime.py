@@ -210,6 +210,7 @@ def test_a_cluster_started_without_its_dashboard_runs_tasks():
 
 
 @pytest.mark.ray
+@pytest.mark.unpatched
 def test_a_run_that_fails_after_ray_started_early_leaves_no_ray_behind(make_scenario, monkeypatch, tmp_path):
     """api.run starts Ray before it imports the runtime; a run refused after that (its data has no
     class 42, found by the checks beside ray.init) stops it."""

@@ -87,6 +87,7 @@ def test_finished_rounds_survive_a_crash(make_scenario, monkeypatch):
 
 
 @pytest.mark.ray
+@pytest.mark.unpatched
 def test_real_ray_backend_two_rounds_four_clients(make_scenario, monkeypatch, tmp_path):
     # static_elastic keeps per-node state across rounds, which must survive Ray's actor pool too
     train = {"strategy": "static_elastic", "options": {"rho": 0.7}}
