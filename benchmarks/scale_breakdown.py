@@ -6,13 +6,19 @@
     python benchmarks/scale_breakdown.py prof.txt run.json            # the table
     python benchmarks/scale_breakdown.py prof.txt run.json --unmatched  # stacks no part claims, for checking
 
+    # the peers workload (benchmarks/peers.py), a worker alone: fedelastic's per-client loop, or the bare loop
+    py-spy record -r 250 --format raw -o loop.txt -- python benchmarks/peers.py --worker inprocess-loop \\
+        --rounds 40 --result loop.json --tmp /tmp/loop
+    python benchmarks/scale_breakdown.py loop.txt loop.json            # (--worker bare: the bare loop's parts)
+
 Each sample of the rounds (stacks through the driver's round loop ``EngineStrategy.run``, the
 training thread ``KeptThread._loop`` or the results writer ``_Writer._work``; start-up and the
 benchmark's bare loop are left out) goes to the first part in ``PARTS`` whose frame it holds. A
 thread waiting (a queue, a lock, an event) is idle and left out. py-spy samples wall time of
 running threads; each part's milliseconds per client are its share of the rounds' samples times
 the process's median CPU seconds a round (``run.json``, rounds 1..R) over the clients a round, so
-the parts add up to the measured CPU.
+the parts add up to the measured CPU. A ``benchmarks/peers.py --worker`` result gives the CPU a
+round as its ``train_cpu_s`` over its rounds, and ``--per-round`` (default 50) clients a round.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ import re
 
 import numpy as np
 
-THREADS = {"EngineStrategy.run": "driver", "KeptThread._loop": "training thread", "_Writer._work": "writer thread"}
+THREADS = {
+    "EngineStrategy.run": "driver", "KeptThread._loop": "training thread", "_Writer._work": "writer thread",
+    "worker_bare": "bare loop",  # benchmarks/peers.py's bare torch loop (one thread)
+}  # fmt: skip
 # a thread waiting; a stack ending in a thread's own loop waits in C for its next call (SimpleQueue.get)
 IDLE = ("Condition.wait", "Event.wait", "Queue.get", "SimpleQueue.get", "Lock.acquire", "KeptThread._loop", "_Writer._work")
 
@@ -55,6 +64,13 @@ PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("writer thread", "writer: checkpoint", ("save_checkpoint",)),
     ("writer thread", "writer: clients/rounds tables (CSV, Parquet)", ("_Table.append",)),
     ("writer thread", "writer: other (status.json)", ("_Writer._work",)),
+    ("bare loop", "torch: forward, backward, SGD step", ("Module._wrapped_call_impl", "Tensor.backward", "SGD.step", "cross_entropy")),
+    ("bare loop", "global weights loaded (load_state_dict)", ("Module.load_state_dict",)),
+    ("bare loop", "data batches", ("Workload.client_arrays",)),
+    ("bare loop", "optimizer made, zero_grad", ("SGD.__init__", "Optimizer.zero_grad")),
+    ("bare loop", "trained weights copied out", ("worker_bare.<locals>.<dictcomp>",)),
+    ("bare loop", "FedAvg", ("fedavg",)),
+    ("bare loop", "bare loop, other", ("worker_bare",)),
 ]  # fmt: skip
 
 
@@ -85,15 +101,20 @@ def split(path: str) -> tuple[collections.Counter, collections.Counter]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("profile", help="py-spy --format raw output (.gz: gzipped)")
-    parser.add_argument("run", help="the scale worker's JSON (its stdout's last line)")
+    parser.add_argument("run", help="the scale worker's JSON (its stdout's last line), or a peers.py --worker result")
+    parser.add_argument("--per-round", type=int, default=50, help="clients a round of a peers.py worker (default 50)")
     parser.add_argument("--unmatched", action="store_true")
     args = parser.parse_args()
     with open(args.run) as fh:
         run = json.loads([line for line in fh if line.startswith("{")][-1])
-    recs = [r for r in run["records"]]
-    cpu = np.diff([r["tree_cpu_s"] for r in recs])  # rounds 1..R
-    clients = float(np.median([r["clients"] for r in recs[1:]]))
-    per_round = float(np.median(cpu))
+    if "records" in run:  # scale.py
+        recs = run["records"]
+        cpu = np.diff([r["tree_cpu_s"] for r in recs])  # rounds 1..R
+        clients = float(np.median([r["clients"] for r in recs[1:]]))
+        per_round = float(np.median(cpu))
+    else:  # a peers.py worker: its training phase's CPU, rounds 1..R
+        cpu = np.zeros(len(run["stamps"]) - 1)
+        clients, per_round = float(args.per_round), run["train_cpu_s"] / len(cpu)
     parts, unmatched = split(args.profile)
     total = sum(parts.values())
     print(f"rounds 1-{len(cpu)}: {per_round:.2f} s CPU a round (median), {clients:.0f} clients a round, {total} samples")

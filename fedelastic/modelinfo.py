@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,7 +110,7 @@ class ModelInfo:
     def num_tensors(self) -> int:
         return len(self.tensor_names)
 
-    @property
+    @cached_property  # asked per client and round (a reply's bytes down)
     def num_params(self) -> int:
         return int(self.tensor_numel.sum())
 

@@ -48,3 +48,28 @@ def test_split_claims_each_sample_once_and_leaves_out_idle_and_start_up(tmp_path
     assert parts[("training thread", "client: seeding")] == 5  # before train_local claims it
     assert parts[("training thread", "client: trainer's own Python (selection, bookkeeping)")] == 10
     assert parts[("training thread", "client: reply (figures, arrays to records)")] == 5
+
+
+def test_split_claims_the_bare_loop_of_a_peers_worker(tmp_path):
+    bare = "worker_main (peers.py:1);worker_bare (peers.py:2)"
+    path = tmp_path / "prof.txt"
+    path.write_text(
+        "\n".join(
+            [
+                f"{bare};local_sgd (peers.py:3);Module._wrapped_call_impl (m.py:1) 50",
+                f"{bare};local_sgd (peers.py:3);_use_grad (o.py:1);SGD.step (sgd.py:1) 20",
+                f"{bare};Module.load_state_dict (m.py:2) 9",
+                f"{bare};worker_bare.<locals>.<dictcomp> (peers.py:4) 4",
+                f"{bare};fedavg (peers.py:5) 6",
+                f"{bare};local_sgd (peers.py:3) 3",  # torch.optim's set-up and the loop's own Python: other
+            ]
+        )
+        + "\n"
+    )
+    parts, unmatched = sb.split(str(path))
+    assert not unmatched and sum(parts.values()) == 92
+    assert parts[("bare loop", "torch: forward, backward, SGD step")] == 70
+    assert parts[("bare loop", "global weights loaded (load_state_dict)")] == 9
+    assert parts[("bare loop", "trained weights copied out")] == 4
+    assert parts[("bare loop", "FedAvg")] == 6
+    assert parts[("bare loop", "bare loop, other")] == 3
