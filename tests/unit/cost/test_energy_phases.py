@@ -24,6 +24,7 @@ from fedelastic.selection.strategy import make_strategy
 from fedelastic.sim.clock import Trip
 from fedelastic.sim.engine import trip_energy_j
 from fedelastic.train.trainer import LocalTraining, train_local
+from fedelastic.train.vectorized import train_cohort_vmap
 
 P, B, L = 1.5e9, 1e9, 1e-6
 C0 = 2 * 8 * 32 * 32 / P  # layer 0's forward, dX or dW: 16,384 FLOP at P (its 6,144 bytes take less)
@@ -114,9 +115,13 @@ def test_local_training_reports_its_steps_compute_bound_seconds(strategy, comput
     model, info, cost = toy()
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.standard_normal((24, 32)).astype(np.float32), rng.integers(0, 2, 24))
-    result = train_local(model, info, make_strategy(strategy, {}), cost, data, LocalTraining(1, 8, 0.01))
-    assert result.steps == 3 and result.overhead_time_s == 0.0
-    assert result.compute_time_s == pytest.approx(3 * compute, rel=1e-12)
+    loop = train_local(model, info, make_strategy(strategy, {}), cost, data, LocalTraining(1, 8, 0.01))
+    (cohort,) = train_cohort_vmap(
+        model, info, [make_strategy(strategy, {})], [cost], [data], seeds=[0], epochs=1, batch_size=8, lr=0.01
+    )
+    for result in (loop, cohort):  # the per-client loop and the vectorised cohort
+        assert result.steps == 3 and result.overhead_time_s == 0.0
+        assert result.compute_time_s == pytest.approx(3 * compute, rel=1e-12)
 
 
 def test_the_engine_prices_a_cut_trip_pro_rata():
