@@ -680,14 +680,9 @@ class CostModel:
         return share * d.power_compute_w.value + (1 - share) * d.power_memory_w.value
 
     def energy_j(
-        self,
-        train_time_s: float,
-        up_s: float,
-        down_s: float,
-        macs: float = 0.0,
-        moved_bytes: float = 0.0,
+        self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0,
         compute_s: float | None = None,
-    ) -> float:
+    ) -> float:  # fmt: skip
         """Energy on this device (:func:`device_energy_j`). With phase powers, ``compute_s`` of the
         ``train_time_s`` run at ``power.compute`` and the rest at ``power.memory`` (what a client
         reports: :meth:`compute_time_s` summed over its steps; None: the full step's mix)."""
