@@ -60,6 +60,7 @@ from .kernels import shape_mismatch as shape_mismatch
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0, "momentum": 1, "adam": 2}
 BN_MODES = ("frozen", "train")
 PROBES = ("importance", "fisher")
+PHASES = ("forward", "dX", "dW", "optimizer")  # rows of CostModel.roofline_phases_s
 # elementary operations of one cost-model evaluation per tensor (a few vector passes over N tensors)
 _OPS_PER_EVALUATION_PER_TENSOR = 8.0
 
@@ -136,6 +137,7 @@ class CostModel:
         # the optimizer update streams each trained element's weight, gradient and state; one fused
         # (foreach) launch per step covers all tensors, as torch's SGD and Adam do by default
         self.t_opt = numel * (3 + 2 * self.optimizer_state) * e / bw
+        self._roofline_opt = self.t_opt  # the optimizer's roofline, kept when a sampled predictor replaces it
         kernels = step_kernels(info, device, batch_size)
         self.tensor_macs = kernels.tensor_macs  # dW MACs per step, for the dynamic energy term
         self.kernel_slot, self.kernel_index, self.kernel_class = kernels.slot, kernels.index, kernels.cls
@@ -163,7 +165,7 @@ class CostModel:
             self._apply_measured(layer_fwd)
         self.forward_time_s = float(self.t_fwd.sum() + self.t_ops_fwd)
         # suffix sums: dx_above[j] = sum_{k > j} t_dx[k]
-        self._dx_above = np.concatenate([np.cumsum(self.t_dx[::-1])[::-1][1:], [0.0]])
+        self._dx_above = _suffix_above(self.t_dx)
         # per tensor, the tensor range [lo, hi) of a parallel branch (ModelInfo.parallel; lo == hi: none)
         branch = info.parallel_of_tensor()
         self.branch_lo = np.array([p[0] if p.size else 0 for p in branch], dtype=np.int64)
@@ -171,7 +173,7 @@ class CostModel:
         layer_macs = b * np.array([layer.macs for layer in info.layers], float)
         self._fwd_macs = float(layer_macs.sum())
         self._layer_macs = layer_macs
-        self._dx_macs_above = np.concatenate([np.cumsum(layer_macs[::-1])[::-1][1:], [0.0]])
+        self._dx_macs_above = _suffix_above(layer_macs)
         self._prepare_memory()
 
     def _gather(self, slot: int, times: np.ndarray, size: int) -> np.ndarray:
@@ -252,15 +254,31 @@ class CostModel:
         if selected.size == 0:
             return 0.0
         launch = self.device.launch_overhead_s.value
-        on = ratios > 0
-        dw = np.where(on, launch + ratios * (self.t_dw - launch), 0.0).sum()
-        opt = (ratios * self.t_opt).sum()
-        return float(dw + opt + self._dx_above[selected[0]] - self._branch_skip(selected) + self.t_bwd_fixed)
+        terms = self._backward_terms(ratios, selected, self.t_dw, self.t_dx, self._dx_above, self.t_opt, launch)
+        dw, opt, dx, skip = terms
+        return float(dw + opt + dx - skip + self.t_bwd_fixed)
 
-    def _branch_skip(self, selected: np.ndarray, per_layer: bool = False) -> float:
-        """dX (or dX MACs) that ``_dx_above`` charges but autograd skips: with the deepest selected
-        tensor on a projection shortcut, the parallel main branch's dX at and below its deepest
-        selected tensor (all of the branch when none is selected)."""
+    def _backward_terms(
+        self,
+        ratios: np.ndarray,
+        selected: np.ndarray,
+        dw: np.ndarray,
+        dx: np.ndarray,
+        dx_above: np.ndarray,
+        opt: np.ndarray,
+        launch: float,
+    ) -> tuple[float, float, float, float]:
+        """(dW, optimizer, dX above the deepest selected tensor, dX autograd skips) of a selection
+        with at least one tensor, from per-tensor seconds ``dw``, ``dx`` (``dx_above``: its suffix
+        sums), ``opt`` and the dW launch ``launch`` (the module docstring's backward rule)."""
+        on = ratios > 0
+        dw_s = np.where(on, launch + ratios * (dw - launch), 0.0).sum()
+        return dw_s, (ratios * opt).sum(), dx_above[selected[0]], self._branch_skip(selected, dx)
+
+    def _branch_skip(self, selected: np.ndarray, values: np.ndarray, per_layer: bool = False) -> float:
+        """dX (``values``: per tensor, or per layer MACs with ``per_layer``) that ``_dx_above`` charges
+        but autograd skips: with the deepest selected tensor on a projection shortcut, the parallel
+        main branch's dX at and below its deepest selected tensor (all of the branch when none is selected)."""
         k = int(selected[0])
         lo, hi = int(self.branch_lo[k]), int(self.branch_hi[k])
         if hi <= lo:
@@ -269,8 +287,8 @@ class CostModel:
         top = int(inside[0]) + 1 if inside.size else hi
         if per_layer:
             layers = self.info.tensor_layer
-            return float(self._layer_macs[layers[lo] : layers[top - 1] + 1].sum())
-        return float(self.t_dx[lo:top].sum())
+            return float(values[layers[lo] : layers[top - 1] + 1].sum())
+        return float(values[lo:top].sum())
 
     def step_time_s(self, ratios: np.ndarray) -> float:
         """Forward plus backward time of one training step."""
@@ -406,7 +424,7 @@ class CostModel:
         per_layer = np.zeros(len(info.layers) + 1)
         for op in info.ops:
             per_layer[op.above] += op.out_numel * b / 8 if op.kind == "mask" else op.in_numel * b * e
-        self._op_bytes_above = np.concatenate([np.cumsum(per_layer[::-1])[::-1][1:], [0.0]])
+        self._op_bytes_above = _suffix_above(per_layer)
         self._workspace = max((b * (layer.in_numel + layer.out_numel) * e for layer in info.layers), default=0.0)
 
     def peak_memory_bytes(
@@ -585,32 +603,99 @@ class CostModel:
         selected = np.flatnonzero(ratios > 0)
         if selected.size == 0:
             return self._fwd_macs
-        dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]] - self._branch_skip(selected, per_layer=True)
+        skip = self._branch_skip(selected, self._layer_macs, per_layer=True)
+        dx = self._dx_macs_above[self.info.tensor_layer[selected[0]]] - skip
         return self._fwd_macs + dx + float(ratios @ self.tensor_macs)
 
-    def train_power_w(self) -> float:
-        """Whole-device draw while training: ``power.train``; with ``power.compute`` and ``power.memory``
-        (energy by phase), their mix weighted by the full step's roofline time in compute-bound kernels
-        (``flops / P_c >= bytes / B_c``) and in the rest (memory-bound kernels, launch overheads). The
-        share is the full step's, whatever the selection; worked out once."""
+    def roofline_phases_s(self, ratios: np.ndarray | None = None) -> np.ndarray:
+        """Roofline seconds of one step of ``ratios`` (default: every tensor) by phase and kind.
+
+        Rows :data:`PHASES` (forward, dX, dW, optimizer); columns: in compute-bound kernels
+        (``flops / P_c >= bytes / B_c``, their launch and class overheads excluded), and the rest
+        (memory-bound kernels, every launch and class overhead, the optimizer update, which streams
+        memory). Over exactly the kernels :meth:`step_time_s` charges a selection: the forward of
+        everything, dX above the deepest selected tensor less the branch autograd skips, dW of the
+        selected tensors weighted by their ratio, and their optimizer update. Always the roofline's
+        kernels, also where a measured table prices the step: it classifies them, it does not time them.
+        """
+        n = self.info.num_tensors
+        ratios = np.ones(n) if ratios is None else np.asarray(ratios, float)
+        selected = np.flatnonzero(ratios > 0)
+        launch = self.device.launch_overhead_s.value
+        out = np.zeros((len(PHASES), 2))
+        for col, (fwd, dw, dx, dx_above) in enumerate(self._phase_parts()):
+            out[0, col] = fwd
+            if selected.size:
+                opt, fixed, dw_launch = (self._roofline_opt, launch, launch) if col else (np.zeros(n), 0.0, 0.0)
+                dw_s, opt_s, dx_s, skip = self._backward_terms(ratios, selected, dw, dx, dx_above, opt, dw_launch)
+                out[1:, col] = dx_s - skip, dw_s, opt_s + fixed
+        out[:, 1] -= out[:, 0]  # the whole's column, less the compute-bound part: the rest
+        return out
+
+    def _phase_parts(self) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray], ...]:
+        """(forward seconds, dW and dX per tensor, dX suffix sums) of the compute-bound kernels' busy
+        time and of the whole roofline step; worked out once."""
+        parts = self.__dict__.get("_phases")
+        if parts is None:
+            p, n = self.kernel_params[self.kernel_class], self.info.num_tensors
+            busy = np.where(self.kernel_flops / p[:, 0] >= self.kernel_bytes / p[:, 1], self.kernel_time - p[:, 2], 0.0)
+            forward = (self.kernel_slot == FWD) | (self.kernel_slot == OPS)
+            parts = self._phases = tuple(
+                (float(t[forward].sum()), self._gather(DW, t, n), dx, _suffix_above(dx))
+                for t in (busy, self.kernel_time)
+                for dx in [self._gather(DX, t, n)]
+            )
+        return parts
+
+    def compute_share(self, ratios: np.ndarray | None = None) -> float:
+        """Share of a step of ``ratios`` (default: every tensor) in compute-bound kernels
+        (:meth:`roofline_phases_s`); the full step's is worked out once."""
+        share = self.__dict__.get("_full_share") if ratios is None else None
+        if share is None:
+            phases = self.roofline_phases_s(ratios)
+            total = float(phases.sum())
+            share = float(phases[:, 0].sum()) / total if total > 0 else 0.0
+            if ratios is None:
+                self._full_share = share
+        return share
+
+    def has_phase_powers(self) -> bool:
+        """Whether the profile gives ``power.compute`` and ``power.memory`` (energy by phase)."""
+        return self.device.power_compute_w is not None and self.device.power_memory_w is not None
+
+    def compute_time_s(self, ratios: np.ndarray | None, seconds: float) -> float:
+        """Of ``seconds`` spent training ``ratios`` (None: the full step's mix), those at ``power.compute``:
+        ``seconds`` x :meth:`compute_share`. 0 on a profile without phase powers (it trains at
+        ``power.train`` throughout)."""
+        return seconds * self.compute_share(ratios) if self.has_phase_powers() and seconds else 0.0
+
+    def train_power_w(self, ratios: np.ndarray | None = None) -> float:
+        """Whole-device draw while training ``ratios`` (default: every tensor): ``power.train``; with
+        ``power.compute`` and ``power.memory`` (energy by phase), their mix weighted by the selection's
+        roofline time in compute-bound kernels and in the rest (:meth:`compute_share`)."""
         d = self.device
         if d.power_compute_w is None or d.power_memory_w is None:
             return d.power_train_w.value
-        power = self.__dict__.get("_train_power_w")
-        if power is None:
-            p = self.kernel_params[self.kernel_class]
-            bound = self.kernel_flops / p[:, 0] >= self.kernel_bytes / p[:, 1]
-            compute_s = float(np.where(bound, self.kernel_time - p[:, 2], 0.0).sum())
-            total = float(self.kernel_time.sum())
-            share = compute_s / total if total > 0 else 0.0
-            power = self._train_power_w = share * d.power_compute_w.value + (1 - share) * d.power_memory_w.value
-        return power
+        share = self.compute_share(ratios)
+        return share * d.power_compute_w.value + (1 - share) * d.power_memory_w.value
 
     def energy_j(
-        self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0
-    ) -> float:
-        """Energy on this device (:func:`device_energy_j`), training at :meth:`train_power_w`."""
-        return device_energy_j(self.device, train_time_s, up_s, down_s, macs, moved_bytes, self.train_power_w())
+        self, train_time_s: float, up_s: float, down_s: float, macs: float = 0.0, moved_bytes: float = 0.0,
+        compute_s: float | None = None,
+    ) -> float:  # fmt: skip
+        """Energy on this device (:func:`device_energy_j`). With phase powers, ``compute_s`` of the
+        ``train_time_s`` run at ``power.compute`` and the rest at ``power.memory`` (what a client
+        reports: :meth:`compute_time_s` summed over its steps; None: the full step's mix)."""
+        power, d = self.train_power_w(), self.device
+        if compute_s is not None and d.power_compute_w is not None and d.power_memory_w is not None and train_time_s:
+            rest_s = train_time_s - compute_s
+            power = (compute_s * d.power_compute_w.value + rest_s * d.power_memory_w.value) / train_time_s
+        return device_energy_j(self.device, train_time_s, up_s, down_s, macs, moved_bytes, power)
+
+
+def _suffix_above(x: np.ndarray) -> np.ndarray:
+    """``out[j] = sum_{k > j} x[k]``."""
+    return np.concatenate([np.cumsum(x[::-1])[::-1][1:], [0.0]])
 
 
 def device_energy_j(

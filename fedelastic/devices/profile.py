@@ -234,9 +234,10 @@ KEY_HELP: dict[str, str] = {
     "power.idle": "whole-device draw while idle (waiting for the round to end)",
     "power.transmit": "whole-device draw while sending",
     "power.receive": "whole-device draw while receiving",
-    "power.compute": "whole-device draw while compute-bound kernels run (energy by phase; with power.memory, "
-    "replaces power.train for training)",
-    "power.memory": "whole-device draw while memory-bound kernels run (energy by phase; give it with power.compute)",
+    "power.compute": "whole-device draw while compute-bound kernels run (energy by phase: with power.memory, "
+    "replaces power.train for training, weighted by each selection's compute-bound share of its step)",
+    "power.memory": "whole-device draw while memory-bound kernels, launch overheads and the optimizer update run "
+    "(energy by phase; give it with power.compute)",
     "power.energy_per_mac": "dynamic energy per MAC, added on top of the state powers",
     "power.energy_per_byte": "dynamic energy per byte moved, added on top of the state powers",
     "network.uplink": "sustained uplink throughput, > 0",

@@ -208,6 +208,8 @@ def reply_content(env: RunEnvironment, job: CohortJob, result: LocalResult) -> R
         "emulated-bytes-up": bytes_up,
         "emulated-bytes-down": bytes_down,
         "emulated-macs": result.macs,
+        # energy by phase: the steps' compute-bound seconds, the probes and selector at the full step's mix
+        "emulated-compute-time-s": result.compute_time_s + cost.compute_time_s(None, result.overhead_time_s),
         "host-wall-s": result.host_wall_s,
         "too-slow": 0,
     }

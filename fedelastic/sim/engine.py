@@ -73,13 +73,17 @@ def nonfinite_reason(metrics: Mapping, arrays: Mapping[str, np.ndarray], nonfini
 
 
 def trip_energy_j(cost: Any, trip: Trip, until_s: float, metrics: Mapping) -> float:
-    """Energy a trip spent up to ``until_s`` (or until it went offline), each phase pro rata."""
+    """Energy a trip spent up to ``until_s`` (or until it went offline), each phase pro rata
+    (training: its MACs and its compute-bound seconds, energy by phase)."""
     down, train, up = trip.busy_until(until_s)
     share = lambda done, whole: done / whole if whole > 0 else 1.0  # noqa: E731
     moved = metrics["emulated-bytes-down"] * share(down, trip.down_s) + metrics["emulated-bytes-up"] * share(
         up, trip.up_s
     )
-    return cost.energy_j(train, up, down, metrics["emulated-macs"] * share(train, trip.train_s), moved)
+    trained = share(train, trip.train_s)
+    return cost.energy_j(
+        train, up, down, metrics["emulated-macs"] * trained, moved, metrics["emulated-compute-time-s"] * trained
+    )
 
 
 @dataclass

@@ -37,6 +37,7 @@ METRIC_KEYS = (
     "emulated-bytes-up",
     "emulated-bytes-down",
     "emulated-macs",
+    "emulated-compute-time-s",
     "host-wall-s",
     "too-slow",
 )

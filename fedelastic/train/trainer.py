@@ -84,6 +84,7 @@ class LocalResult:
     probe_time_s: float = 0.0  # the probes' time, included in overhead_time_s
     probes: int = 0  # probes run (a selection carried from an earlier round, or one with nothing to train, runs none)
     macs: float = 0.0
+    compute_time_s: float = 0.0  # of the steps' time, the part at power.compute (0 without phase powers)
     peak_memory_bytes: float = 0.0  # max of training and probes
     probe_peak_memory_bytes: float = 0.0  # largest probe run (or needed, when it did not fit)
     selections: int = 0
@@ -206,8 +207,9 @@ class Prepared:
                 group["lr"] = lr
         return opt
 
-    def prices(self, cost: CostModel, selection: Selection) -> tuple[float, float, float]:
-        """(peak memory bytes, step time s, step MACs) of ``selection`` on ``cost``.
+    def prices(self, cost: CostModel, selection: Selection) -> tuple[float, float, float, float]:
+        """(peak memory bytes, step time s, step MACs, step seconds at ``power.compute``) of
+        ``selection`` on ``cost``.
 
         Pure functions of the cost model and the selection: a cohort's clients mostly select
         alike (fixed schemes select the same tensors for every client), so each distinct
@@ -219,7 +221,8 @@ class Prepared:
         if got is None:
             if len(self._prices) >= 4096:
                 self._prices.clear()
-            got = (cost.peak_memory_bytes(ratios, sparse), cost.step_time_s(ratios), cost.step_macs(ratios))
+            step_s = cost.step_time_s(ratios)
+            got = (cost.peak_memory_bytes(ratios, sparse), step_s, cost.step_macs(ratios), cost.compute_time_s(ratios, step_s))
             self._prices[key] = got
         return got
 
@@ -537,7 +540,7 @@ def train_local(
     channel_union: dict[int, tuple[int, np.ndarray]] = {}  # other partial tensors -> (axis, kept channels)
     losses = []
     applied = None
-    step_time = step_macs = 0.0
+    step_time = step_macs = step_compute = 0.0
     memory = cost.device.memory_train_bytes.value
     steps_per_epoch = -(-len(data) // batch_size)
     plan = list(batches(len(data), batch_size, epochs, rng, max_steps))
@@ -612,7 +615,7 @@ def train_local(
             kept = selection
             applied = _Applied(model, info, params, selection, bn_mode, prepared.modules)
             _add_to_union(selection, applied, union, whole, channel_union)
-            _, step_time, step_macs = prepared.prices(cost, selection)
+            _, step_time, step_macs, step_compute = prepared.prices(cost, selection)
             trains = bool(selection.mask.any())
         since += 1
         if not trains:
@@ -629,6 +632,7 @@ def train_local(
         losses.append(loss.item())
         result.train_time_s += step_time
         result.macs += step_macs
+        result.compute_time_s += step_compute
         result.steps += 1
     result.train_time_s += result.overhead_time_s
     result.train_loss = _mean(losses)

@@ -140,7 +140,7 @@ class _Client:
         self.failed = ""
         self.selection: Selection | None = None
         self.ctx: SelectionContext | None = None
-        self.step_time = self.step_macs = 0.0
+        self.step_time = self.step_macs = self.step_compute = 0.0
         self.steps_per_epoch = -(-n // batch_size)
         self.memory = cost.device.memory_train_bytes.value
         self.lr, self.lr_schedule = lr, lr_schedule
@@ -230,7 +230,7 @@ class _Client:
             shape[axis] = len(kept)
             self.elem[k] = kept.to(weights[k].device).view(shape)
         self.norms = tuple(self.batch_stats and bool(np.any(selection.ratios[k] > 0)) for k in self.norm_tensors)
-        _, self.step_time, self.step_macs = self.prepared.prices(self.cost, selection)
+        _, self.step_time, self.step_macs, self.step_compute = self.prepared.prices(self.cost, selection)
 
     def group(self) -> tuple:
         """Clients of one key run a step in one call: their norm layers' modes are the same, and
@@ -244,6 +244,7 @@ class _Client:
         self.losses.append(loss)
         self.result.train_time_s += self.step_time
         self.result.macs += self.step_macs
+        self.result.compute_time_s += self.step_compute
         self.result.steps += 1
 
 
