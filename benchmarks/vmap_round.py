@@ -23,6 +23,10 @@ above are taken without it in a separate run.
 against under ``vmap`` (``grouped_plan`` patched to None), in one process: rounds 1-10 of the
 workload through ``train_partitions_vmap``, the two interleaved N times; process CPU ms a round
 (medians) and the largest difference of the last round's weights between them.
+
+``--layers``: each of the peers CNN's grouped convolutions (35 clients x 8 samples), CPU ms of its
+forward, weight gradient and input gradient in the default layout and channels-last (the choice
+behind ``fedelastic.train.vectorized.CHANNELS_LAST``), and the max pooling after the second.
 """
 
 from __future__ import annotations
@@ -167,14 +171,54 @@ def compare(reps: int) -> None:
     print(f"  largest weight difference (round {wl.rounds}'s last client): {diff:.1e}")
 
 
+def layers(clients: int = 35, samples: int = 8, reps: int = 10) -> None:
+    import torch.nn.functional as F
+
+    def cpu_ms(fn) -> float:
+        fn()
+        t = time.process_time()
+        for _ in range(reps):
+            fn()
+        return (time.process_time() - t) / reps * 1e3
+
+    print(f"grouped convolutions of {clients} clients x {samples} samples, CPU ms (default layout / channels-last)")
+    for c, o, hw in ((1, 8, 8), (8, 16, 8), (16, 32, 4)):
+        x, w = torch.randn(samples, clients * c, hw, hw), torch.randn(clients * o, c, 3, 3)
+        go = torch.randn(samples, clients * o, hw, hw)
+        row = []
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            xf, gf = x.contiguous(memory_format=fmt), go.contiguous(memory_format=fmt)
+
+            def grad(mask, xf=xf, gf=gf, w=w, o=o):
+                args = ([clients * o], [1, 1], [1, 1], [1, 1], False, [0, 0], clients, mask)
+                return torch.ops.aten.convolution_backward(gf, xf, w, *args)
+
+            row.append(
+                (
+                    cpu_ms(lambda xf=xf, w=w: F.conv2d(xf, w, None, 1, 1, 1, clients)),
+                    cpu_ms(lambda grad=grad: grad([False, True, False])),
+                    cpu_ms(lambda grad=grad: grad([True, False, False])),
+                )
+            )
+        (f0, w0, i0), (f1, w1, i1) = row
+        print(f"  {c}->{o} at {hw}x{hw}: forward {f0:.2f} / {f1:.2f}, weight gradient {w0:.2f} / {w1:.2f}, input gradient {i0:.2f} / {i1:.2f}")
+    a = torch.randn(samples, clients * 16, 8, 8)
+    print(f"  max pooling 2x2 of 16 channels at 8x8: {cpu_ms(lambda: F.max_pool2d(a, 2)):.2f} / "
+          f"{cpu_ms(lambda: F.max_pool2d(a.contiguous(memory_format=torch.channels_last), 2)):.2f} (with the conversion)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="also split train_partitions_vmap with cProfile")
     p.add_argument("--compare", type=int, default=0, metavar="N", help="grouped against vmap step calls, N interleaved runs")
+    p.add_argument("--layers", action="store_true", help="the grouped convolutions' layouts, layer by layer")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {[round(x, 1) for x in os.getloadavg()]}")
+    if args.layers:
+        layers()
+        return
     if args.compare:
         compare(args.compare)
         return

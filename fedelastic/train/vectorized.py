@@ -380,9 +380,9 @@ def grouped_plan(model: nn.Module, sample_dims: int) -> list[tuple[str, nn.Modul
 
 
 #: Positions (H x W) from which a grouped convolution runs channels-last (``grouped_forward``): on a CPU
-#: (torch 2.13, oneDNN, 1 thread; 35 clients x 8 samples, the peers CNN's layers) channels-last took
-#: 0.4-0.7x the CPU of the default layout at 8x8 (forward, weight and input gradients; its max pooling
-#: 0.3x) and 1.5-2x at 4x4.
+#: (torch 2.13, oneDNN, 1 thread; the peers CNN's layers, 35 clients x 8 samples; ``python
+#: benchmarks/vmap_round.py --layers``) forward + weight + input gradient took 0.3-0.8x the CPU of the
+#: default layout at 8x8 (the max pooling after it 0.4x) and 1.4x at 4x4 (its gradients 2x).
 CHANNELS_LAST = 64
 
 
