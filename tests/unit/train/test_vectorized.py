@@ -589,3 +589,32 @@ def test_sparse_update_trains_input_channels_by_norm_like_the_loop(bn_mode):
     assert_same(ref, got)
     masks = [m for r in ref for m in r.channel_masks.values()]
     assert masks and all(m.ndim > 1 and 0 < m.mean() < 1 for m in masks)  # input channels (dim 1), in part
+
+
+def test_step_calls_without_vmap_cover_plain_sequential_models_and_match_each_clients_own_model():
+    # a strided, grouped, bias-free convolution, average and adaptive pooling, Flatten, nested Sequential
+    def plain():
+        return nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1), nn.ReLU6(), nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2, bias=False),
+            nn.Sequential(nn.ReLU(), nn.AvgPool2d(2)), nn.Conv2d(8, 8, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3, bias=False),
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    model = plain()
+    leaves = vectorized.grouped_plan(model, 3)
+    assert leaves is not None and vectorized.grouped_plan(tiny_cnn(), 3) is not None  # the loop tests above take it
+    clients = [plain() for _ in range(3)]  # each client's own weights
+    params = {k: torch.stack([dict(c.named_parameters())[k].detach() for c in clients]) for k, _ in model.named_parameters()}
+    x = torch.randn(3, 5, 1, 8, 8)
+    got = vectorized.grouped_forward(leaves, params, x)
+    for i, c in enumerate(clients):
+        torch.testing.assert_close(got[i], c(x[i]), atol=1e-6, rtol=1e-5)
+    # what it does not cover runs under vmap: norm layers, a custom forward, hooks, a conv on flat samples
+    assert vectorized.grouped_plan(small_cnn(width=4), 3) is None
+    assert vectorized.grouped_plan(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()), 3) is None  # logits not flat
+    hooked = tiny_cnn()
+    hooked[0].register_forward_hook(lambda m, i, o: o)
+    assert vectorized.grouped_plan(hooked, 3) is None
+    assert vectorized.grouped_plan(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), 1) is not None
+    assert vectorized.grouped_plan(nn.Sequential(nn.Linear(64, 3), nn.MaxPool2d(2)), 1) is None
