@@ -56,7 +56,11 @@ CLASSES: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "softmax": (("fwd", "dx"), ("in",), 1),
     "optimizer": (("step",), ("tensors", "elements"), 2),  # SGD with momentum, one foreach update
 }
-FORMS = ("affine", "loglinear", "logquad")
+FORMS = ("affine", "loglinear", "logquad", "spill")
+#: elements a kernel touches (the sum of its ``in``, ``out`` and ``weights`` features) beyond which the
+#: ``spill`` form adds a per-element term: the candidate knees (a cache's size, in float32 elements)
+KNEES = tuple(2.0**e for e in range(15, 25))
+_TOUCHED = ("in", "out", "weights")
 _MASK_OPS = {"ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Dropout", "Dropout2d", "Identity", "Flatten"}
 _FREE_OPS = {"Identity", "Flatten"}  # views: no kernel
 _BINARY = {"add", "sub", "mul", "div", "truediv"}
@@ -76,11 +80,14 @@ class Predictor:
         return _evaluate(self.form, np.asarray(self.coef), cls, np.atleast_2d(feats))
 
 
-def _design(form: str, cls: str, feats: np.ndarray) -> np.ndarray:
-    n_size = CLASSES[cls][2]
+def _design(form: str, cls: str, feats: np.ndarray, knee: float = 0.0) -> np.ndarray:
+    names, n_size = CLASSES[cls][1], CLASSES[cls][2]
     one = np.ones((feats.shape[0], 1))
     if form == "affine":
         return np.hstack([one, feats[:, :n_size]])
+    if form == "spill":  # affine, plus the elements touched beyond a cache of ``knee`` elements
+        touched = sum((feats[:, i] for i, n in enumerate(names) if n in _TOUCHED), np.zeros(feats.shape[0]))
+        return np.hstack([one, feats[:, :n_size], np.maximum(touched - knee, 0.0)[:, None]])
     logs = np.log(np.maximum(feats, 1e-9))
     if form == "loglinear":
         return np.hstack([one, logs])
@@ -88,20 +95,43 @@ def _design(form: str, cls: str, feats: np.ndarray) -> np.ndarray:
 
 
 def _evaluate(form: str, coef: np.ndarray, cls: str, feats: np.ndarray) -> np.ndarray:
+    if form == "spill":  # coef: the knee, then the affine coefficients and the spill term's
+        return _design(form, cls, feats, coef[0]) @ coef[1:]
     x = _design(form, cls, feats)
     return x @ coef if form == "affine" else np.exp(x @ coef)
 
 
-def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarray:
-    x = _design(form, cls, feats)
-    if form == "affine":  # non-negative, in relative error (each row divided by its time)
-        from scipy.optimize import nnls
+def _nnls_relative(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Non-negative least squares in relative error (each row divided by its time)."""
+    from scipy.optimize import nnls
 
-        scale = np.abs(x).max(axis=0) + 1e-30
-        coef, _ = nnls(x / scale / t[:, None], np.ones_like(t))
-        return coef / scale
+    scale = np.abs(x).max(axis=0) + 1e-30
+    coef, _ = nnls(x / scale / t[:, None], np.ones_like(t))
+    return coef / scale
+
+
+def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarray:
+    if form == "spill":  # the knee of :data:`KNEES` whose fit has the lowest mean |log error|
+        best = None
+        for knee in KNEES:
+            x = _design(form, cls, feats, knee)
+            coef = _nnls_relative(x, t)
+            err = float(np.mean(np.abs(np.log(np.maximum(x @ coef, 1e-12) / t))))
+            if best is None or err < best[0]:
+                best = (err, np.r_[knee, coef])
+        assert best is not None
+        return best[1]
+    x = _design(form, cls, feats)
+    if form == "affine":
+        return _nnls_relative(x, t)
     coef, *_ = np.linalg.lstsq(x, np.log(t), rcond=None)
     return coef
+
+
+def _forms(cls: str) -> tuple[str, ...]:
+    """The forms fitted to ``cls``: ``spill`` only where a class has a feature of elements touched."""
+    touches = any(n in _TOUCHED for n in CLASSES[cls][1][: CLASSES[cls][2]])
+    return FORMS if touches else tuple(f for f in FORMS if f != "spill")
 
 
 def fit_predictor(cls: str, feats: np.ndarray, t: np.ndarray, folds: int = 5, seed: int = 0) -> Predictor:
@@ -118,7 +148,7 @@ def fit_predictor(cls: str, feats: np.ndarray, t: np.ndarray, folds: int = 5, se
     order = np.random.default_rng(seed).permutation(t.size)
     k = min(folds, t.size)
     best: tuple[float, str, float] | None = None
-    for form in ("affine",) if cls == "optimizer" else FORMS:  # the update splits over tensors only if affine
+    for form in ("affine",) if cls == "optimizer" else _forms(cls):  # the update splits over tensors only if affine
         pred = np.zeros_like(t)
         for f in range(k):
             test = order[f::k]
@@ -327,7 +357,8 @@ def parse_sampled(src: str, raw: Any) -> dict[str, dict[str, Predictor]]:
                 raise ConfigError(
                     src, f"{key}.form", f"one of {list(FORMS)}", p.get("form") if isinstance(p, dict) else p
                 )
-            size = 1 + {"affine": n_size, "loglinear": len(names), "logquad": len(names) + n_size}[p["form"]]
+            size = 1 + {"affine": n_size, "loglinear": len(names), "logquad": len(names) + n_size,
+                        "spill": n_size + 2}[p["form"]]  # fmt: skip
             coef = p.get("coef")
             if not isinstance(coef, list) or len(coef) != size or not all(_finite(c) for c in coef):
                 raise ConfigError(src, f"{key}.coef", f"{size} finite numbers ({p['form']} over {list(names)})", coef)
@@ -474,12 +505,22 @@ def _build(cls: str, cfg: dict[str, Any]):
 
 
 def time_config(
-    cls: str, cfg: dict[str, Any], clock: Callable[[], float], repeats: int = 5, warmup: int = 1, device: str = "cpu"
+    cls: str,
+    cfg: dict[str, Any],
+    clock: Callable[[], float],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: str = "cpu",
+    flush: Callable[[], Any] | None = None,
 ):
-    """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring says."""
+    """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring
+    says; ``flush`` (untimed) runs before every timed call (:func:`cache_flush`)."""
     import torch
 
-    from .clocks import _median_time
+    from .clocks import _median_time as _timed
+
+    def _median_time(fn, repeats, warmup, clock):
+        return _timed(fn, repeats, warmup, clock, flush)
 
     if cls == "optimizer":
         sizes = np.full(cfg["tensors"], max(cfg["elements"] // cfg["tensors"], 1))
