@@ -60,7 +60,7 @@ FORMS = ("affine", "loglinear", "logquad", "spill")
 #: elements a kernel touches (the sum of its ``in``, ``out`` and ``weights`` features) beyond which the
 #: ``spill`` form adds a per-element term: the candidate knees (a cache's size, in float32 elements)
 KNEES = tuple(2.0**e for e in range(15, 25))
-_TOUCHED = ("in", "out", "weights")
+_TOUCHED = ("in", "out", "weights", "elements")
 _MASK_OPS = {"ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Dropout", "Dropout2d", "Identity", "Flatten"}
 _FREE_OPS = {"Identity", "Flatten"}  # views: no kernel
 _BINARY = {"add", "sub", "mul", "div", "truediv"}
@@ -131,6 +131,8 @@ def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarr
 def _forms(cls: str) -> tuple[str, ...]:
     """The forms fitted to ``cls``: ``spill`` only where a class has a feature of elements touched."""
     touches = any(n in _TOUCHED for n in CLASSES[cls][1][: CLASSES[cls][2]])
+    if cls == "optimizer":  # the update splits over tensors only if linear in their sizes
+        return ("affine", "spill")
     return FORMS if touches else tuple(f for f in FORMS if f != "spill")
 
 
@@ -148,7 +150,7 @@ def fit_predictor(cls: str, feats: np.ndarray, t: np.ndarray, folds: int = 5, se
     order = np.random.default_rng(seed).permutation(t.size)
     k = min(folds, t.size)
     best: tuple[float, str, float] | None = None
-    for form in ("affine",) if cls == "optimizer" else _forms(cls):  # the update splits over tensors only if affine
+    for form in _forms(cls):
         pred = np.zeros_like(t)
         for f in range(k):
             test = order[f::k]
@@ -302,13 +304,20 @@ def fit_calibration(
 def optimizer_seconds(
     predictors: dict[str, dict[str, Predictor]], numel: np.ndarray
 ) -> tuple[np.ndarray, float] | None:
-    """Per tensor, its share of one optimizer update (the affine predictor's per-tensor and
-    per-element terms), and the update's constant; None without an optimizer predictor."""
+    """Per tensor, its share of one optimizer update of every tensor (the predictor's per-tensor
+    and per-element terms; a ``spill`` form's term for the elements beyond its knee is shared in
+    proportion to the tensors' sizes), and the update's constant; None without an optimizer predictor."""
     p = predictors.get("optimizer", {}).get("step")
     if p is None:
         return None
-    c0, per_tensor, per_element = p.coef
-    return per_tensor + per_element * np.asarray(numel, float), c0
+    numel = np.asarray(numel, float)
+    if p.form == "spill":
+        knee, c0, per_tensor, per_element, spill = p.coef
+        total = float(numel.sum())
+        per_element += spill * max(total - knee, 0.0) / max(total, 1.0)
+    else:
+        c0, per_tensor, per_element = p.coef
+    return per_tensor + per_element * numel, c0
 
 
 # ----------------------------------------------------------------------------- TOML
