@@ -57,8 +57,9 @@ CLASSES: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "optimizer": (("step",), ("tensors", "elements"), 2),  # SGD with momentum, one foreach update
 }
 FORMS = ("affine", "loglinear", "logquad", "spill")
-#: elements a kernel touches (the sum of its ``in``, ``out`` and ``weights`` features) beyond which the
-#: ``spill`` form adds a per-element term: the candidate knees (a cache's size, in float32 elements)
+#: elements a kernel touches (the sum of its ``in``, ``out`` and ``weights`` features; an optimizer
+#: update's ``elements``) beyond which the ``spill`` form adds a per-element term, one for each of
+#: two knees (two cache levels): the candidate knees, in float32 elements (128 KiB to 64 MiB)
 KNEES = tuple(2.0**e for e in range(15, 25))
 _TOUCHED = ("in", "out", "weights", "elements")
 _MASK_OPS = {"ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Dropout", "Dropout2d", "Identity", "Flatten"}
@@ -80,14 +81,15 @@ class Predictor:
         return _evaluate(self.form, np.asarray(self.coef), cls, np.atleast_2d(feats))
 
 
-def _design(form: str, cls: str, feats: np.ndarray, knee: float = 0.0) -> np.ndarray:
+def _design(form: str, cls: str, feats: np.ndarray, knees: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
     names, n_size = CLASSES[cls][1], CLASSES[cls][2]
     one = np.ones((feats.shape[0], 1))
     if form == "affine":
         return np.hstack([one, feats[:, :n_size]])
-    if form == "spill":  # affine, plus the elements touched beyond a cache of ``knee`` elements
+    if form == "spill":  # affine, plus the elements touched beyond each of two caches (``knees``)
         touched = sum((feats[:, i] for i, n in enumerate(names) if n in _TOUCHED), np.zeros(feats.shape[0]))
-        return np.hstack([one, feats[:, :n_size], np.maximum(touched - knee, 0.0)[:, None]])
+        beyond = [np.maximum(touched - k, 0.0)[:, None] for k in knees]
+        return np.hstack([one, feats[:, :n_size], *beyond])
     logs = np.log(np.maximum(feats, 1e-9))
     if form == "loglinear":
         return np.hstack([one, logs])
@@ -95,8 +97,8 @@ def _design(form: str, cls: str, feats: np.ndarray, knee: float = 0.0) -> np.nda
 
 
 def _evaluate(form: str, coef: np.ndarray, cls: str, feats: np.ndarray) -> np.ndarray:
-    if form == "spill":  # coef: the knee, then the affine coefficients and the spill term's
-        return _design(form, cls, feats, coef[0]) @ coef[1:]
+    if form == "spill":  # coef: the two knees, then the affine coefficients and the two spill terms'
+        return _design(form, cls, feats, (coef[0], coef[1])) @ coef[2:]
     x = _design(form, cls, feats)
     return x @ coef if form == "affine" else np.exp(x @ coef)
 
@@ -111,14 +113,14 @@ def _nnls_relative(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarray:
-    if form == "spill":  # the knee of :data:`KNEES` whose fit has the lowest mean |log error|
+    if form == "spill":  # the pair of :data:`KNEES` whose fit has the lowest mean |log error|
         best = None
-        for knee in KNEES:
-            x = _design(form, cls, feats, knee)
+        for knees in ((a, b) for a in KNEES for b in KNEES if a < b):
+            x = _design(form, cls, feats, knees)
             coef = _nnls_relative(x, t)
             err = float(np.mean(np.abs(np.log(np.maximum(x @ coef, 1e-12) / t))))
             if best is None or err < best[0]:
-                best = (err, np.r_[knee, coef])
+                best = (err, np.r_[knees, coef])
         assert best is not None
         return best[1]
     x = _design(form, cls, feats)
@@ -312,9 +314,9 @@ def optimizer_seconds(
         return None
     numel = np.asarray(numel, float)
     if p.form == "spill":
-        knee, c0, per_tensor, per_element, spill = p.coef
+        k1, k2, c0, per_tensor, per_element, s1, s2 = p.coef
         total = float(numel.sum())
-        per_element += spill * max(total - knee, 0.0) / max(total, 1.0)
+        per_element += (s1 * max(total - k1, 0.0) + s2 * max(total - k2, 0.0)) / max(total, 1.0)
     else:
         c0, per_tensor, per_element = p.coef
     return per_tensor + per_element * numel, c0
@@ -367,7 +369,7 @@ def parse_sampled(src: str, raw: Any) -> dict[str, dict[str, Predictor]]:
                     src, f"{key}.form", f"one of {list(FORMS)}", p.get("form") if isinstance(p, dict) else p
                 )
             size = 1 + {"affine": n_size, "loglinear": len(names), "logquad": len(names) + n_size,
-                        "spill": n_size + 2}[p["form"]]  # fmt: skip
+                        "spill": n_size + 4}[p["form"]]  # fmt: skip
             coef = p.get("coef")
             if not isinstance(coef, list) or len(coef) != size or not all(_finite(c) for c in coef):
                 raise ConfigError(src, f"{key}.coef", f"{size} finite numbers ({p['form']} over {list(names)})", coef)
