@@ -581,6 +581,16 @@ def time_config(
     return feats, times
 
 
+def cache_flush(mib: float) -> Callable[[], Any]:
+    """A ``flush`` for :func:`time_config`: adds 1 to every element of a ``mib`` MiB buffer, which
+    evicts what the last timed call left in caches smaller than it (a layer in a model finds its
+    weights evicted by the rest of the step)."""
+    import torch
+
+    buffer = torch.zeros(max(int(mib * 2**20) // 4, 1))
+    return lambda: buffer.add_(1.0)
+
+
 def sample_kernels(
     seconds: float,
     *,
