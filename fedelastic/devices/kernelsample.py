@@ -13,13 +13,19 @@ count it:
 - ``dw``: the parameter gradients with the input not requiring grad; for a batch norm also what
   training mode (batch statistics) adds to its forward and backward.
 
-Per class and phase, two predictor forms are fitted and the one with the lower error on held-out
+Per class and phase, the predictor forms are fitted and the one with the lower error on held-out
 configurations (k-fold cross-validation) is kept (:func:`fit_predictors`):
 
 - ``affine``: ``t = c0 + sum_i c_i f_i`` over the class's size features (FLOPs, elements in and
   out, weights...), non-negative least squares in relative error;
 - ``loglinear``: ``log t = c0 + sum_i c_i log f_i`` over all its features (size and shape: kernel
-  area, stride, channels per group), least squares in log time.
+  area, stride, channels per group), least squares in log time; ``logquad`` adds the squares of
+  the logs of the size features;
+- ``spill``: the affine form plus ``s1 max(e - k1, 0) + s2 max(e - k2, 0)``, ``e`` the elements the
+  kernel touches (input, output, weights; an optimizer update's elements): what each element costs
+  beyond two cache levels, the knees ``k1 < k2`` chosen from :data:`KNEES` (a large layer that
+  streams its weights from memory runs at a fraction of the rate of the small ones that fill the
+  samples, which one affine law averages away).
 
 :func:`predicted_table` prices every layer of a model from them, in the shape of a measured
 table; :class:`fedelastic.cost.costmodel.CostModel` uses it for a model the profile has no measured

@@ -81,7 +81,12 @@ def test_fit_recovers_a_two_cache_law_and_picks_the_spill_form():
     touched = w + 16e3  # in + out + weights
 
     def law(touched):
-        return 30e-6 + 0.5e-9 * (touched - 16e3) + 1e-9 * np.maximum(touched - 2**18, 0) + 2e-9 * np.maximum(touched - 2**22, 0)
+        return (
+            30e-6
+            + 0.5e-9 * (touched - 16e3)
+            + 1e-9 * np.maximum(touched - 2**18, 0)
+            + 2e-9 * np.maximum(touched - 2**22, 0)
+        )
 
     p = fit_predictor("linear", feats, law(touched))
     assert p.form == "spill" and p.coef[:2] == (2.0**18, 2.0**22) and p.cv_error < 0.01
