@@ -303,13 +303,17 @@ def _table_row(table) -> dict:
     }
 
 
-def time_interleaved(zoo, models: list[str], tuning: list[str], minutes: float, kernel_share: float, seed: int, log) -> dict:
+def time_interleaved(
+    zoo, models: list[str], tuning: list[str], minutes: float, kernel_share: float, seed: int, log, cold_mib: float = 0.0
+) -> dict:
     """Time, in rounds until ``minutes`` of wall time are spent, the tuning models' per-layer tables,
     every held-out cell's real steps and per-layer table, and kernel samples (a new slice of the
     sampler's sequence each round, between the models, ``kernel_share`` of each round's time), so
-    that the fit and the truths see the same host state. Everything is kept per round."""
+    that the fit and the truths see the same host state. Everything is kept per round. With
+    ``cold_mib``, every configuration is also timed with a cache flush of that size before each
+    timed call (``times_cold``; ``--from-data --cold`` fits those)."""
     from fedelastic.devices.clocks import get_clock
-    from fedelastic.devices.kernelsample import CLASSES, WEIGHTS, draw_config, time_config
+    from fedelastic.devices.kernelsample import CLASSES, WEIGHTS, cache_flush, draw_config, time_config
     from fedelastic.models import build_with_input
     from fedelastic.profiling.measure import measure_copy_bandwidth
 
@@ -319,6 +323,7 @@ def time_interleaved(zoo, models: list[str], tuning: list[str], minutes: float, 
     weights = np.array([WEIGHTS[c] for c in names], float)
     order = [c for _ in range(8) for c in names]  # 8 of each class first, as the sampler does
     kernels: list[dict] = []
+    flush = cache_flush(cold_mib) if cold_mib else None
 
     def sample_for(seconds: float, rnd: int) -> float:
         start = time.perf_counter()
@@ -327,6 +332,8 @@ def time_interleaved(zoo, models: list[str], tuning: list[str], minutes: float, 
             cfg = draw_config(cls, rng, 8)
             feats, times = time_config(cls, cfg, clock, repeats=5)
             kernels.append({"cls": cls, "cfg": cfg, "feats": feats.tolist(), "times": times, "round": rnd})
+            if flush is not None:
+                kernels[-1]["times_cold"] = time_config(cls, cfg, clock, repeats=5, flush=flush)[1]
         return time.perf_counter() - start
 
     tun = []
@@ -383,10 +390,11 @@ def _median_layers(rounds: list[dict]) -> dict[str, list[float]]:
     return {n: np.median([r[n] for r in rounds], axis=0).tolist() for n in rounds[0]}
 
 
-def interleaved_profile(data: dict, base: Path, out: Path, tuning: list[str]) -> Path:
+def interleaved_profile(data: dict, base: Path, out: Path, tuning: list[str], cold: bool = False) -> Path:
     """A profile fitted by the code on ``sys.path`` to an interleaved run's median tuning tables and
     kernel samples (features recomputed from each configuration where the code can:
-    ``kernelsample.config_features``), the rest of ``base``'s keys kept."""
+    ``kernelsample.config_features``; ``cold``: their times with a cache flush before each timed
+    call), the rest of ``base``'s keys kept."""
     import tomllib
 
     from fedelastic.devices import kernelsample
@@ -414,7 +422,7 @@ def interleaved_profile(data: dict, base: Path, out: Path, tuning: list[str]) ->
     samples: dict[str, list] = {}
     for k in data["kernels"]:
         f = features(k["cls"], k["cfg"]) if features else np.array(k["feats"])
-        samples.setdefault(k["cls"], []).append((f, k["times"]))
+        samples.setdefault(k["cls"], []).append((f, k["times_cold" if cold else "times"]))
     sampled_into(raw, pairs, samples, str(out), by, progress=print)
     write_profile(raw, out)
     return out
@@ -484,19 +492,23 @@ def main() -> int:
                         help="an interleaved run's timings (written by --interleave; read by --from-data, "
                         "several runs pooled round by round)")  # fmt: skip
     parser.add_argument("--from-data", action="store_true", help="fit and price from --data (no timing)")
+    parser.add_argument("--cold-mib", type=float, default=0.0,
+                        help="with --interleave: also time every kernel configuration with a cache flush of this many "
+                        "MiB before each timed call")  # fmt: skip
+    parser.add_argument("--cold", action="store_true", help="fit the kernels' cold times (a run with --cold-mib)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     zoo = import_torchvision()
     data = None
     if args.interleave:
         log = lambda m: print(m, flush=True)  # noqa: E731
-        data = time_interleaved(zoo, args.models, args.tuning, args.interleave, args.kernel_share, 0, log)
+        data = time_interleaved(zoo, args.models, args.tuning, args.interleave, args.kernel_share, 0, log, args.cold_mib)
         args.data[0].parent.mkdir(parents=True, exist_ok=True)
         args.data[0].write_text(json.dumps(data))
     elif args.from_data:
         data = pooled([json.loads(p.read_text()) for p in args.data])
     if data is not None:
-        args.profile = interleaved_profile(data, args.profile, args.out.with_suffix(".toml"), args.tuning)
+        args.profile = interleaved_profile(data, args.profile, args.out.with_suffix(".toml"), args.tuning, args.cold)
     elif args.refit_samples:
         args.profile = refit(args.profile, args.refit_samples, args.tuning_input_size)
     profile = load_profile(args.profile)

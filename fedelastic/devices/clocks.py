@@ -38,11 +38,21 @@ def get_clock(name: str) -> Callable[[], float]:
     return CLOCKS[name]
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: int, clock: Callable[[], float]) -> float:
+def _median_time(
+    fn: Callable[[], Any],
+    repeats: int,
+    warmup: int,
+    clock: Callable[[], float],
+    between: Callable[[], Any] | None = None,
+) -> float:
+    """Median of ``repeats`` timings of ``fn`` after ``warmup`` calls; ``between`` runs untimed
+    before each timed call (e.g. to evict the caches)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if between is not None:
+            between()
         t0 = clock()
         fn()
         times.append(clock() - t0)

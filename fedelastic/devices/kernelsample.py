@@ -13,13 +13,19 @@ count it:
 - ``dw``: the parameter gradients with the input not requiring grad; for a batch norm also what
   training mode (batch statistics) adds to its forward and backward.
 
-Per class and phase, two predictor forms are fitted and the one with the lower error on held-out
+Per class and phase, the predictor forms are fitted and the one with the lower error on held-out
 configurations (k-fold cross-validation) is kept (:func:`fit_predictors`):
 
 - ``affine``: ``t = c0 + sum_i c_i f_i`` over the class's size features (FLOPs, elements in and
   out, weights...), non-negative least squares in relative error;
 - ``loglinear``: ``log t = c0 + sum_i c_i log f_i`` over all its features (size and shape: kernel
-  area, stride, channels per group), least squares in log time.
+  area, stride, channels per group), least squares in log time; ``logquad`` adds the squares of
+  the logs of the size features;
+- ``spill``: the affine form plus ``s1 max(e - k1, 0) + s2 max(e - k2, 0)``, ``e`` the elements the
+  kernel touches (input, output, weights; an optimizer update's elements): what each element costs
+  beyond two cache levels, the knees ``k1 < k2`` chosen from :data:`KNEES` (a large layer that
+  streams its weights from memory runs at a fraction of the rate of the small ones that fill the
+  samples, which one affine law averages away).
 
 :func:`predicted_table` prices every layer of a model from them, in the shape of a measured
 table; :class:`fedelastic.cost.costmodel.CostModel` uses it for a model the profile has no measured
@@ -56,7 +62,12 @@ CLASSES: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "softmax": (("fwd", "dx"), ("in",), 1),
     "optimizer": (("step",), ("tensors", "elements"), 2),  # SGD with momentum, one foreach update
 }
-FORMS = ("affine", "loglinear", "logquad")
+FORMS = ("affine", "loglinear", "logquad", "spill")
+#: elements a kernel touches (the sum of its ``in``, ``out`` and ``weights`` features; an optimizer
+#: update's ``elements``) beyond which the ``spill`` form adds a per-element term, one for each of
+#: two knees (two cache levels): the candidate knees, in float32 elements (128 KiB to 64 MiB)
+KNEES = tuple(2.0**e for e in range(15, 25))
+_TOUCHED = ("in", "out", "weights", "elements")
 _MASK_OPS = {"ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Dropout", "Dropout2d", "Identity", "Flatten"}
 _FREE_OPS = {"Identity", "Flatten"}  # views: no kernel
 _BINARY = {"add", "sub", "mul", "div", "truediv"}
@@ -76,11 +87,15 @@ class Predictor:
         return _evaluate(self.form, np.asarray(self.coef), cls, np.atleast_2d(feats))
 
 
-def _design(form: str, cls: str, feats: np.ndarray) -> np.ndarray:
-    n_size = CLASSES[cls][2]
+def _design(form: str, cls: str, feats: np.ndarray, knees: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
+    names, n_size = CLASSES[cls][1], CLASSES[cls][2]
     one = np.ones((feats.shape[0], 1))
     if form == "affine":
         return np.hstack([one, feats[:, :n_size]])
+    if form == "spill":  # affine, plus the elements touched beyond each of two caches (``knees``)
+        touched = sum((feats[:, i] for i, n in enumerate(names) if n in _TOUCHED), np.zeros(feats.shape[0]))
+        beyond = [np.maximum(touched - k, 0.0)[:, None] for k in knees]
+        return np.hstack([one, feats[:, :n_size], *beyond])
     logs = np.log(np.maximum(feats, 1e-9))
     if form == "loglinear":
         return np.hstack([one, logs])
@@ -88,20 +103,45 @@ def _design(form: str, cls: str, feats: np.ndarray) -> np.ndarray:
 
 
 def _evaluate(form: str, coef: np.ndarray, cls: str, feats: np.ndarray) -> np.ndarray:
+    if form == "spill":  # coef: the two knees, then the affine coefficients and the two spill terms'
+        return _design(form, cls, feats, (coef[0], coef[1])) @ coef[2:]
     x = _design(form, cls, feats)
     return x @ coef if form == "affine" else np.exp(x @ coef)
 
 
-def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarray:
-    x = _design(form, cls, feats)
-    if form == "affine":  # non-negative, in relative error (each row divided by its time)
-        from scipy.optimize import nnls
+def _nnls_relative(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Non-negative least squares in relative error (each row divided by its time)."""
+    from scipy.optimize import nnls
 
-        scale = np.abs(x).max(axis=0) + 1e-30
-        coef, _ = nnls(x / scale / t[:, None], np.ones_like(t))
-        return coef / scale
+    scale = np.abs(x).max(axis=0) + 1e-30
+    coef, _ = nnls(x / scale / t[:, None], np.ones_like(t))
+    return coef / scale
+
+
+def _fit_form(form: str, cls: str, feats: np.ndarray, t: np.ndarray) -> np.ndarray:
+    if form == "spill":  # the pair of :data:`KNEES` whose fit has the lowest mean |log error|
+        best = None
+        for knees in ((a, b) for a in KNEES for b in KNEES if a < b):
+            x = _design(form, cls, feats, knees)
+            coef = _nnls_relative(x, t)
+            err = float(np.mean(np.abs(np.log(np.maximum(x @ coef, 1e-12) / t))))
+            if best is None or err < best[0]:
+                best = (err, np.r_[knees, coef])
+        assert best is not None
+        return best[1]
+    x = _design(form, cls, feats)
+    if form == "affine":
+        return _nnls_relative(x, t)
     coef, *_ = np.linalg.lstsq(x, np.log(t), rcond=None)
     return coef
+
+
+def _forms(cls: str) -> tuple[str, ...]:
+    """The forms fitted to ``cls``: ``spill`` only where a class has a feature of elements touched."""
+    touches = any(n in _TOUCHED for n in CLASSES[cls][1][: CLASSES[cls][2]])
+    if cls == "optimizer":  # the update splits over tensors only if linear in their sizes
+        return ("affine", "spill")
+    return FORMS if touches else tuple(f for f in FORMS if f != "spill")
 
 
 def fit_predictor(cls: str, feats: np.ndarray, t: np.ndarray, folds: int = 5, seed: int = 0) -> Predictor:
@@ -118,7 +158,7 @@ def fit_predictor(cls: str, feats: np.ndarray, t: np.ndarray, folds: int = 5, se
     order = np.random.default_rng(seed).permutation(t.size)
     k = min(folds, t.size)
     best: tuple[float, str, float] | None = None
-    for form in ("affine",) if cls == "optimizer" else FORMS:  # the update splits over tensors only if affine
+    for form in _forms(cls):
         pred = np.zeros_like(t)
         for f in range(k):
             test = order[f::k]
@@ -272,13 +312,20 @@ def fit_calibration(
 def optimizer_seconds(
     predictors: dict[str, dict[str, Predictor]], numel: np.ndarray
 ) -> tuple[np.ndarray, float] | None:
-    """Per tensor, its share of one optimizer update (the affine predictor's per-tensor and
-    per-element terms), and the update's constant; None without an optimizer predictor."""
+    """Per tensor, its share of one optimizer update of every tensor (the predictor's per-tensor
+    and per-element terms; a ``spill`` form's term for the elements beyond its knee is shared in
+    proportion to the tensors' sizes), and the update's constant; None without an optimizer predictor."""
     p = predictors.get("optimizer", {}).get("step")
     if p is None:
         return None
-    c0, per_tensor, per_element = p.coef
-    return per_tensor + per_element * np.asarray(numel, float), c0
+    numel = np.asarray(numel, float)
+    if p.form == "spill":
+        k1, k2, c0, per_tensor, per_element, s1, s2 = p.coef
+        total = float(numel.sum())
+        per_element += (s1 * max(total - k1, 0.0) + s2 * max(total - k2, 0.0)) / max(total, 1.0)
+    else:
+        c0, per_tensor, per_element = p.coef
+    return per_tensor + per_element * numel, c0
 
 
 # ----------------------------------------------------------------------------- TOML
@@ -327,7 +374,8 @@ def parse_sampled(src: str, raw: Any) -> dict[str, dict[str, Predictor]]:
                 raise ConfigError(
                     src, f"{key}.form", f"one of {list(FORMS)}", p.get("form") if isinstance(p, dict) else p
                 )
-            size = 1 + {"affine": n_size, "loglinear": len(names), "logquad": len(names) + n_size}[p["form"]]
+            size = 1 + {"affine": n_size, "loglinear": len(names), "logquad": len(names) + n_size,
+                        "spill": n_size + 4}[p["form"]]  # fmt: skip
             coef = p.get("coef")
             if not isinstance(coef, list) or len(coef) != size or not all(_finite(c) for c in coef):
                 raise ConfigError(src, f"{key}.coef", f"{size} finite numbers ({p['form']} over {list(names)})", coef)
@@ -474,12 +522,22 @@ def _build(cls: str, cfg: dict[str, Any]):
 
 
 def time_config(
-    cls: str, cfg: dict[str, Any], clock: Callable[[], float], repeats: int = 5, warmup: int = 1, device: str = "cpu"
+    cls: str,
+    cfg: dict[str, Any],
+    clock: Callable[[], float],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: str = "cpu",
+    flush: Callable[[], Any] | None = None,
 ):
-    """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring says."""
+    """(features, {phase: seconds}) of one configuration on ``device``, timed as the module docstring
+    says; ``flush`` (untimed) runs before every timed call (:func:`cache_flush`)."""
     import torch
 
-    from .clocks import _median_time
+    from .clocks import _median_time as _timed
+
+    def _median_time(fn, repeats, warmup, clock):
+        return _timed(fn, repeats, warmup, clock, flush)
 
     if cls == "optimizer":
         sizes = np.full(cfg["tensors"], max(cfg["elements"] // cfg["tensors"], 1))
@@ -527,6 +585,16 @@ def time_config(
             )
             times["dw"] += max(fwd_train - fwd_grad, 0.0) + max(bwd_train - bwd_eval, 0.0)
     return feats, times
+
+
+def cache_flush(mib: float) -> Callable[[], Any]:
+    """A ``flush`` for :func:`time_config`: adds 1 to every element of a ``mib`` MiB buffer, which
+    evicts what the last timed call left in caches smaller than it (a layer in a model finds its
+    weights evicted by the rest of the step)."""
+    import torch
+
+    buffer = torch.zeros(max(int(mib * 2**20) // 4, 1))
+    return lambda: buffer.add_(1.0)
 
 
 def sample_kernels(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from fedelastic.devices.kernelsample import (
     fit_predictors,
     layer_kernel,
     load_samples,
+    optimizer_seconds,
     parse_sampled,
     predicted_layers,
     predictors_toml,
@@ -68,6 +70,38 @@ def test_fit_recovers_a_power_law_and_picks_the_loglinear_form():
     p = fit_predictor("relu", n[:, None], t)
     assert p.form == "loglinear" and p.cv_error < 0.01
     assert p.predict("relu", np.array([[5e5]]))[0] == pytest.approx(3e-8 * 5e5**0.7, rel=1e-3)
+
+
+def test_fit_recovers_a_two_cache_law_and_picks_the_spill_form():
+    # a memory-bound linear layer (batch 8) by hand: 0.5 ns per weight while the weights fit 2^18
+    # elements (1 MiB), +1 ns beyond it, +2 ns more beyond 2^22 (16 MiB): no single affine law fits
+    rng = np.random.default_rng(3)
+    w = np.exp(rng.uniform(np.log(1e3), np.log(3e8), 120))
+    feats = np.column_stack([16 * w, np.full(120, 8e3), np.full(120, 8e3), w, np.full(120, 8.0)])
+    touched = w + 16e3  # in + out + weights
+
+    def law(touched):
+        return (
+            30e-6
+            + 0.5e-9 * (touched - 16e3)
+            + 1e-9 * np.maximum(touched - 2**18, 0)
+            + 2e-9 * np.maximum(touched - 2**22, 0)
+        )
+
+    p = fit_predictor("linear", feats, law(touched))
+    assert p.form == "spill" and p.coef[:2] == (2.0**18, 2.0**22) and p.cv_error < 0.01
+    vgg = np.array([[16 * 103e6, 8e3, 8e3, 103e6, 8.0]])  # VGG-11's first classifier layer
+    assert p.predict("linear", vgg)[0] == pytest.approx(law(103e6 + 16e3), rel=1e-3)
+
+
+def test_a_spill_optimizer_shares_its_out_of_cache_term_by_tensor_size():
+    # 10 us per tensor, 1 ns per element, +3 ns per element beyond 1,000 elements (by hand)
+    p = {"optimizer": {"step": Predictor("spill", (1e3, 1e9, 5e-6, 10e-6, 1e-9, 3e-9, 0.0), 0.0, 3)}}
+    per_tensor, once = optimizer_seconds(p, np.array([1000.0, 3000.0]))
+    beyond = 3e-9 * (4000 - 1000) / 4000  # per element, over all 4,000 elements
+    assert once == 5e-6
+    assert per_tensor == pytest.approx([10e-6 + 1000 * (1e-9 + beyond), 10e-6 + 3000 * (1e-9 + beyond)])
+    assert per_tensor.sum() + once == pytest.approx(5e-6 + 2 * 10e-6 + 4000e-9 + 3e-9 * 3000)
 
 
 def test_too_few_configurations_is_an_error_naming_the_class():
@@ -171,6 +205,11 @@ def test_sampled_section_round_trips_and_bad_coefficients_name_the_file_and_key(
     raw["conv"]["fwd"]["coef"] = [1.0, 2.0]
     with pytest.raises(ConfigError, match=r"p\.toml.*sampled\.conv\.fwd\.coef.*5 finite numbers"):
         parse_sampled("p.toml", raw)
+    raw["conv"]["fwd"] = {"form": "spill", "coef": [1.0] * 5}  # spill: two knees, constant, 4 sizes, two terms
+    with pytest.raises(ConfigError, match=r"sampled\.conv\.fwd\.coef.*9 finite numbers \(spill"):
+        parse_sampled("p.toml", raw)
+    raw["conv"]["fwd"]["coef"] = [1.0] * 9
+    assert parse_sampled("p.toml", raw)["conv"]["fwd"].form == "spill"
     with pytest.raises(ConfigError, match=r"sampled\.convolution"):
         parse_sampled("p.toml", {"convolution": {}})
 
@@ -201,6 +240,23 @@ def test_sampling_times_every_phase_and_the_samples_refit(monkeypatch):
             assert all(t > 0 for t in times.values())
     back = load_samples(samples_json(samples))
     assert fit_predictors(back).keys() == {"relu", "add"}
+
+
+def test_cold_timing_runs_the_flush_before_every_timed_call():
+    import fedelastic.devices.kernelsample as ks
+
+    torch.set_num_threads(1)
+    calls: list[str] = []
+    buffer = torch.zeros(1024)
+
+    def flush():
+        buffer.add_(1.0)  # what a cache flush does: touch a buffer
+        calls.append("flush")
+
+    cfg = {"b": 2, "c": 4, "size": 4, "kind": 0}
+    ks.time_config("relu", cfg, time.thread_time, repeats=3, warmup=1, flush=flush)
+    # relu: forward, forward with gradients, dX: 3 timed calls each, one flush before each
+    assert len(calls) == 9 and float(buffer[0]) == 9.0
 
 
 class _Versioned(nn.Module):
