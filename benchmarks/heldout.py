@@ -67,6 +67,10 @@ from fedelastic.devices.profile import load_profile  # noqa: E402
 from fedelastic.modelinfo import describe  # noqa: E402
 from fedelastic.profiling.measure import measure_layers  # noqa: E402
 
+if "HELDOUT_CODE" in os.environ and not Path(sys.modules["fedelastic"].__file__ or "").resolve().is_relative_to(CODE.resolve()):
+    # a partial checkout falls back to the installed fedelastic: the "before" row would be this code's
+    raise SystemExit(f"HELDOUT_CODE={CODE}: imported fedelastic from {sys.modules['fedelastic'].__file__}, not from it")
+
 HELD_OUT = (
     "resnet18", "mobilenet_v3_small", "efficientnet_b0", "mnasnet0_5", "shufflenet_v2_x0_5",
     "squeezenet1_1", "regnet_x_400mf", "densenet121", "vgg11", "regnet_y_400mf",
