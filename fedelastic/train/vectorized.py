@@ -343,8 +343,10 @@ class _Taps:
             self.z = {}
 
 
-#: Leaf modules :class:`_Grouped` runs on the clients' stacked activations as they are (elementwise, or per channel).
-_AS_IS = (nn.ReLU, nn.ReLU6, nn.Identity, nn.Dropout, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+#: Pooling layers :func:`grouped_forward` runs on the grouped ``[samples, clients x channels, H, W]`` layout (before ``Flatten`` only).
+_POOLS = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+#: Leaf modules :func:`grouped_forward` runs on the clients' stacked activations as they are (elementwise, or per channel).
+_AS_IS = (nn.ReLU, nn.ReLU6, nn.Identity, nn.Dropout, *_POOLS)
 
 
 def grouped_plan(model: nn.Module, sample_dims: int) -> list[tuple[str, nn.Module]] | None:
@@ -374,7 +376,7 @@ def grouped_plan(model: nn.Module, sample_dims: int) -> list[tuple[str, nn.Modul
         elif not (
             (isinstance(m, nn.Conv2d) and conv and m.padding_mode == "zeros")
             or (isinstance(m, nn.Linear) and not conv)
-            or (isinstance(m, _AS_IS) and (conv or not isinstance(m, _AS_IS[4:])) and not getattr(m, "return_indices", False))
+            or (isinstance(m, _AS_IS) and (conv or not isinstance(m, _POOLS)) and not getattr(m, "return_indices", False))
         ):
             return None
     return None if conv else leaves  # the logits must come out as [clients, samples, classes]
